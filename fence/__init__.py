@@ -1,0 +1,118 @@
+"""iofence: fencing tokens for distributed locks.
+
+A lock manager hands out leases that carry strictly increasing fencing tokens; storage guards
+refuse every write whose token is older than the last one they accepted. A holder that paused
+past its lease therefore cannot corrupt data after it lost the lock.
+
+    from fence import MemoryLockManager
+
+    manager = MemoryLockManager()
+    with manager.lock("order:42", ttl=10) as lease:
+        save(order, fence_token=lease.token)   # a guarded write
+
+See the README for the Redis, SQL and SQLAlchemy guards in ``fence.adapters``.
+"""
+
+from __future__ import annotations
+
+from fence._async.manager import AsyncBaseLockManager, AsyncLease
+from fence._async.memory import AsyncMemoryLockManager
+from fence._clock import Clock, ManualClock, SystemClock, system_clock
+from fence._core import (
+    MAX_RESOURCE_LENGTH,
+    MAX_TOKEN,
+    TokenMode,
+    accepts,
+    client_deadline,
+    issue_token,
+    rejection,
+    validate_resource,
+    validate_token,
+)
+from fence._errors import (
+    AcquireTimeout,
+    BackendError,
+    ConfigurationError,
+    FenceError,
+    InvalidResourceError,
+    InvalidTokenError,
+    LeaseExpiredError,
+    LeaseLostError,
+    NotOwnerError,
+    Reason,
+    RetryableError,
+    StaleTokenError,
+    TokenRequiredError,
+)
+from fence._events import Event, EventBus, EventKind, default_bus, log_events
+from fence._memory import MemoryBackend
+from fence._sync.manager import BaseLockManager, Lease
+from fence._sync.memory import MemoryLockManager
+from fence.abc import AsyncGuard, AsyncLockManager, Guard, LockInfo, LockManager
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAX_RESOURCE_LENGTH",
+    "MAX_TOKEN",
+    "AcquireTimeout",
+    "AsyncBaseLockManager",
+    "AsyncGuard",
+    "AsyncLease",
+    "AsyncLockManager",
+    "AsyncMemoryLockManager",
+    "BackendError",
+    "BaseLockManager",
+    "Clock",
+    "ConfigurationError",
+    "Event",
+    "EventBus",
+    "EventKind",
+    "FenceError",
+    "Guard",
+    "InvalidResourceError",
+    "InvalidTokenError",
+    "Lease",
+    "LeaseExpiredError",
+    "LeaseLostError",
+    "LockInfo",
+    "LockManager",
+    "ManualClock",
+    "MemoryBackend",
+    "MemoryLockManager",
+    "NotOwnerError",
+    "Reason",
+    "RetryableError",
+    "StaleTokenError",
+    "SystemClock",
+    "TokenMode",
+    "TokenRequiredError",
+    "accepts",
+    "client_deadline",
+    "default_bus",
+    "issue_token",
+    "log_events",
+    "rejection",
+    "system_clock",
+    "validate_resource",
+    "validate_token",
+]
+
+for _name in (
+    "AsyncBaseLockManager",
+    "AsyncLease",
+    "AsyncMemoryLockManager",
+    "BaseLockManager",
+    "Lease",
+    "MemoryLockManager",
+    "MemoryBackend",
+    "Event",
+    "EventBus",
+    "EventKind",
+    "LockInfo",
+    "TokenMode",
+    "ManualClock",
+    "SystemClock",
+):
+    globals()[_name].__module__ = "fence"
+del _name

@@ -1,0 +1,98 @@
+"""asyncio primitives used by the ``_async`` sources.
+
+``tools/async_to_sync.py`` rewrites ``_acompat`` to ``_compat``: the two modules expose the
+same names, so the generated sync code runs on threads where the source runs on tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["Task", "Waiter", "current_owner", "shield", "sleep", "spawn"]
+
+T = TypeVar("T")
+
+sleep = asyncio.sleep
+
+
+class Waiter:
+    """A one-shot wake-up: :meth:`wake` from any thread, :meth:`wait` in one event loop."""
+
+    __slots__ = ("_fut", "_loop")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._fut: asyncio.Future[None] = self._loop.create_future()
+
+    def _set(self) -> None:
+        if not self._fut.done():
+            self._fut.set_result(None)
+
+    def wake(self) -> None:
+        """Wake the waiting task. Safe from any thread, and after the wait is over."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._set()
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._set)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    async def wait(self, timeout: float | None) -> bool:
+        """Wait until woken or ``timeout`` seconds pass; return whether it was woken."""
+        if self._fut.done():
+            return True
+        if timeout is not None and timeout <= 0:
+            return False
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._fut)
+        except TimeoutError:
+            return self._fut.done()
+        return True
+
+
+class Task:
+    """A background task with a join."""
+
+    __slots__ = ("_task",)
+
+    def __init__(self, task: asyncio.Task[None]) -> None:
+        self._task = task
+
+    async def join(self) -> None:
+        """Wait for the task to finish. Never raises the task's own error."""
+        if self._task is asyncio.current_task():
+            return
+        # The task reports its own failures; a join only waits.
+        await asyncio.wait([self._task])
+
+    def done(self) -> bool:
+        """Whether the task has finished."""
+        return self._task.done()
+
+
+def spawn(
+    fn: Callable[..., Coroutine[Any, Any, None]], *args: Any, name: str | None = None
+) -> Task:
+    """Run ``fn(*args)`` in the background, as a task of the running loop."""
+    return Task(asyncio.get_running_loop().create_task(fn(*args), name=name))
+
+
+async def shield(aw: Awaitable[T]) -> T:
+    """Await ``aw`` so that cancelling the caller does not cancel it (releases, revokes)."""
+    return await asyncio.shield(aw)
+
+
+def current_owner() -> object:
+    """The task that owns what it acquires: never a thread-local (C11)."""
+    task = asyncio.current_task()
+    if task is None:  # pragma: no cover - asyncio always runs coroutines in a task
+        raise RuntimeError("no running asyncio task")
+    return task

@@ -1,0 +1,199 @@
+"""The contract as plain functions: no I/O, no clocks read, written once.
+
+Every backend and guard calls these, and the Lua scripts and SQL statements mirror them.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+from fence._errors import (
+    ConfigurationError,
+    InvalidResourceError,
+    InvalidTokenError,
+    Reason,
+    StaleTokenError,
+)
+
+__all__ = [
+    "MAX_RESOURCE_LENGTH",
+    "MAX_TOKEN",
+    "TokenMode",
+    "accepts",
+    "client_deadline",
+    "issue_token",
+    "rejection",
+    "validate_resource",
+    "validate_token",
+    "validate_ttl",
+]
+
+#: The largest token (C1). Lua numbers and JSON stay exact below it.
+MAX_TOKEN = 2**53 - 1
+
+#: Longest resource or scope name, in UTF-8 bytes. Redis keys and SQL primary keys with room
+#: for a prefix stay well inside what both store efficiently.
+MAX_RESOURCE_LENGTH = 512
+
+
+def validate_token(token: object) -> int:
+    """Return ``token`` if it is a valid fencing token, else raise (C1).
+
+    Args:
+        token: the value to check.
+
+    Returns:
+        The token as a plain ``int``.
+
+    Raises:
+        InvalidTokenError: ``token`` is not an ``int`` (``bool`` is refused) or is outside
+            ``1 .. 2**53 - 1``.
+    """
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise InvalidTokenError(
+            f"a fencing token must be an int, got {type(token).__name__} {token!r}",
+            value=token,
+        )
+    if not 1 <= token <= MAX_TOKEN:
+        raise InvalidTokenError(
+            f"a fencing token must be in 1..2**53-1, got {token}",
+            value=token,
+        )
+    return int(token)
+
+
+def validate_resource(resource: object, *, what: str = "resource") -> str:
+    """Return ``resource`` if it is a usable resource or scope name, else raise.
+
+    Args:
+        resource: the name to check.
+        what: the word used in the error message (``"resource"``, ``"scope"``).
+
+    Raises:
+        InvalidResourceError: not a ``str``, empty, longer than :data:`MAX_RESOURCE_LENGTH`
+            bytes in UTF-8, or containing a NUL character.
+    """
+    if not isinstance(resource, str):
+        raise InvalidResourceError(
+            f"a {what} name must be a str, got {type(resource).__name__}", value=resource
+        )
+    if not resource:
+        raise InvalidResourceError(f"a {what} name must not be empty", value=resource)
+    if "\x00" in resource:
+        raise InvalidResourceError(f"a {what} name must not contain NUL", value=resource)
+    size = len(resource.encode("utf-8", "surrogatepass"))
+    if size > MAX_RESOURCE_LENGTH:
+        raise InvalidResourceError(
+            f"a {what} name is at most {MAX_RESOURCE_LENGTH} bytes, got {size}",
+            value=resource[:64] + "...",
+        )
+    return resource
+
+
+def validate_ttl(ttl: object, *, what: str = "ttl") -> float:
+    """Return ``ttl`` in seconds if it is a finite positive number of at least 1 ms."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise ConfigurationError(f"{what} must be a number of seconds, got {ttl!r}")
+    value = float(ttl)
+    if not math.isfinite(value) or value < 0.001:
+        raise ConfigurationError(f"{what} must be at least 0.001 seconds, got {ttl!r}")
+    return value
+
+
+class TokenMode(enum.StrEnum):
+    """How a manager computes the next token (C2, C3).
+
+    Attributes:
+        HYBRID: ``max(last + 1, backend clock in microseconds)``. If the stored counter is
+            lost (an AOF tail, a failover, a restored backup), the backend's clock still puts
+            the next token above every token issued before, as long as that clock did not go
+            back. The default.
+        COUNTER: ``last + 1``. Small, dense numbers; survives only what the stored counter
+            survives.
+    """
+
+    HYBRID = "hybrid"
+    COUNTER = "counter"
+
+
+def issue_token(last: int, clock_us: int, mode: TokenMode = TokenMode.HYBRID) -> int:
+    """Compute the token for a new acquisition (C2, C3).
+
+    Args:
+        last: the last token issued for the resource, 0 if none is known.
+        clock_us: the backend's clock in whole microseconds since the epoch.
+        mode: :class:`TokenMode`.
+
+    Raises:
+        InvalidTokenError: the next token would exceed :data:`MAX_TOKEN`.
+    """
+    nxt = last + 1 if mode is TokenMode.COUNTER else max(last + 1, clock_us)
+    if nxt > MAX_TOKEN:
+        raise InvalidTokenError(f"token space exhausted: next token {nxt} > 2**53-1", value=nxt)
+    return nxt
+
+
+def accepts(token: int, fence: int | None) -> bool:
+    """The acceptance rule (C4): a write with ``token`` passes a fence iff ``token >= fence``.
+
+    A missing fence counts as 0. Equal tokens pass because a holder writes more than once.
+    """
+    return token >= (fence or 0)
+
+
+def rejection(
+    scope: str,
+    token: int,
+    fence: int | None,
+    *,
+    exists: bool = True,
+    fence_is_null: bool = False,
+) -> StaleTokenError:
+    """Build the error for a guarded write that changed nothing (C5).
+
+    Guards call this after their conditional write matched no row or key, with what a
+    diagnostic read found.
+
+    Args:
+        scope: what the write targeted.
+        token: the presented token.
+        fence: the current fence, or ``None`` if there is none.
+        exists: whether the row or key exists (``False`` gives ``MISSING`` unless stale).
+        fence_is_null: the row exists but its fence column is NULL (C9).
+    """
+    if fence_is_null:
+        reason = Reason.UNVERIFIABLE
+    elif not accepts(token, fence):
+        reason = Reason.STALE
+    elif not exists:
+        reason = Reason.MISSING
+    else:
+        # The row exists and the token passes, yet the write changed nothing: a concurrent
+        # writer must have moved the fence between the write and the read. Refuse as stale
+        # rather than report a success that did not happen.
+        reason = Reason.STALE
+    return StaleTokenError(scope, token, fence, reason)
+
+
+def client_deadline(sent_at: float, ttl: float, *, drift: float, margin: float) -> float:
+    """The moment the client must stop trusting a lease (C10).
+
+    ``sent_at + ttl * (1 - drift) - margin``, where ``sent_at`` is read on a monotonic clock
+    *before* the acquire or renew request is sent. The backend starts its own ttl when the
+    request arrives, later, on its own clock, so the client's view ends first as long as the
+    two clocks' rates differ by less than ``drift``.
+
+    Raises:
+        ConfigurationError: the arguments leave no valid lease time.
+    """
+    if not 0 <= drift < 1:
+        raise ConfigurationError(f"drift must be in [0, 1), got {drift!r}")
+    if margin < 0:
+        raise ConfigurationError(f"margin must be >= 0, got {margin!r}")
+    validity = ttl * (1 - drift) - margin
+    if validity <= 0:
+        raise ConfigurationError(
+            f"ttl {ttl}s leaves no validity after drift {drift} and margin {margin}s"
+        )
+    return sent_at + validity

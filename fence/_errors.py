@@ -1,0 +1,269 @@
+"""The error family of iofence, rooted at :class:`FenceError`.
+
+Every error carries its data as attributes, survives ``pickle`` (so it can cross a process
+pool or a task queue), and is shown as ``fence.X`` in tracebacks.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+__all__ = [
+    "AcquireTimeout",
+    "BackendError",
+    "ConfigurationError",
+    "FenceError",
+    "InvalidResourceError",
+    "InvalidTokenError",
+    "LeaseExpiredError",
+    "LeaseLostError",
+    "NotOwnerError",
+    "Reason",
+    "RetryableError",
+    "StaleTokenError",
+    "TokenRequiredError",
+]
+
+
+class Reason(enum.StrEnum):
+    """Why a guarded write was rejected (C5).
+
+    Attributes:
+        STALE: the presented token is older than the fence of the scope.
+        MISSING: the write updates a row or key that does not exist. Creation is its own
+            fenced insert or upsert; an update of nothing is never a success.
+        UNVERIFIABLE: the storage cannot prove the write was fenced (a NULL fence column,
+            a driver that does not report row counts). Refused rather than guessed (C9).
+    """
+
+    STALE = "STALE"
+    MISSING = "MISSING"
+    UNVERIFIABLE = "UNVERIFIABLE"
+
+
+def _restore(cls: type[FenceError], args: tuple[Any, ...], state: dict[str, Any]) -> FenceError:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
+class FenceError(Exception):
+    """Root of every error iofence raises.
+
+    Catch this to handle any iofence failure. Subclasses carry structured data as attributes;
+    ``str(err)`` is a sentence meant for a person.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The default reduction calls ``cls(*self.args)``, which loses keyword-only data.
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
+
+
+class InvalidTokenError(FenceError, ValueError):
+    """A fencing token is not an ``int`` in ``1 .. 2**53 - 1`` (C1).
+
+    Raised before any I/O. ``bool``, ``float``, ``str`` and ``None`` are refused even when
+    they look like integers, because a token that silently changed type is a bug upstream.
+
+    Attributes:
+        value: the rejected value, as given.
+    """
+
+    def __init__(self, message: str, *, value: object = None) -> None:
+        super().__init__(message)
+        self.value = value
+
+
+class InvalidResourceError(FenceError, ValueError):
+    """A resource or scope name is empty, too long, or not a ``str``.
+
+    Attributes:
+        value: the rejected value, as given.
+    """
+
+    def __init__(self, message: str, *, value: object = None) -> None:
+        super().__init__(message)
+        self.value = value
+
+
+class ConfigurationError(FenceError, ValueError):
+    """An argument or a backend setting makes the contract impossible to keep."""
+
+
+class StaleTokenError(FenceError):
+    """A guarded write was rejected; nothing was written (C5).
+
+    Attributes:
+        scope: what the fence protects: a Redis key, ``table(key)`` or a register scope.
+        token: the token that was presented.
+        fence: the fence the storage held when it refused, or ``None`` if it has none.
+        reason: a :class:`Reason`.
+        rejected: for a batch (C6), one error per rejected item; empty otherwise.
+    """
+
+    def __init__(
+        self,
+        scope: str,
+        token: int,
+        fence: int | None,
+        reason: Reason = Reason.STALE,
+        *,
+        rejected: tuple[StaleTokenError, ...] = (),
+        message: str | None = None,
+    ) -> None:
+        if message is None:
+            message = _stale_message(scope, token, fence, reason, rejected)
+        super().__init__(message)
+        self.scope = scope
+        self.token = token
+        self.fence = fence
+        self.reason = Reason(reason)
+        self.rejected = rejected
+
+
+def _stale_message(
+    scope: str,
+    token: int,
+    fence: int | None,
+    reason: Reason,
+    rejected: tuple[StaleTokenError, ...],
+) -> str:
+    if rejected and len(rejected) > 1:
+        items = "; ".join(f"{e.scope}: {e.reason} (fence {e.fence})" for e in rejected)
+        return f"write with token {token} rejected on {len(rejected)} scopes: {items}"
+    if reason is Reason.MISSING:
+        return f"{scope}: update with token {token} found nothing to update (fence {fence})"
+    if reason is Reason.UNVERIFIABLE:
+        return f"{scope}: write with token {token} cannot be verified (fence {fence})"
+    return f"{scope}: token {token} is older than the fence {fence}; a newer holder wrote"
+
+
+class TokenRequiredError(FenceError):
+    """A write to a fenced table, model or key came without a token (C9).
+
+    Attributes:
+        scope: what the write targeted.
+    """
+
+    def __init__(self, message: str, *, scope: str | None = None) -> None:
+        super().__init__(message)
+        self.scope = scope
+
+
+class LeaseExpiredError(FenceError):
+    """The lease has less time left than the caller asked for, or none (C10).
+
+    Attributes:
+        resource: the leased resource.
+        token: the lease's token.
+        remaining: seconds the client still counted when the check failed (may be negative).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        resource: str | None = None,
+        token: int | None = None,
+        remaining: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.resource = resource
+        self.token = token
+        self.remaining = remaining
+
+
+class LeaseLostError(LeaseExpiredError):
+    """The lease is known to be gone: a renewal failed, it was revoked, or it expired.
+
+    Attributes:
+        cause: a short description of what made the lease lost.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        resource: str | None = None,
+        token: int | None = None,
+        remaining: float | None = None,
+        cause: str | None = None,
+    ) -> None:
+        super().__init__(message, resource=resource, token=token, remaining=remaining)
+        self.cause = cause
+
+
+class NotOwnerError(FenceError):
+    """Release or renewal by someone who does not hold the lock (C11).
+
+    The lock of the current holder, if any, is untouched.
+
+    Attributes:
+        resource: the resource named in the call.
+    """
+
+    def __init__(self, message: str, *, resource: str | None = None) -> None:
+        super().__init__(message)
+        self.resource = resource
+
+
+class AcquireTimeout(FenceError, TimeoutError):
+    """A blocking acquire did not get the lock within its wait timeout.
+
+    Attributes:
+        resource: the resource that was asked for.
+        timeout: the wait timeout, in seconds.
+    """
+
+    def __init__(self, message: str, *, resource: str | None = None, timeout: float | None = None):
+        super().__init__(message)
+        self.resource = resource
+        self.timeout = timeout
+
+
+class BackendError(FenceError):
+    """The backend failed: connection lost, server restarted, bad reply.
+
+    The driver's own exception is chained as ``__cause__``. The message says what to do.
+
+    Attributes:
+        code: a short machine-readable code, e.g. ``"CONNECTION"``.
+        retryable: ``True`` when the same call may succeed if repeated.
+    """
+
+    def __init__(self, message: str, *, code: str = "BACKEND", retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+
+
+class RetryableError(BackendError):
+    """A transient failure that is never a verdict on the token (C5).
+
+    Serialization failures (SQLSTATE 40001), a Lua script missing from the script cache and
+    timeouts raise this: the write did not happen and may be retried as a whole.
+    """
+
+    def __init__(self, message: str, *, code: str = "RETRY") -> None:
+        super().__init__(message, code=code, retryable=True)
+
+
+for _cls in (
+    FenceError,
+    InvalidTokenError,
+    InvalidResourceError,
+    ConfigurationError,
+    StaleTokenError,
+    TokenRequiredError,
+    LeaseExpiredError,
+    LeaseLostError,
+    NotOwnerError,
+    AcquireTimeout,
+    BackendError,
+    RetryableError,
+    Reason,
+):
+    _cls.__module__ = "fence"
+del _cls

@@ -1,0 +1,148 @@
+"""The event hook: every manager and guard reports what it does here.
+
+Attach metrics or logging with :meth:`EventBus.subscribe`. When nobody listens, reporting
+costs one attribute check.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Event", "EventBus", "EventKind", "default_bus", "log_events"]
+
+_log = logging.getLogger("fence")
+
+
+class EventKind(enum.StrEnum):
+    """What happened.
+
+    Attributes:
+        ACQUIRED: a lease was granted (``token``, ``duration`` = time to acquire).
+        WAITED: an acquire had to wait (``duration`` = time spent waiting).
+        RENEWED: a lease was extended.
+        RENEW_FAILED: one renewal attempt failed but the lease still has time.
+        LOST: a lease was lost (``detail["cause"]``).
+        RELEASED: a lease was released.
+        REVOKED: a lease was revoked by an operator (``token`` = the raised fence).
+        WRITE_ACCEPTED: a guard accepted a write.
+        WRITE_REJECTED: a guard rejected a write (``detail["reason"]``).
+        BACKEND_DOWN: a backend or node did not answer.
+    """
+
+    ACQUIRED = "acquired"
+    WAITED = "waited"
+    RENEWED = "renewed"
+    RENEW_FAILED = "renew_failed"
+    LOST = "lost"
+    RELEASED = "released"
+    REVOKED = "revoked"
+    WRITE_ACCEPTED = "write_accepted"
+    WRITE_REJECTED = "write_rejected"
+    BACKEND_DOWN = "backend_down"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One report from a manager or guard.
+
+    Attributes:
+        kind: an :class:`EventKind`.
+        source: who reported it, e.g. ``"memory"``, ``"redis"``, ``"sql-guard"``.
+        scope: the resource (managers) or fence scope (guards).
+        token: the token involved, if any.
+        duration: seconds, for kinds that measure something.
+        detail: anything else, as plain data.
+    """
+
+    kind: EventKind
+    source: str
+    scope: str
+    token: int | None = None
+    duration: float | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+Listener = Callable[[Event], None]
+
+
+class EventBus:
+    """Fan events out to listeners.
+
+    A listener that raises is logged and skipped: a metrics bug must never break a lock.
+    """
+
+    def __init__(self) -> None:
+        self._listeners: tuple[Listener, ...] = ()
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        """Whether anyone listens; reporters skip building events when not."""
+        return bool(self._listeners)
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Add ``listener``; return a function that removes it."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+        return unsubscribe
+
+    def emit(
+        self,
+        kind: EventKind,
+        source: str,
+        scope: str,
+        token: int | None = None,
+        duration: float | None = None,
+        **detail: Any,
+    ) -> None:
+        """Report an event to every listener."""
+        listeners = self._listeners
+        if not listeners:
+            return
+        event = Event(kind, source, scope, token, duration, detail)
+        for listener in listeners:
+            try:
+                listener(event)
+            except Exception:
+                _log.exception("fence event listener %r failed on %s", listener, kind)
+
+
+#: The bus every manager and guard reports to unless given another.
+default_bus = EventBus()
+
+
+def log_events(
+    bus: EventBus | None = None, logger: logging.Logger | None = None
+) -> Callable[[], None]:
+    """Log every event on ``bus`` (default: :data:`default_bus`) at DEBUG, losses at WARNING.
+
+    Returns:
+        A function that stops the logging.
+    """
+    target = logger or _log
+    loud = {EventKind.LOST, EventKind.WRITE_REJECTED, EventKind.BACKEND_DOWN}
+
+    def listener(event: Event) -> None:
+        level = logging.WARNING if event.kind in loud else logging.DEBUG
+        if target.isEnabledFor(level):
+            target.log(
+                level,
+                "%s %s %s token=%s %s",
+                event.source,
+                event.kind,
+                event.scope,
+                event.token,
+                event.detail or "",
+            )
+
+    return (bus or default_bus).subscribe(listener)

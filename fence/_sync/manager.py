@@ -1,0 +1,589 @@
+# WARNING: this file is generated from fence/_async/manager.py by tools/async_to_sync.py.
+# Do not edit it; edit the source and run `python tools/async_to_sync.py`.
+"""Leases and the generic lock manager, written once over a backend driver.
+
+The driver moves bytes (one round trip per call); this module owns everything else:
+deadlines (C10), reentrancy (C2), ownership (C11), waiting, the renewal watchdog and
+the lost-lease signal, and events.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any
+
+from fence._clock import Clock, subscribe, system_clock
+from fence._compat import Waiter, current_owner, shield, spawn
+from fence._core import client_deadline, validate_resource, validate_ttl
+from fence._errors import (
+    AcquireTimeout,
+    BackendError,
+    ConfigurationError,
+    LeaseExpiredError,
+    LeaseLostError,
+    NotOwnerError,
+)
+from fence._events import EventBus, EventKind, default_bus
+from fence._signal import Signal
+from fence.abc import Driver, LockInfo
+
+__all__ = ["BaseLockManager", "Lease"]
+
+_log = logging.getLogger("fence")
+
+#: Longest single wait between acquire attempts when the backend gives no hint. A lost
+#: wake-up can cost at most this much.
+_MAX_WAIT_SLICE = 5.0
+
+_HOST = socket.gethostname()
+
+LeaseCallback = Callable[["Lease", LeaseLostError], None]
+
+
+class Lease:
+    """A held lock: the fencing token, the client's deadline and the lost-lease signal.
+
+    Use it as a context manager to release on exit::
+
+        with manager.acquire("order:42", ttl=10) as lease:
+            guard.claim("order:42", lease.token)
+            ...
+
+    Pass ``lease.token`` to every guarded write. A lease whose holder paused past its
+    deadline is no longer valid; the guards then reject its token once a newer holder wrote.
+
+    Attributes:
+        resource: the locked resource.
+        token: the fencing token (C1, C2).
+        ttl: the lease time asked for, in seconds.
+    """
+
+    def __init__(
+        self,
+        manager: BaseLockManager,
+        resource: str,
+        token: int,
+        secret: str,
+        ttl: float,
+        deadline: float,
+        owner: object,
+    ) -> None:
+        self._manager = manager
+        self.resource = resource
+        self.token = token
+        self._secret = secret
+        self.ttl = ttl
+        self._deadline = deadline
+        self._owner = owner
+        self._depth = 1
+        self._released = False
+        self._lost = Signal()
+        self._stop = Signal()
+        self._error: LeaseLostError | None = None
+        self._callbacks: list[LeaseCallback] = []
+        self._callback_lock = threading.Lock()
+        self._watchdog: Any = None
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else "released" if self._released else "held"
+        return f"<Lease {self.resource!r} token={self.token} {state}>"
+
+    @property
+    def deadline(self) -> float:
+        """The client's deadline on the manager's monotonic clock (C10)."""
+        return self._deadline
+
+    def remaining(self) -> float:
+        """Seconds until the client's deadline; 0 once released or lost."""
+        if self._released or self._lost.is_set():
+            return 0.0
+        return max(0.0, self._deadline - self._manager.clock.monotonic())
+
+    @property
+    def valid(self) -> bool:
+        """Held, not lost, and before the client's deadline."""
+        return self.remaining() > 0
+
+    @property
+    def lost(self) -> bool:
+        """Whether the lease is known to be lost (renewal failed, revoked, or expired)."""
+        return self._lost.is_set()
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` ended the lease."""
+        return self._released
+
+    def check(self, min_remaining: float = 0.0) -> None:
+        """Raise unless the lease is valid for at least ``min_remaining`` more seconds.
+
+        Call it before a step that must finish under the lock. It narrows the window; only
+        a guard closes it, because the holder can pause right after the check.
+
+        Raises:
+            LeaseLostError: the lease is lost; ``cause`` says why.
+            LeaseExpiredError: released, or less than ``min_remaining`` seconds are left.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._released:
+            raise LeaseExpiredError(
+                f"lease on {self.resource!r} (token {self.token}) was released",
+                resource=self.resource,
+                token=self.token,
+                remaining=0.0,
+            )
+        left = self._deadline - self._manager.clock.monotonic()
+        if left <= min_remaining:
+            raise LeaseExpiredError(
+                f"lease on {self.resource!r} (token {self.token}) has {left:.3f}s left, "
+                f"needed more than {min_remaining:.3f}s",
+                resource=self.resource,
+                token=self.token,
+                remaining=left,
+            )
+
+    def on_lost(self, callback: LeaseCallback) -> None:
+        """Call ``callback(lease, error)`` once when the lease is lost (now, if it is).
+
+        It runs on the renewal task or thread; keep it short. Exceptions are logged.
+        """
+        with self._callback_lock:
+            error = self._error if self._lost.is_set() else None
+            if error is None:
+                self._callbacks.append(callback)
+        if error is not None:
+            _call_back(callback, self, error)
+
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        """Wait until the lease is lost or ``timeout`` seconds pass; return whether it was.
+
+        Reaching the client's deadline without a renewal counts as lost, so this also
+        serves leases that have no watchdog.
+        """
+        clock = self._manager.clock
+        end = None if timeout is None else clock.monotonic() + timeout
+        while True:
+            if self._lost.is_set():
+                return True
+            if self._released:
+                return False
+            now = clock.monotonic()
+            if now >= self._deadline:
+                self._mark_lost("the lease reached its deadline without a renewal")
+                return True
+            if end is not None and now >= end:
+                return False
+            until = self._deadline if end is None else min(self._deadline, end)
+            self._manager._sleep_until(self._lost, until)
+
+    def renew(self, ttl: float | None = None) -> None:
+        """Extend the lease to ``ttl`` seconds from now (default: its own ttl).
+
+        Raises:
+            LeaseLostError: the backend no longer holds the lock for this lease.
+            NotOwnerError: the lease was released.
+        """
+        self._manager._renew(self, self.ttl if ttl is None else validate_ttl(ttl))
+
+    def release(self) -> None:
+        """Release the lease (after as many releases as reentrant acquires).
+
+        Raises:
+            NotOwnerError: the lease was already released, or the backend no longer holds it
+                for this lease (it expired, maybe another holder took it). Nobody else's
+                lock is touched.
+        """
+        self._manager._release(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.release()
+        except NotOwnerError:
+            if exc is None:
+                raise
+            # The body failed already; its error says more than the release would.
+            _log.warning("release of %r failed after an error in its block", self)
+
+    def _mark_lost(self, cause: str) -> None:
+        error = LeaseLostError(
+            f"lease on {self.resource!r} (token {self.token}) was lost: {cause}",
+            resource=self.resource,
+            token=self.token,
+            remaining=self._deadline - self._manager.clock.monotonic(),
+            cause=cause,
+        )
+        with self._callback_lock:
+            if self._lost.is_set():
+                return
+            self._error = error
+            self._lost.set()
+            callbacks, self._callbacks = self._callbacks, []
+        self._stop.set()
+        manager = self._manager
+        manager.events.emit(EventKind.LOST, manager.source, self.resource, self.token, cause=cause)
+        for callback in callbacks:
+            _call_back(callback, self, error)
+
+
+def _call_back(callback: LeaseCallback, lease: Lease, error: LeaseLostError) -> None:
+    try:
+        callback(lease, error)
+    except Exception:
+        _log.exception("on_lost callback %r failed for %r", callback, lease)
+
+
+class BaseLockManager:
+    """A lock manager over any :class:`fence.abc.Driver`.
+
+    Backends subclass it only to build their driver; all behaviour lives here.
+
+    Args:
+        driver: the backend driver.
+        ttl: default lease time in seconds.
+        renew: default for the renewal watchdog (renews at about ``ttl / 3``).
+        drift: the fraction of ttl the client gives up for clock rate differences (C10).
+        margin: seconds the client gives up for the request's own latency (C10).
+        clock: the monotonic clock for deadlines and waits.
+        events: where to report events (default: :data:`fence.default_bus`).
+        reentrant: whether a second acquire by the same owner returns the held lease.
+    """
+
+    def __init__(
+        self,
+        driver: Driver,
+        *,
+        ttl: float = 30.0,
+        renew: bool = False,
+        drift: float = 0.01,
+        margin: float = 0.002,
+        clock: Clock | None = None,
+        events: EventBus | None = None,
+        reentrant: bool = True,
+    ) -> None:
+        self.driver = driver
+        self.source = driver.source
+        self.ttl = validate_ttl(ttl)
+        self.renew = renew
+        self.drift = drift
+        self.margin = margin
+        client_deadline(0.0, self.ttl, drift=drift, margin=margin)  # validates the three
+        self.clock: Clock = clock or system_clock
+        self.events = events or default_bus
+        self.reentrant = reentrant
+        self._held: dict[tuple[object, str], Lease] = {}
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.source} ttl={self.ttl}>"
+
+    def acquire(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LeaseCallback | None = None,
+        owner: object = None,
+    ) -> Lease:
+        """Wait for the lock on ``resource`` and return a lease with a fresh token.
+
+        A waiter is woken by the release (or by the holder's expiry), not by polling.
+
+        Args:
+            resource: what to lock; a non-empty ``str`` of at most 512 bytes.
+            ttl: lease time in seconds (default: the manager's).
+            timeout: how long to wait, in seconds; ``None`` waits forever, ``0`` tries once.
+            renew: run the renewal watchdog for this lease (default: the manager's).
+            on_lost: called once if the lease is lost; see :meth:`Lease.on_lost`.
+            owner: who owns the lease for reentrancy; default: the current task.
+
+        Raises:
+            AcquireTimeout: the lock was not free within ``timeout``.
+            LeaseLostError: a reentrant acquire found the held lease lost.
+            InvalidResourceError, ConfigurationError: bad arguments, before any I/O.
+            BackendError: the backend failed.
+        """
+        lease = self._acquire(resource, ttl, timeout, renew, on_lost, owner, True)
+        assert lease is not None
+        return lease
+
+    def try_acquire(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        on_lost: LeaseCallback | None = None,
+        owner: object = None,
+    ) -> Lease | None:
+        """Take the lock if it is free now, in one round trip; else return ``None``.
+
+        Same arguments as :meth:`acquire`, without ``timeout``.
+        """
+        return self._acquire(resource, ttl, 0.0, renew, on_lost, owner, False)
+
+    @contextmanager
+    def lock(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LeaseCallback | None = None,
+    ) -> Iterator[Lease]:
+        """Acquire ``resource`` for the ``with`` block and release at its end.
+
+        Same arguments as :meth:`acquire`.
+        """
+        lease = self.acquire(resource, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+        with lease:
+            yield lease
+
+    def inspect(self, resource: str) -> LockInfo | None:
+        """Who holds ``resource``: its token, the backend's remaining ttl, and the holder's
+        label (never its secret). ``None`` if nobody does."""
+        return self.driver.inspect(validate_resource(resource))
+
+    def revoke(self, resource: str) -> int:
+        """End the lease on ``resource`` by force, whoever holds it.
+
+        For a hung holder. Returns a token above every token issued for ``resource``; pass it
+        to the guards' ``claim`` so that the hung holder's writes are refused from now on.
+        """
+        resource = validate_resource(resource)
+        token = shield(self.driver.revoke(resource))
+        self.events.emit(EventKind.REVOKED, self.source, resource, token)
+        return token
+
+    def close(self) -> None:
+        """Stop every watchdog, release held leases (best effort) and close the driver."""
+        if self._closed:
+            return
+        self._closed = True
+        for lease in list(self._held.values()):
+            lease._stop.set()
+            if lease._watchdog is not None:
+                lease._watchdog.join()
+            if not lease._released and not lease.lost:
+                lease._released = True
+                try:
+                    shield(self.driver.release(lease.resource, lease._secret))
+                except BackendError:
+                    pass
+        self._held.clear()
+        self.driver.close()
+
+    def __enter__(self) -> BaseLockManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _holder_label(self, owner: object) -> str:
+        get_name = getattr(owner, "get_name", None)
+        name = get_name() if callable(get_name) else getattr(owner, "name", "")
+        return f"{_HOST}:{os.getpid()}:{name}"
+
+    def _acquire(
+        self,
+        resource: str,
+        ttl: float | None,
+        timeout: float | None,
+        renew: bool | None,
+        on_lost: LeaseCallback | None,
+        owner: object,
+        blocking: bool,
+    ) -> Lease | None:
+        if self._closed:
+            raise ConfigurationError(f"{self!r} is closed")
+        resource = validate_resource(resource)
+        ttl = self.ttl if ttl is None else validate_ttl(ttl)
+        if timeout is not None and not timeout >= 0:
+            raise ConfigurationError(f"timeout must be >= 0 or None, got {timeout!r}")
+        if owner is None:
+            owner = current_owner()
+        key = (owner, resource)
+        if self.reentrant:
+            held = self._held.get(key)
+            if held is not None and not held._released:
+                self._reenter(held, ttl)
+                if on_lost is not None:
+                    held.on_lost(on_lost)
+                return held
+
+        clock = self.clock
+        secret = secrets.token_urlsafe(24)
+        holder = self._holder_label(owner)
+        start = clock.monotonic()
+        wait_end = None if timeout is None else start + timeout
+        waited = False
+        while True:
+            sent = clock.monotonic()
+            reply = self.driver.acquire(resource, secret, ttl, holder)
+            if reply.token is not None:
+                break
+            now = clock.monotonic()
+            if not blocking:
+                return None
+            if wait_end is not None and now >= wait_end:
+                raise AcquireTimeout(
+                    f"{resource!r} was not free within {timeout}s",
+                    resource=resource,
+                    timeout=timeout,
+                )
+            waited = True
+            slice_ = _MAX_WAIT_SLICE if wait_end is None else min(_MAX_WAIT_SLICE, wait_end - now)
+            if reply.holder_ttl is not None:
+                slice_ = min(slice_, max(reply.holder_ttl, 0.001))
+            self.driver.wait(resource, slice_, reply)
+
+        deadline = client_deadline(sent, ttl, drift=self.drift, margin=self.margin)
+        lease = Lease(self, resource, reply.token, secret, ttl, deadline, owner)
+        if on_lost is not None:
+            lease.on_lost(on_lost)
+        self._held[key] = lease
+        events = self.events
+        if events.active:
+            now = clock.monotonic()
+            if waited:
+                events.emit(EventKind.WAITED, self.source, resource, reply.token, now - start)
+            events.emit(EventKind.ACQUIRED, self.source, resource, reply.token, now - start)
+        if self.renew if renew is None else renew:
+            lease._watchdog = spawn(self._watch, lease, name=f"fence-renew:{resource}")
+        return lease
+
+    def _reenter(self, lease: Lease, ttl: float) -> None:
+        if lease._error is not None:
+            raise lease._error
+        sent = self.clock.monotonic()
+        if not self.driver.renew(lease.resource, lease._secret, ttl):
+            lease._mark_lost("a reentrant acquire found the lock no longer held")
+            assert lease._error is not None
+            raise lease._error
+        lease._deadline = client_deadline(sent, ttl, drift=self.drift, margin=self.margin)
+        lease._depth += 1
+
+    def _renew(self, lease: Lease, ttl: float) -> None:
+        if lease._released:
+            raise NotOwnerError(
+                f"lease on {lease.resource!r} (token {lease.token}) was released",
+                resource=lease.resource,
+            )
+        if lease._error is not None:
+            raise lease._error
+        sent = self.clock.monotonic()
+        if not self.driver.renew(lease.resource, lease._secret, ttl):
+            lease._mark_lost("the backend no longer holds the lock for this lease")
+            assert lease._error is not None
+            raise lease._error
+        lease._deadline = client_deadline(sent, ttl, drift=self.drift, margin=self.margin)
+        self.events.emit(EventKind.RENEWED, self.source, lease.resource, lease.token)
+
+    def _release(self, lease: Lease) -> None:
+        if lease._released:
+            raise NotOwnerError(
+                f"lease on {lease.resource!r} (token {lease.token}) is already released",
+                resource=lease.resource,
+            )
+        if lease._depth > 1:
+            lease._depth -= 1
+            return
+        lease._released = True
+        lease._stop.set()
+        key = (lease._owner, lease.resource)
+        if self._held.get(key) is lease:
+            del self._held[key]
+        released = shield(self.driver.release(lease.resource, lease._secret))
+        self.events.emit(
+            EventKind.RELEASED, self.source, lease.resource, lease.token, held=released
+        )
+        if not released:
+            raise NotOwnerError(
+                f"lease on {lease.resource!r} (token {lease.token}) was no longer held when "
+                "released: it expired or was revoked, and another holder may have written",
+                resource=lease.resource,
+            )
+
+    def _sleep_until(self, signal: Signal, until: float) -> bool:
+        """Wait until ``signal`` is set (return True) or the clock reaches ``until``."""
+        clock = self.clock
+        while True:
+            if signal.is_set():
+                return True
+            delay = until - clock.monotonic()
+            if delay <= 0:
+                return False
+            waiter = Waiter()
+            if signal.attach(waiter):
+                return True
+            unsubscribe = subscribe(clock, waiter.wake)
+            try:
+                waiter.wait(delay)
+            finally:
+                signal.detach(waiter)
+                unsubscribe()
+
+    def _watch(self, lease: Lease) -> None:
+        """The renewal watchdog: renew at about ttl/3, report loss the moment it is certain."""
+        clock = self.clock
+        interval = lease.ttl / 3
+        next_at = clock.monotonic() + interval
+        while True:
+            if self._sleep_until(lease._stop, next_at):
+                return
+            sent = clock.monotonic()
+            if sent >= lease._deadline:
+                lease._mark_lost("the lease reached its deadline before a renewal succeeded")
+                return
+            try:
+                renewed = self.driver.renew(lease.resource, lease._secret, lease.ttl)
+            except BackendError as exc:
+                if lease._stop.is_set():
+                    return
+                now = clock.monotonic()
+                left = lease._deadline - now
+                self.events.emit(
+                    EventKind.RENEW_FAILED,
+                    self.source,
+                    lease.resource,
+                    lease.token,
+                    error=str(exc),
+                    remaining=left,
+                )
+                if left <= 0 or not exc.retryable:
+                    lease._mark_lost(f"renewal failed: {exc}")
+                    return
+                # Transient: try again soon, while the lease still has time.
+                next_at = now + min(interval, max(left / 4, 0.01))
+                continue
+            except Exception as exc:
+                lease._mark_lost(f"renewal failed unexpectedly: {exc!r}")
+                raise
+            if lease._stop.is_set():
+                return
+            if not renewed:
+                lease._mark_lost("the backend no longer holds the lock (expired or revoked)")
+                return
+            lease._deadline = client_deadline(sent, lease.ttl, drift=self.drift, margin=self.margin)
+            self.events.emit(EventKind.RENEWED, self.source, lease.resource, lease.token)
+            next_at = sent + interval

@@ -1,0 +1,255 @@
+"""Protocols for lock managers, their backend drivers and storage guards.
+
+Implementations need not inherit from these classes; matching the methods is enough. The
+conformance suites in ``tests/`` run against every implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from fence._async.manager import AsyncLease
+    from fence._errors import LeaseLostError
+    from fence._sync.manager import Lease
+
+__all__ = [
+    "AcquireReply",
+    "AsyncDriver",
+    "AsyncGuard",
+    "AsyncLockManager",
+    "Driver",
+    "Guard",
+    "LockInfo",
+    "LockManager",
+    "LostCallback",
+]
+
+#: Called once when a lease is lost, with the lease and the error ``check()`` will raise.
+#: It runs on the renewal thread or task: keep it short and do not block in it.
+LostCallback = Callable[["Lease | AsyncLease", "LeaseLostError"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LockInfo:
+    """What a backend knows about a held lock.
+
+    Attributes:
+        resource: the resource.
+        token: the holder's fencing token.
+        remaining: seconds left on the backend's clock.
+        holder: the label the holder gave (host, pid, thread or task); never its secret.
+    """
+
+    resource: str
+    token: int
+    remaining: float
+    holder: str | None
+
+
+class AcquireReply(NamedTuple):
+    """A driver's answer to one acquire attempt.
+
+    Attributes:
+        token: the granted token, or ``None`` if somebody else holds the lock.
+        holder_ttl: seconds left on the current holder's lease, if the backend said.
+        cookie: driver data handed back to :meth:`AsyncDriver.wait` (e.g. a version
+            number that closes the race between a failed attempt and the start of a wait).
+    """
+
+    token: int | None
+    holder_ttl: float | None = None
+    cookie: object = None
+
+
+class AsyncDriver(Protocol):
+    """The bytes-moving half of an asyncio lock manager: one round trip per call.
+
+    The generic manager in ``fence._async.manager`` adds deadlines, reentrancy, waiting,
+    renewal and events on top, once for every backend.
+    """
+
+    #: Short backend name for events and messages (``"memory"``, ``"redis"``, ``"sql"``).
+    source: str
+
+    async def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
+        """Take the lock if free or expired, issuing a new token; with the same secret,
+        keep the token and reset the ttl."""
+        ...
+
+    async def renew(self, resource: str, secret: str, ttl: float) -> bool:
+        """Reset the ttl if ``secret`` holds the lock; return whether it did."""
+        ...
+
+    async def release(self, resource: str, secret: str) -> bool:
+        """Delete the lock if ``secret`` holds it, and wake a waiter; return whether it did."""
+        ...
+
+    async def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
+        """Return when the lock may be free (released, expired) or after ``timeout`` s."""
+        ...
+
+    async def inspect(self, resource: str) -> LockInfo | None:
+        """Who holds ``resource``, or ``None``."""
+        ...
+
+    async def revoke(self, resource: str) -> int:
+        """End whatever lease ``resource`` has and issue a new token above it; return that."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the driver opened itself."""
+        ...
+
+
+class Driver(Protocol):
+    """The sync twin of :class:`AsyncDriver`; same methods, same meaning."""
+
+    source: str
+
+    def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
+        """See :meth:`AsyncDriver.acquire`."""
+        ...
+
+    def renew(self, resource: str, secret: str, ttl: float) -> bool:
+        """See :meth:`AsyncDriver.renew`."""
+        ...
+
+    def release(self, resource: str, secret: str) -> bool:
+        """See :meth:`AsyncDriver.release`."""
+        ...
+
+    def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
+        """See :meth:`AsyncDriver.wait`."""
+        ...
+
+    def inspect(self, resource: str) -> LockInfo | None:
+        """See :meth:`AsyncDriver.inspect`."""
+        ...
+
+    def revoke(self, resource: str) -> int:
+        """See :meth:`AsyncDriver.revoke`."""
+        ...
+
+    def close(self) -> None:
+        """See :meth:`AsyncDriver.close`."""
+        ...
+
+
+@runtime_checkable
+class LockManager(Protocol):
+    """Hands out leases with fencing tokens (C2, C10, C11).
+
+    Every implementation passes ``tests/conformance``.
+    """
+
+    def acquire(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LostCallback | None = None,
+    ) -> Lease:
+        """Wait up to ``timeout`` seconds (``None``: forever) for the lock; return the lease."""
+        ...
+
+    def try_acquire(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        on_lost: LostCallback | None = None,
+    ) -> Lease | None:
+        """Take the lock if it is free now; else return ``None``."""
+        ...
+
+    def inspect(self, resource: str) -> LockInfo | None:
+        """Who holds ``resource``, with its token and the backend's remaining ttl."""
+        ...
+
+    def revoke(self, resource: str) -> int:
+        """Force the lease of a hung holder to end; return a token above the holder's."""
+        ...
+
+    def close(self) -> None:
+        """Stop renewals and close what the manager opened."""
+        ...
+
+
+@runtime_checkable
+class AsyncLockManager(Protocol):
+    """The asyncio twin of :class:`LockManager`."""
+
+    async def acquire(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LostCallback | None = None,
+    ) -> AsyncLease:
+        """See :meth:`LockManager.acquire`."""
+        ...
+
+    async def try_acquire(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        on_lost: LostCallback | None = None,
+    ) -> AsyncLease | None:
+        """See :meth:`LockManager.try_acquire`."""
+        ...
+
+    async def inspect(self, resource: str) -> LockInfo | None:
+        """See :meth:`LockManager.inspect`."""
+        ...
+
+    async def revoke(self, resource: str) -> int:
+        """See :meth:`LockManager.revoke`."""
+        ...
+
+    async def close(self) -> None:
+        """See :meth:`LockManager.close`."""
+        ...
+
+
+@runtime_checkable
+class Guard(Protocol):
+    """The part every storage guard shares (C4, C8).
+
+    Guards add their own write operations (fenced UPDATE, fenced SET, ...); those all
+    follow :func:`fence.accepts` and raise :class:`fence.StaleTokenError`.
+    """
+
+    def claim(self, scope: str, token: int) -> int:
+        """Raise the fence of ``scope`` to ``token`` without writing data; return the fence.
+
+        Raises:
+            StaleTokenError: the fence is already above ``token``.
+        """
+        ...
+
+    def fence(self, scope: str) -> int | None:
+        """The fence of ``scope``, or ``None`` if it has none."""
+        ...
+
+
+@runtime_checkable
+class AsyncGuard(Protocol):
+    """The asyncio twin of :class:`Guard`."""
+
+    async def claim(self, scope: str, token: int) -> int:
+        """See :meth:`Guard.claim`."""
+        ...
+
+    async def fence(self, scope: str) -> int | None:
+        """See :meth:`Guard.fence`."""
+        ...

@@ -1,0 +1,67 @@
+"""Pytest fixtures for the real servers: one of each per test session, started on demand.
+
+Tests that need a server carry the marker of that server (``redis``, ``postgres``); the
+marker is added automatically to any test that uses the server's fixtures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.servers import PostgresServer, RedisServer
+
+_MARKS = {
+    "redis_server": "redis",
+    "redis_url": "redis",
+    "postgres_server": "postgres",
+    "postgres_url": "postgres",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test by the servers its fixtures start."""
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):
+            mark = _MARKS.get(fixture)
+            if mark is not None:
+                item.add_marker(getattr(pytest.mark, mark))
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A throwaway ``redis-server`` for the whole session."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The URL of the session's redis-server, flushed before the test."""
+    import redis
+
+    if redis_server.proc is None:  # a fault test left it down
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+        client.script_flush()
+    finally:
+        client.close()
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A throwaway PostgreSQL cluster for the whole session."""
+    server = PostgresServer().start()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """A SQLAlchemy URL (psycopg 3) of the session's PostgreSQL cluster."""
+    return postgres_server.url

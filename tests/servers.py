@@ -1,0 +1,206 @@
+"""Throwaway real servers for the test suite: redis-server and a PostgreSQL cluster.
+
+Each runs on a free loopback port in a temporary directory and is stopped at the end. The
+classes also expose the faults the tests cause for real: SIGKILL, SIGSTOP/SIGCONT, restart.
+PostgreSQL never runs as root: when the suite runs as root it runs the cluster as the
+``postgres`` OS user (created by the system package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 20.0) -> None:
+    """Wait until something accepts connections on 127.0.0.1:``port``."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > end:
+                raise TimeoutError(f"nothing listens on 127.0.0.1:{port}") from None
+            time.sleep(0.02)
+
+
+class RedisServer:
+    """A ``redis-server`` process on loopback, with the faults tests need."""
+
+    def __init__(self, *extra: str, port: int | None = None) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed; run scripts/test to install it")
+        self.exe = exe
+        self.port = port or free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="iofence-redis-"))
+        self.extra = list(extra)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0``."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        """Start the server and wait until it answers."""
+        args = [
+            self.exe,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--logfile", str(self.dir / "redis.log"),
+            *self.extra,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the server: no shutdown, no final fsync."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP the server."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the server."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        """SIGKILL and start again on the same port and directory."""
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        """Kill the server and remove its directory."""
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _pg_bindir() -> Path:
+    for name in ("pg_ctl", "initdb"):
+        found = shutil.which(name)
+        if found:
+            return Path(os.path.realpath(found)).parent
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if not candidates:
+        raise RuntimeError("PostgreSQL is not installed; run scripts/test to install it")
+    return Path(candidates[-1]).parent
+
+
+class PostgresServer:
+    """A throwaway PostgreSQL cluster on loopback, never run as root."""
+
+    user = "postgres"
+
+    def __init__(self) -> None:
+        self.bindir = _pg_bindir()
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="iofence-pg-"))
+        self.data = self.dir / "data"
+        self.sockets = self.dir / "sockets"
+        self._as_user: list[str] = []
+        if os.geteuid() == 0:
+            try:
+                pw = pwd.getpwnam("postgres")
+            except KeyError:
+                raise RuntimeError("running as root needs the 'postgres' OS user") from None
+            os.chmod(self.dir, 0o755)  # noqa: S103 - the postgres user must enter it
+            self.sockets.mkdir()
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+            os.chown(self.sockets, pw.pw_uid, pw.pw_gid)
+            self._as_user = ["runuser", "-u", "postgres", "--"]
+        else:
+            self.sockets.mkdir()
+
+    @property
+    def url(self) -> str:
+        """A SQLAlchemy URL for the psycopg 3 driver."""
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def conninfo(self) -> str:
+        """A libpq connection string for psycopg."""
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres"
+
+    def _run(self, *args: str) -> None:
+        subprocess.run(
+            [*self._as_user, *args],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=self.dir,
+        )
+
+    def start(self) -> PostgresServer:
+        """initdb (first time) and start the cluster; wait until it accepts connections."""
+        if not self.data.exists():
+            self._run(
+                str(self.bindir / "initdb"),
+                "-D", str(self.data),
+                "-U", "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E", "UTF8",
+                "--locale=C",
+            )  # fmt: skip
+        options = (
+            f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 "
+            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
+            "-c max_connections=100"
+        )
+        self._run(
+            str(self.bindir / "pg_ctl"),
+            "-D", str(self.data),
+            "-o", options,
+            "-l", str(self.dir / "postgres.log"),
+            "-w", "-t", "60",
+            "start",
+        )  # fmt: skip
+        wait_for_port(self.port)
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the cluster with ``pg_ctl stop -m <mode>`` (``immediate`` is a crash)."""
+        if (self.data / "postmaster.pid").exists():
+            self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def restart(self, mode: str = "immediate") -> None:
+        """Stop (by default as a crash) and start again on the same port."""
+        self.stop(mode)
+        self.start()
+
+    def destroy(self) -> None:
+        """Stop the cluster and remove its files."""
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self.stop("immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,41 @@
+"""Smoke tests: the suite's servers are real and answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psycopg
+import redis
+
+from tests.servers import PostgresServer, RedisServer
+
+
+def test_redis_server_is_real(redis_server: RedisServer, redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        info = client.info("server")
+        assert int(str(info["redis_version"]).split(".")[0]) >= 6
+        assert info["tcp_port"] == redis_server.port
+        assert client.set("smoke", "1")
+        assert client.get("smoke") == b"1"
+    finally:
+        client.close()
+
+
+def test_postgres_server_is_real(postgres_server: PostgresServer) -> None:
+    with psycopg.connect(postgres_server.conninfo) as conn:
+        version = conn.execute("SHOW server_version_num").fetchone()
+        user = conn.execute("SELECT current_user").fetchone()
+        row = conn.execute("SELECT setting FROM pg_settings WHERE name = 'port'").fetchone()
+    assert version is not None
+    assert int(version[0]) >= 120000
+    assert user == ("postgres",)
+    assert row is not None
+    assert int(row[0]) == postgres_server.port
+
+
+def test_postgres_does_not_run_as_root(postgres_server: PostgresServer) -> None:
+    pid = int((postgres_server.data / "postmaster.pid").read_text().split()[0])
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    uid = int(next(line.split()[1] for line in status if line.startswith("Uid:")))
+    assert uid != 0
