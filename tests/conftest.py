@@ -2,4 +2,24 @@
 
 from __future__ import annotations
 
+import pytest
+
+from tests.registry import GUARD_HARNESSES, MANAGER_BACKENDS, load_all
+
 pytest_plugins = ["tests.fix_servers"]
+
+load_all()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run conformance tests once per registered manager backend or guard."""
+    if "manager_backend" in metafunc.fixturenames:
+        metafunc.parametrize(
+            "manager_backend",
+            [pytest.param(b, id=b.name, marks=b.marks) for b in MANAGER_BACKENDS.values()],
+        )
+    if "guard_harness_factory" in metafunc.fixturenames:
+        metafunc.parametrize(
+            "guard_harness_factory",
+            [pytest.param(g, id=g.name, marks=g.marks) for g in GUARD_HARNESSES.values()],
+        )

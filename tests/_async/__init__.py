@@ -1,0 +1,1 @@
+"""Conformance and backend tests; _sync is generated from _async."""

@@ -1,0 +1,447 @@
+"""The lock-manager conformance suite: every backend, sync and async, must pass it.
+
+Each test runs once per backend registered in ``tests/backend_*.py``. The sync twin in
+``tests/_sync`` is generated from this file, with threads where this file has tasks.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from fence import (
+    MAX_TOKEN,
+    AcquireTimeout,
+    AsyncLease,
+    ConfigurationError,
+    EventBus,
+    EventKind,
+    InvalidResourceError,
+    LeaseExpiredError,
+    LeaseLostError,
+    NotOwnerError,
+)
+from fence.abc import AsyncLockManager
+from fence.testing import EventRecorder
+from tests._acompat import gather, join, sleep, spawn
+from tests.registry import ManagerBackend
+
+IS_ASYNC = True  # unasync: IS_ASYNC = False
+
+Make = Callable[..., Any]
+
+
+@pytest.fixture
+async def make_manager(
+    manager_backend: ManagerBackend, request: pytest.FixtureRequest
+) -> AsyncIterator[Make]:
+    """Build managers that share one lock space; close them all after the test."""
+    context = manager_backend.setup(request)
+    built: list[Any] = []
+
+    def make(**options: Any) -> Any:
+        manager = manager_backend.make(context, IS_ASYNC, **options)
+        built.append(manager)
+        return manager
+
+    yield make
+    for manager in built:
+        await manager.close()
+
+
+@pytest.fixture
+def resource() -> str:
+    return f"res:{secrets.token_hex(4)}"
+
+
+async def other_owner(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` as a different owner (another task, or another thread) and return its result."""
+    return await join(await spawn(fn))
+
+
+async def test_implements_protocol(make_manager: Make) -> None:
+    manager = make_manager()
+    assert isinstance(manager, AsyncLockManager)
+
+
+async def test_acquire_returns_valid_lease(make_manager: Make, resource: str) -> None:
+    manager = make_manager(ttl=5)
+    lease = await manager.acquire(resource)
+    assert isinstance(lease, AsyncLease)
+    assert lease.resource == resource
+    assert isinstance(lease.token, int)
+    assert 1 <= lease.token <= MAX_TOKEN
+    assert 0 < lease.remaining() <= 5
+    assert lease.valid
+    lease.check(min_remaining=1)
+    await lease.release()
+    assert not lease.valid
+    assert lease.released
+
+
+async def test_tokens_strictly_increase(make_manager: Make, resource: str) -> None:
+    """C2: every new acquisition gets a token above every earlier one."""
+    manager = make_manager()
+    tokens = []
+    for _ in range(5):
+        lease = await manager.acquire(resource)
+        tokens.append(lease.token)
+        await lease.release()
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == len(tokens)
+
+
+async def test_tokens_increase_across_manager_restarts(make_manager: Make, resource: str) -> None:
+    """C2: a new manager on the same backend keeps issuing larger tokens."""
+    first = make_manager()
+    lease = await first.acquire(resource)
+    await lease.release()
+    await first.close()
+    second = make_manager()
+    again = await second.acquire(resource)
+    assert again.token > lease.token
+    await again.release()
+
+
+async def test_concurrent_owners_get_increasing_tokens_and_exclusion(
+    make_manager: Make, resource: str
+) -> None:
+    """C2 under concurrency: tokens seen inside the critical section strictly increase, and
+    no two owners are ever inside at once."""
+    manager = make_manager(ttl=10)
+    seen: list[int] = []
+    inside = [0]
+    overlaps = [0]
+
+    async def worker() -> None:
+        for _ in range(8):
+            lease = await manager.acquire(resource, timeout=30)
+            inside[0] += 1
+            if inside[0] > 1:
+                overlaps[0] += 1
+            seen.append(lease.token)
+            await sleep(0.001)
+            inside[0] -= 1
+            await lease.release()
+
+    await gather(*([worker] * 4))
+    assert overlaps[0] == 0
+    assert len(seen) == 32
+    assert seen == sorted(seen)
+    assert len(set(seen)) == len(seen)
+
+
+async def test_try_acquire_when_held_returns_none(make_manager: Make, resource: str) -> None:
+    manager = make_manager()
+    lease = await manager.acquire(resource)
+
+    async def attempt() -> Any:
+        return await manager.try_acquire(resource)
+
+    assert await other_owner(attempt) is None
+    await lease.release()
+    got = await other_owner(attempt)
+    assert got is not None
+    assert got.token > lease.token
+    await got.release()
+
+
+async def test_acquire_timeout(make_manager: Make, resource: str) -> None:
+    manager = make_manager(ttl=30)
+    lease = await manager.acquire(resource)
+
+    async def attempt() -> Any:
+        return await manager.acquire(resource, timeout=0.3)
+
+    with pytest.raises(AcquireTimeout) as info:
+        await other_owner(attempt)
+    assert info.value.resource == resource
+    assert lease.valid
+    await lease.release()
+
+
+async def test_waiter_is_woken_by_release(make_manager: Make, resource: str) -> None:
+    """A waiter gets the lock when it is released, long before the holder's ttl ends, and
+    without polling: it makes only a handful of attempts while it waits."""
+    manager = make_manager(ttl=60)
+    holder = await manager.acquire(resource)
+    attempts = [0]
+    driver = manager.driver
+    real_acquire = driver.acquire
+
+    async def counting_acquire(*args: Any) -> Any:
+        attempts[0] += 1
+        return await real_acquire(*args)
+
+    driver.acquire = counting_acquire
+
+    async def waiter() -> int:
+        lease = await manager.acquire(resource, timeout=20)
+        token = lease.token
+        await lease.release()
+        return int(token)
+
+    task = await spawn(waiter)
+    await sleep(0.5)
+    await holder.release()
+    token = await join(task)
+    assert token > holder.token
+    assert attempts[0] <= 4
+
+
+async def test_waiter_is_woken_when_holder_expires(
+    make_manager: Make, manager_backend: ManagerBackend, resource: str
+) -> None:
+    """A holder that crashed never releases; its lease runs out and the waiter gets in."""
+    manager = make_manager()
+    crashed = await manager.acquire(resource, ttl=0.4)
+
+    async def waiter() -> int:
+        lease = await manager.acquire(resource, timeout=10 + manager_backend.expiry_slack)
+        token = lease.token
+        await lease.release()
+        return int(token)
+
+    token = await other_owner(waiter)
+    assert token > crashed.token
+    with pytest.raises(NotOwnerError):
+        await crashed.release()
+
+
+async def test_reentrant_acquire_keeps_token(make_manager: Make, resource: str) -> None:
+    """C2: a reentrant acquire by the same owner keeps its token; it takes as many releases."""
+    manager = make_manager()
+    outer = await manager.acquire(resource)
+    inner = await manager.acquire(resource)
+    assert inner is outer
+    assert inner.token == outer.token
+
+    async def attempt() -> Any:
+        return await manager.try_acquire(resource)
+
+    await inner.release()
+    assert outer.valid
+    assert await other_owner(attempt) is None
+    await outer.release()
+    got = await other_owner(attempt)
+    assert got is not None
+    await got.release()
+
+
+async def test_not_reentrant_when_disabled(make_manager: Make, resource: str) -> None:
+    manager = make_manager(reentrant=False)
+    lease = await manager.acquire(resource)
+    assert await manager.try_acquire(resource) is None
+    await lease.release()
+
+
+async def test_owners_do_not_share_ownership(make_manager: Make, resource: str) -> None:
+    """C11: another task (or thread) is another owner, even with the same manager."""
+    manager = make_manager()
+    lease = await manager.acquire(resource)
+
+    async def second() -> Any:
+        return await manager.try_acquire(resource)
+
+    results = await gather(second, second)
+    assert results == [None, None]
+    await lease.release()
+
+
+async def test_non_owner_cannot_release(make_manager: Make, resource: str) -> None:
+    """C11: a forged secret releases nothing, and an expired holder's release does not
+    delete the new holder's lock."""
+    manager = make_manager()
+    holder = await manager.acquire(resource, ttl=0.3)
+    assert not await manager.driver.release(resource, "forged-secret")
+    assert not await manager.driver.renew(resource, "forged-secret", 10.0)
+    info = await manager.inspect(resource)
+    assert info is not None
+    assert info.token == holder.token
+
+    await sleep(0.5)
+
+    async def take() -> Any:
+        return await manager.acquire(resource, ttl=10, timeout=5)
+
+    newer = await other_owner(take)
+    with pytest.raises(NotOwnerError):
+        await holder.release()
+    info = await manager.inspect(resource)
+    assert info is not None
+    assert info.token == newer.token
+    await newer.release()
+
+
+async def test_release_twice_raises(make_manager: Make, resource: str) -> None:
+    manager = make_manager()
+    lease = await manager.acquire(resource)
+    await lease.release()
+    with pytest.raises(NotOwnerError):
+        await lease.release()
+
+
+async def test_context_manager_releases(make_manager: Make, resource: str) -> None:
+    manager = make_manager()
+    async with manager.lock(resource) as lease:
+        assert lease.valid
+        assert (await manager.inspect(resource)) is not None
+    assert lease.released
+    assert await manager.inspect(resource) is None
+    async with await manager.acquire(resource) as second:
+        assert second.token > lease.token
+    assert await manager.inspect(resource) is None
+
+
+async def test_client_deadline_ends_before_backend(make_manager: Make, resource: str) -> None:
+    """C10: the client stops trusting the lease before the backend expires it."""
+    manager = make_manager(ttl=5, drift=0.01, margin=0.002)
+    lease = await manager.acquire(resource)
+    info = await manager.inspect(resource)
+    client_left = lease.remaining()
+    assert info is not None
+    assert info.token == lease.token
+    assert 0 < client_left < info.remaining <= 5
+    await lease.release()
+
+
+async def test_check_raises_when_time_is_short(make_manager: Make, resource: str) -> None:
+    manager = make_manager()
+    lease = await manager.acquire(resource, ttl=2)
+    with pytest.raises(LeaseExpiredError) as info:
+        lease.check(min_remaining=10)
+    assert info.value.token == lease.token
+    assert not isinstance(info.value, LeaseLostError)
+    await lease.release()
+    with pytest.raises(LeaseExpiredError):
+        lease.check()
+
+
+async def test_expired_lease_is_invalid(make_manager: Make, resource: str) -> None:
+    manager = make_manager()
+    lease = await manager.acquire(resource, ttl=0.2)
+    await sleep(0.3)
+    assert not lease.valid
+    with pytest.raises(LeaseExpiredError):
+        lease.check()
+    assert await lease.wait_lost(timeout=0)
+
+
+async def test_watchdog_keeps_the_lease(make_manager: Make, resource: str) -> None:
+    manager = make_manager(renew=True)
+    lease = await manager.acquire(resource, ttl=0.6)
+    await sleep(1.5)
+    assert lease.valid
+    assert not lease.lost
+
+    async def attempt() -> Any:
+        return await manager.try_acquire(resource)
+
+    assert await other_owner(attempt) is None
+    info = await manager.inspect(resource)
+    assert info is not None
+    assert info.token == lease.token
+    await lease.release()
+
+
+async def test_lost_lease_signal_when_renewal_fails(make_manager: Make, resource: str) -> None:
+    """C10: when a renewal fails the holder hears it three ways: callback, event, check()."""
+    bus = EventBus()
+    manager = make_manager(renew=True, events=bus)
+    calls: list[tuple[Any, Exception]] = []
+    with EventRecorder(bus) as recorder:
+        lease = await manager.acquire(
+            resource, ttl=0.6, on_lost=lambda lease, err: calls.append((lease, err))
+        )
+        revoked = await manager.revoke(resource)
+        assert revoked > lease.token
+        assert await lease.wait_lost(timeout=5)
+    assert lease.lost
+    assert not lease.valid
+    assert len(calls) == 1
+    assert calls[0][0] is lease
+    assert isinstance(calls[0][1], LeaseLostError)
+    with pytest.raises(LeaseLostError) as info:
+        lease.check()
+    assert info.value.token == lease.token
+    assert len(recorder.of(EventKind.LOST)) == 1
+    late: list[Any] = []
+    lease.on_lost(lambda lease, err: late.append(err))
+    assert len(late) == 1
+    with pytest.raises(NotOwnerError):
+        await lease.release()
+
+
+async def test_revoke_fences_out_the_holder(make_manager: Make, resource: str) -> None:
+    manager = make_manager()
+    hung = await manager.acquire(resource, ttl=60)
+    revoked = await manager.revoke(resource)
+    assert revoked > hung.token
+    assert await manager.inspect(resource) is None
+
+    async def take() -> Any:
+        return await manager.acquire(resource, timeout=5)
+
+    newer = await other_owner(take)
+    assert newer.token > revoked
+    with pytest.raises(LeaseLostError):
+        await hung.renew()
+    await newer.release()
+
+
+async def test_inspect(make_manager: Make, resource: str) -> None:
+    manager = make_manager()
+    assert await manager.inspect(resource) is None
+    lease = await manager.acquire(resource, ttl=5)
+    info = await manager.inspect(resource)
+    assert info is not None
+    assert info.resource == resource
+    assert info.token == lease.token
+    assert 0 < info.remaining <= 5
+    assert info.holder
+    assert lease._secret not in str(info)
+    await lease.release()
+
+
+async def test_explicit_renew_extends(make_manager: Make, resource: str) -> None:
+    manager = make_manager()
+    lease = await manager.acquire(resource, ttl=0.5)
+    await sleep(0.3)
+    await lease.renew(ttl=5)
+    assert lease.remaining() > 1
+    info = await manager.inspect(resource)
+    assert info is not None
+    assert info.remaining > 1
+    await lease.release()
+    with pytest.raises(NotOwnerError):
+        await lease.renew()
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 513, None, 42, b"bytes", "nul\x00byte"])
+async def test_bad_resource_names(make_manager: Make, bad: Any) -> None:
+    manager = make_manager()
+    with pytest.raises(InvalidResourceError):
+        await manager.acquire(bad)
+    with pytest.raises(InvalidResourceError):
+        await manager.inspect(bad)
+
+
+@pytest.mark.parametrize("ttl", [0, -1, float("nan"), float("inf"), "10", True])
+async def test_bad_ttl(make_manager: Make, resource: str, ttl: Any) -> None:
+    manager = make_manager()
+    with pytest.raises(ConfigurationError):
+        await manager.acquire(resource, ttl=ttl)
+
+
+async def test_events(make_manager: Make, resource: str) -> None:
+    bus = EventBus()
+    manager = make_manager(events=bus)
+    with EventRecorder(bus) as recorder:
+        lease = await manager.acquire(resource)
+        await lease.release()
+    assert recorder.kinds() == ["acquired", "released"]
+    assert {e.token for e in recorder.events} == {lease.token}
+    assert {e.scope for e in recorder.events} == {resource}
