@@ -28,6 +28,7 @@ from fence._core import (
     rejection,
     validate_resource,
     validate_token,
+    validate_ttl,
 )
 from fence._errors import (
     AcquireTimeout,
@@ -96,6 +97,7 @@ __all__ = [
     "system_clock",
     "validate_resource",
     "validate_token",
+    "validate_ttl",
 ]
 
 for _name in (

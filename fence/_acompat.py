@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["Task", "Waiter", "current_owner", "shield", "sleep", "spawn"]
+__all__ = ["Task", "Waiter", "cancel_after", "current_owner", "shield", "sleep", "spawn"]
 
 T = TypeVar("T")
 
@@ -96,3 +96,11 @@ def current_owner() -> object:
     if task is None:  # pragma: no cover - asyncio always runs coroutines in a task
         raise RuntimeError("no running asyncio task")
     return task
+
+
+def cancel_after(seconds: float) -> asyncio.Timeout:
+    """Cancel the block after ``seconds`` and raise :class:`TimeoutError` in its place.
+
+    A renewal that hangs past the lease's deadline is cut off, so the loss is reported on time.
+    """
+    return asyncio.timeout(seconds)

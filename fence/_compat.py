@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["Task", "Waiter", "current_owner", "shield", "sleep", "spawn"]
+__all__ = ["Task", "Waiter", "cancel_after", "current_owner", "shield", "sleep", "spawn"]
 
 T = TypeVar("T")
 
@@ -66,3 +67,8 @@ def shield(value: T) -> T:
 def current_owner() -> object:
     """The thread that owns what it acquires."""
     return threading.current_thread()
+
+
+def cancel_after(seconds: float) -> contextlib.nullcontext[None]:
+    """A blocking call cannot be cut off from outside: the driver's socket timeouts bound it."""
+    return contextlib.nullcontext()

@@ -1,1 +1,1 @@
-"""asyncio sources. ``tools/async_to_sync.py`` generates ``fence._sync`` from them."""
+"""asyncio sources of the I/O classes (the sync twins are generated)."""

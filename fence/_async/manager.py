@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
 
-from fence._acompat import Waiter, current_owner, shield, spawn
+from fence._acompat import Waiter, cancel_after, current_owner, shield, spawn
 from fence._clock import Clock, subscribe, system_clock
 from fence._core import client_deadline, validate_resource, validate_ttl
 from fence._errors import (
@@ -554,7 +554,11 @@ class AsyncBaseLockManager:
                 lease._mark_lost("the lease reached its deadline before a renewal succeeded")
                 return
             try:
-                renewed = await self.driver.renew(lease.resource, lease._secret, lease.ttl)
+                async with cancel_after(max(lease._deadline - sent, 0.001)):
+                    renewed = await self.driver.renew(lease.resource, lease._secret, lease.ttl)
+            except TimeoutError:
+                lease._mark_lost("renewal did not answer before the lease ran out")
+                return
             except BackendError as exc:
                 if lease._stop.is_set():
                     return

@@ -1,1 +1,1 @@
-"""Conformance and backend tests; _sync is generated from _async."""
+"""asyncio sources of the conformance and backend tests (the sync twins are generated)."""

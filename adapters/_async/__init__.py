@@ -1,0 +1,1 @@
+"""asyncio sources of the storage guards (the sync twins are generated)."""
