@@ -1,0 +1,73 @@
+"""The chaos checker finds each kind of violation in a log, and passes a clean one."""
+
+from __future__ import annotations
+
+from fence._chaos.checker import Record, check
+from fence._chaos.timeline import render_svg
+
+
+def clean_log() -> list[Record]:
+    return [
+        Record(1.0, "w1", "acquired", "r", 10),
+        Record(1.1, "w1", "write_ok", "r", 10, 0, 1),
+        Record(1.2, "w1", "released", "r", 10),
+        Record(2.0, "w2", "acquired", "r", 11),
+        Record(2.1, "w2", "write_ok", "r", 11, 1, 2),
+        Record(2.2, "w1", "write_rejected", "r", 10, 1, 2),
+        Record(2.3, "w2", "released", "r", 11),
+    ]
+
+
+def test_clean_run_passes() -> None:
+    verdict = check(clean_log(), {"r": 2})
+    assert verdict.ok
+    assert verdict.accepted == {"r": 2}
+    assert verdict.rejected == {"r": 1}
+    assert verdict.as_dict()["total_lost_updates"] == 0
+
+
+def test_stale_write_accepted_is_found() -> None:
+    log = [*clean_log(), Record(3.0, "w1", "write_ok", "r", 10, 2, 3)]
+    verdict = check(log, {"r": 3})
+    assert not verdict.ok
+    assert verdict.stale_accepted == [
+        {"scope": "r", "token": 10, "after_token": 11, "worker": "w1", "value": 3}
+    ]
+
+
+def test_lost_update_is_found() -> None:
+    # Both read 1 and wrote 2: one increment vanished.
+    log = [
+        Record(1.0, "w1", "write_ok", "r", None, 0, 1),
+        Record(2.0, "w2", "write_ok", "r", None, 1, 2),
+        Record(2.5, "w1", "write_ok", "r", None, 1, 2),
+    ]
+    verdict = check(log, {"r": 2})
+    assert not verdict.ok
+    assert verdict.lost_updates == {"r": 1}
+    assert verdict.duplicate_values[0]["value"] == 2
+
+
+def test_token_issued_twice_is_found() -> None:
+    log = [Record(1.0, "w1", "acquired", "r", 10), Record(2.0, "w2", "acquired", "r", 10)]
+    verdict = check(log, {})
+    assert not verdict.ok
+    assert verdict.duplicate_tokens == [{"scope": "r", "token": 10, "workers": ["w1", "w2"]}]
+
+
+def test_unknown_outcomes_explain_extra_increments_only() -> None:
+    log = [*clean_log(), Record(3.0, "w2", "write_error", "r", 11, 2, 3)]
+    assert check(log, {"r": 3}).ok
+    assert check(log, {"r": 2}).ok
+    assert not check(log, {"r": 4}).ok
+
+
+def test_timeline_svg() -> None:
+    log = [*clean_log(), Record(1.5, "w1", "paused"), Record(2.5, "w1", "resumed")]
+    log.append(Record(1.8, "controller", "fault", detail="kill -9 redis"))
+    svg = render_svg(log, "run")
+    assert svg.startswith("<svg")
+    assert svg.count("<circle") >= 2 + 1  # two accepted writes + the legend
+    assert "stopped (SIGSTOP)" in svg
+    assert "kill -9 redis" in svg
+    assert render_svg([], "empty").startswith("<svg")
