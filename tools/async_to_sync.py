@@ -40,6 +40,8 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\bAsync(?=[A-Z])", ""),
     (r"\b_acompat\b", "_compat"),
     (r"\b_async\b", "_sync"),
+    (r"\bredis\.asyncio\b", "redis"),
+    (r"\baclose\b", "close"),
 ]
 
 _DIRECTIVE = re.compile(r"^(?P<indent>\s*)(?P<code>.*?)\s*# unasync: (?P<what>.+?)\s*$")

@@ -1,0 +1,691 @@
+"""The Redis storage guard for asyncio: fenced writes in one Lua script each.
+
+``tools/async_to_sync.py`` generates ``adapters/_sync/redis.py`` from this file. Import the
+public names from :mod:`fence.adapters.redis`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis.asyncio
+import redis.asyncio.cluster
+from redis.exceptions import (
+    ClusterCrossSlotError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+)
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
+
+from fence import (
+    BackendError,
+    EventBus,
+    EventKind,
+    FenceError,
+    RetryableError,
+    StaleTokenError,
+    default_bus,
+    validate_token,
+)
+
+from .._redis_lua import (
+    READ,
+    WRITE,
+    CrossSlotError,
+    FenceScope,
+    KeyLayout,
+    Op,
+    Script,
+    decode,
+    encode,
+    op_claim,
+    op_delete,
+    op_hset,
+    op_incr,
+    op_read,
+    op_rpush,
+    op_set,
+    op_xadd,
+    parse_fence,
+)
+
+__all__ = ["AsyncFencedPipeline", "AsyncRedisBatch", "AsyncRedisGuard"]
+
+AsyncRedisClient = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
+
+_SOURCE = "redis-guard"
+
+
+def _translate(err: RedisError, what: str) -> FenceError:
+    """Wrap a redis-py error in the FenceError family (the caller chains it with ``from``)."""
+    if isinstance(err, RedisTimeoutError):
+        return RetryableError(
+            f"{what}: Redis did not answer in time; the write may or may not have been"
+            " applied. Retrying with the same token is safe for set, hset, delete and claim;"
+            " incr, rpush and xadd would apply twice.",
+            code="TIMEOUT",
+        )
+    if isinstance(err, RedisConnectionError):
+        return BackendError(
+            f"{what}: lost the connection to Redis ({err}); the write may or may not have been"
+            " applied. Retry once Redis is reachable (set, hset, delete and claim are safe to"
+            " repeat with the same token).",
+            code="CONNECTION",
+            retryable=True,
+        )
+    text = str(err)
+    if isinstance(err, ClusterCrossSlotError) or (
+        isinstance(err, RedisClusterException) and "same key slot" in text
+    ):
+        return CrossSlotError(
+            f"{what}: the keys of one fenced call hash to several cluster slots (the server"
+            f" answered CROSSSLOT: {text})."
+            " Give every key of a resource the same hash tag, e.g. '{order:42}:status'."
+        )
+    if isinstance(err, ResponseError):
+        return BackendError(f"{what}: Redis refused the command: {text}", code="RESPONSE")
+    return BackendError(f"{what}: Redis failed: {text}", code="BACKEND")
+
+
+class AsyncRedisGuard:
+    """Fenced writes to Redis keys: a write whose token is older than the fence changes
+    nothing and raises :class:`fence.StaleTokenError` (C4, C5).
+
+    Each write is one ``EVALSHA`` of one Lua script, one round trip: the script reads the
+    fence, compares, and applies the write together with the new fence, atomically. A
+    delete keeps the fence as a tombstone (C7). Batches are all or nothing (C6).
+
+    Fence scope: with ``scope="key"`` (the default) every data key has its own fence; with
+    ``scope="resource"`` all keys of a resource share one register, ``fence:{R}:fence``,
+    where ``R`` is the key's hash tag (or the whole key when it has none), the register a
+    lock manager's forced revocation raises. Use the resource scope when the keys of ``R``
+    are updated together under one lock.
+
+    **Write-only fencing leaves a hole; claim or read-for-update closes it (C8).** Fencing
+    only the writes does not stop a lost update in a read-modify-write cycle::
+
+        t=0  A acquires "acct:1" -> token 33, pauses (GC) before writing
+        t=1  A's lease ends; B acquires -> token 34
+        t=2  B reads balance = 100                    (plain read: the fence stays 0)
+        t=3  A wakes, writes 100 - 30 = 70 with 33    -> ACCEPTED (33 >= fence 0)
+        t=4  B writes 100 + 50 = 150 with 34          -> accepted; A's debit is lost
+
+    With ``await guard.claim("acct:1", 34)`` right after acquiring, or with
+    ``await guard.read_for_update("acct:1", token=34)`` instead of the plain read at
+    t=2, the fence is 34 before B reads, and A's write at t=3 is refused as ``STALE``.
+
+    Args:
+        client: a ``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster``. The
+            guard does not close it unless it came from :meth:`from_url`.
+        scope: ``"key"`` or ``"resource"`` (a :class:`FenceScope`).
+        prefix: the prefix of the fence keys; the same as the lock manager's.
+        check_issuer: also refuse tokens above the resource's issued counter
+            ``fence:{R}:token``, kept by a lock manager on the same Redis. It catches
+            forged or corrupted tokens, tokens from another cluster or environment and a
+            counter that went back. Leave it off when the manager lives elsewhere.
+        events: where to report accepted and rejected writes (default:
+            :data:`fence.default_bus`).
+
+    Raises:
+        ConfigurationError: a prefix with braces or an unknown scope.
+
+    Example::
+
+        guard = AsyncRedisGuard(redis.asyncio.Redis(), scope="resource")
+        async with manager.lock("order:42") as lease:
+            await guard.claim("order:42", lease.token)
+            status = await guard.read_for_update("{order:42}:status", token=lease.token)
+            await guard.set("{order:42}:status", "paid", token=lease.token)
+    """
+
+    def __init__(
+        self,
+        client: AsyncRedisClient,
+        *,
+        scope: FenceScope | str = FenceScope.KEY,
+        prefix: str = "fence:",
+        check_issuer: bool = False,
+        events: EventBus | None = None,
+    ) -> None:
+        self.client = client
+        cluster = isinstance(client, redis.asyncio.cluster.RedisCluster)
+        self.layout = KeyLayout(prefix, scope, cluster=cluster)
+        self.check_issuer = bool(check_issuer)
+        self.events = events or default_bus
+        self._owns_client = False
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> AsyncRedisGuard:
+        """Build a guard with its own client for ``url``; :meth:`close` closes it.
+
+        Args:
+            url: a ``redis://`` or ``rediss://`` URL.
+            **options: keyword arguments of :class:`AsyncRedisGuard`.
+        """
+        guard = cls(redis.asyncio.Redis.from_url(url), **options)
+        guard._owns_client = True
+        return guard
+
+    @property
+    def scope(self) -> FenceScope:
+        """The fence scope: per key or per resource."""
+        return self.layout.scope
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} scope={self.scope} prefix={self.layout.prefix!r}>"
+
+    async def close(self) -> None:
+        """Close the client if this guard created it (:meth:`from_url`)."""
+        if self._owns_client:
+            self._owns_client = False
+            await self.client.aclose()
+
+    async def __aenter__(self) -> AsyncRedisGuard:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- fenced writes ------------------------------------------------------------------
+
+    async def set(
+        self,
+        key: str,
+        value: Any,
+        *,
+        token: int,
+        ttl: float | None = None,
+        must_exist: bool = False,
+    ) -> None:
+        """Set ``key`` to ``value`` if ``token`` passes the fence (C4).
+
+        Args:
+            key: the data key.
+            value: anything redis-py encodes (``str``, ``bytes``, ``int``, ``float``).
+            token: the fencing token of the caller's lease.
+            ttl: seconds until the *value* expires; the fence never does.
+            must_exist: update semantics: reject with ``MISSING`` if ``key`` is absent.
+
+        Raises:
+            InvalidTokenError: a bad token, before any I/O.
+            StaleTokenError: ``STALE`` (older than the fence), ``MISSING`` (with
+                ``must_exist``), nothing written.
+            BackendError: Redis failed (``code="CONNECTION"``, ``retryable=True`` for a lost
+                connection); :class:`fence.RetryableError` on a timeout.
+        """
+        await self._write(token, (op_set(key, value, ttl, must_exist),))
+
+    async def hset(
+        self, key: str, mapping: Mapping[Any, Any], *, token: int, must_exist: bool = False
+    ) -> int:
+        """Set the hash fields in ``mapping`` if ``token`` passes the fence.
+
+        Args:
+            key: the hash key.
+            mapping: field -> value.
+            token: the fencing token.
+            must_exist: reject with ``MISSING`` if the hash does not exist.
+
+        Returns:
+            The number of fields added (as ``HSET``).
+
+        Raises:
+            Same as :meth:`set`.
+        """
+        results = await self._write(token, (op_hset(key, mapping, must_exist),))
+        return int(results[0])
+
+    async def delete(self, key: str, *, token: int) -> bool:
+        """Delete ``key`` and keep its fence as a tombstone (C7).
+
+        A stale writer cannot bring the key back: the fence stays at ``token``.
+
+        Returns:
+            Whether the key existed.
+
+        Raises:
+            Same as :meth:`set` (never ``MISSING``: deleting nothing still fences).
+        """
+        results = await self._write(token, (op_delete(key),))
+        return bool(results[0])
+
+    async def incr(self, key: str, amount: int = 1, *, token: int, must_exist: bool = False) -> int:
+        """Add ``amount`` to the integer at ``key`` (``INCRBY``) if ``token`` passes.
+
+        Returns:
+            The new value.
+
+        Raises:
+            Same as :meth:`set`; :class:`fence.BackendError` if the value is no integer.
+        """
+        results = await self._write(token, (op_incr(key, amount, must_exist),))
+        return int(results[0])
+
+    async def rpush(self, key: str, *values: Any, token: int, must_exist: bool = False) -> int:
+        """Append ``values`` to the list at ``key`` if ``token`` passes.
+
+        Returns:
+            The length of the list.
+
+        Raises:
+            Same as :meth:`set`.
+        """
+        results = await self._write(token, (op_rpush(key, values, must_exist),))
+        return int(results[0])
+
+    async def xadd(
+        self,
+        key: str,
+        fields: Mapping[Any, Any],
+        *,
+        token: int,
+        id: str = "*",
+        maxlen: int | None = None,
+        must_exist: bool = False,
+    ) -> Any:
+        """Append an entry to the stream at ``key`` if ``token`` passes.
+
+        Args:
+            key: the stream key.
+            fields: field -> value of the entry.
+            token: the fencing token.
+            id: the entry id (``*``: let Redis choose).
+            maxlen: trim the stream to about this many entries (``MAXLEN ~``).
+            must_exist: reject with ``MISSING`` if the stream does not exist.
+
+        Returns:
+            The entry id.
+
+        Raises:
+            Same as :meth:`set`.
+        """
+        results = await self._write(token, (op_xadd(key, fields, id, maxlen, must_exist),))
+        return results[0]
+
+    # -- claim and reads (C8) ---------------------------------------------------------------
+
+    async def claim(self, scope: str, token: int) -> int:
+        """Raise the fence of ``scope`` to ``token`` without writing data (C8).
+
+        Call it right after acquiring, before reading: every older token is refused from
+        then on, on this key (``scope="key"``) or on every key of the resource
+        (``scope="resource"``; ``scope`` may then be the resource name or any of its keys).
+
+        Returns:
+            The fence, now ``token``.
+
+        Raises:
+            StaleTokenError: the fence is already above ``token`` (``STALE``).
+            InvalidTokenError: a bad token, before any I/O.
+            BackendError: Redis failed.
+        """
+        await self._write(token, (op_claim(scope),))
+        return token
+
+    async def fence(self, scope: str) -> int | None:
+        """The fence of ``scope``, or ``None`` if nothing was ever fenced there.
+
+        Raises:
+            StaleTokenError: ``UNVERIFIABLE``, the fence key holds no integer.
+            BackendError: Redis failed.
+        """
+        fence_key = self.layout.fence_key(scope)
+        try:
+            raw = await self.client.get(fence_key)
+        except RedisError as err:
+            raise _translate(err, f"fence of {scope!r}") from err
+        return parse_fence(scope, raw)
+
+    async def read_for_update(self, key: str, *, token: int) -> Any:
+        """A registering read: raise the fence to ``token`` and return the value (C8).
+
+        Use it for read-modify-write: a stale holder cannot write between this read and
+        the caller's write, and a stale reader is refused.
+
+        Returns:
+            The string value, or ``None`` if ``key`` does not exist.
+
+        Raises:
+            StaleTokenError: the fence is above ``token`` (``STALE``).
+            InvalidTokenError, BackendError: as for :meth:`set`.
+        """
+        results = await self._write(token, (op_read(key, "get"),))
+        return results[0]
+
+    async def hgetall_for_update(self, key: str, *, token: int) -> dict[Any, Any]:
+        """The registering read of a hash: raise the fence and return all its fields.
+
+        Raises:
+            Same as :meth:`read_for_update`.
+        """
+        results = await self._write(token, (op_read(key, "hgetall"),))
+        return _pairs(results[0])
+
+    async def get(self, key: str) -> tuple[Any, int | None]:
+        """Read the string at ``key`` together with its fence, in one atomic step.
+
+        A plain read: it does not raise the fence. Use :meth:`read_for_update` to read
+        for a write.
+
+        Returns:
+            ``(value, fence)``: the value or ``None``, the fence or ``None``.
+        """
+        fence, value = await self._read(key, "get")
+        return value, fence
+
+    async def hgetall(self, key: str) -> tuple[dict[Any, Any], int | None]:
+        """Read the hash at ``key`` together with its fence, in one atomic step.
+
+        Returns:
+            ``(fields, fence)``; ``fields`` is empty if the hash does not exist.
+        """
+        fence, value = await self._read(key, "hgetall")
+        return _pairs(value), fence
+
+    # -- batches and pipelines -----------------------------------------------------------
+
+    def batch(self, token: int) -> AsyncRedisBatch:
+        """Start an all-or-nothing batch of writes with one token (C6).
+
+        Every fence is checked before the first write; if any key is rejected, nothing is
+        written and the error lists every rejected key. The keys must belong to one
+        resource (one hash tag), or :class:`CrossSlotError` is raised before any I/O.
+
+        Example::
+
+            results = await (
+                guard.batch(lease.token)
+                .set("{order:42}:status", "paid")
+                .incr("{order:42}:total", 30)
+                .execute()
+            )
+
+        Raises:
+            InvalidTokenError: a bad token (here, before any operation is added).
+        """
+        return AsyncRedisBatch(self, validate_token(token))
+
+    def pipeline(self) -> AsyncFencedPipeline:
+        """Queue independent fenced writes (each with its own token) for one round trip.
+
+        Unlike a batch, each write stands alone: :meth:`AsyncFencedPipeline.execute`
+        returns one result per write, a :class:`fence.StaleTokenError` object in place of
+        a rejected write's result.
+        """
+        return AsyncFencedPipeline(self)
+
+    # -- internals ---------------------------------------------------------------------
+
+    async def _write(self, token: int, ops: Sequence[Op], *, one_slot: bool = False) -> list[Any]:
+        token = validate_token(token)
+        keys, argv = encode(self.layout, token, ops, issuer=self.check_issuer, one_slot=one_slot)
+        reply = await self._eval(WRITE, keys, argv, ops[0].key)
+        outcome = decode(token, ops, reply)
+        bus = self.events
+        if isinstance(outcome, StaleTokenError):
+            if bus.active:
+                for err in outcome.rejected or (outcome,):
+                    bus.emit(EventKind.WRITE_REJECTED, _SOURCE, err.scope, token, reason=err.reason)
+            raise outcome
+        if bus.active:
+            for op in ops:
+                bus.emit(EventKind.WRITE_ACCEPTED, _SOURCE, op.key, token, op=op.code)
+        return outcome
+
+    async def _read(self, key: str, kind: str) -> tuple[int | None, Any]:
+        keys = [self.layout.fence_key(key), key]
+        reply = await self._eval(READ, keys, [kind], key)
+        return parse_fence(key, reply[0]), reply[1]
+
+    async def _eval(self, script: Script, keys: list[str], argv: list[Any], what: str) -> Any:
+        """One ``EVALSHA``; on ``NOSCRIPT`` (a restart, ``SCRIPT FLUSH``) load and retry once."""
+        client = self.client
+        # redis-py types execute_command on some client classes only.
+        command: Any = client.execute_command
+        try:
+            try:
+                return await command("EVALSHA", script.sha, len(keys), *keys, *argv)
+            except NoScriptError:
+                await client.script_load(script.text)
+            try:
+                return await command("EVALSHA", script.sha, len(keys), *keys, *argv)
+            except NoScriptError as err:
+                raise RetryableError(
+                    f"{what}: the {script.name} script vanished from the script cache twice"
+                    " in a row (SCRIPT FLUSH or restarts); nothing was written, retry",
+                    code="NOSCRIPT",
+                ) from err
+        except RedisError as err:
+            raise _translate(err, what) from err
+
+
+def _pairs(flat: Any) -> dict[Any, Any]:
+    if isinstance(flat, dict):  # RESP3 replies are already maps
+        return flat
+    items = list(flat or ())
+    return dict(zip(items[0::2], items[1::2], strict=True))
+
+
+class AsyncRedisBatch:
+    """An all-or-nothing group of fenced writes with one token (C6).
+
+    Build it with :meth:`AsyncRedisGuard.batch`, add operations (each method returns the
+    batch, so calls chain), then ``await batch.execute()``. Checks run against the state
+    before the batch as changed by its earlier operations; then every write is applied in
+    order, in one Lua script.
+    """
+
+    def __init__(self, guard: AsyncRedisGuard, token: int) -> None:
+        self.guard = guard
+        self.token = token
+        self.ops: list[Op] = []
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def set(
+        self, key: str, value: Any, *, ttl: float | None = None, must_exist: bool = False
+    ) -> AsyncRedisBatch:
+        """Add a fenced set; see :meth:`AsyncRedisGuard.set`."""
+        self.ops.append(op_set(key, value, ttl, must_exist))
+        return self
+
+    def hset(
+        self, key: str, mapping: Mapping[Any, Any], *, must_exist: bool = False
+    ) -> AsyncRedisBatch:
+        """Add a fenced hash-field set; see :meth:`AsyncRedisGuard.hset`."""
+        self.ops.append(op_hset(key, mapping, must_exist))
+        return self
+
+    def delete(self, key: str) -> AsyncRedisBatch:
+        """Add a fenced delete that leaves a tombstone; see :meth:`AsyncRedisGuard.delete`."""
+        self.ops.append(op_delete(key))
+        return self
+
+    def incr(self, key: str, amount: int = 1, *, must_exist: bool = False) -> AsyncRedisBatch:
+        """Add a fenced increment; see :meth:`AsyncRedisGuard.incr`."""
+        self.ops.append(op_incr(key, amount, must_exist))
+        return self
+
+    def rpush(self, key: str, *values: Any, must_exist: bool = False) -> AsyncRedisBatch:
+        """Add a fenced list append; see :meth:`AsyncRedisGuard.rpush`."""
+        self.ops.append(op_rpush(key, values, must_exist))
+        return self
+
+    def xadd(
+        self,
+        key: str,
+        fields: Mapping[Any, Any],
+        *,
+        id: str = "*",
+        maxlen: int | None = None,
+        must_exist: bool = False,
+    ) -> AsyncRedisBatch:
+        """Add a fenced stream append; see :meth:`AsyncRedisGuard.xadd`."""
+        self.ops.append(op_xadd(key, fields, id, maxlen, must_exist))
+        return self
+
+    def claim(self, key: str) -> AsyncRedisBatch:
+        """Add a claim of the fence of ``key``; see :meth:`AsyncRedisGuard.claim`."""
+        self.ops.append(op_claim(key))
+        return self
+
+    async def execute(self) -> list[Any]:
+        """Check every fence, then apply every write, atomically.
+
+        Returns:
+            The raw result of each operation, in order (``1`` for set and claim, counts
+            for hset/delete/rpush, the new value for incr, the id for xadd).
+
+        Raises:
+            StaleTokenError: some keys were rejected; ``rejected`` has one error per
+                rejected key, and nothing was written.
+            CrossSlotError: the keys belong to several resources (before any I/O).
+            BackendError: Redis failed.
+        """
+        if not self.ops:
+            return []
+        return await self.guard._write(self.token, self.ops, one_slot=True)
+
+
+class AsyncFencedPipeline:
+    """Independent fenced writes sent in one round trip, with one result per write.
+
+    Each write is its own ``EVALSHA`` with its own token; a rejection does not stop the
+    others. Build it with :meth:`AsyncRedisGuard.pipeline`.
+
+    Example::
+
+        pipe = guard.pipeline()
+        for key, value, token in updates:
+            pipe.set(key, value, token=token)
+        for outcome in await pipe.execute():
+            if isinstance(outcome, StaleTokenError):
+                ...
+    """
+
+    def __init__(self, guard: AsyncRedisGuard) -> None:
+        self.guard = guard
+        self._queued: list[tuple[int, Op]] = []
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def _add(self, token: int, op: Op) -> AsyncFencedPipeline:
+        # Validate now: a bad token or key is the caller's bug and must not cost I/O.
+        token = validate_token(token)
+        self.guard.layout.fence_key(op.key)
+        self._queued.append((token, op))
+        return self
+
+    def set(
+        self,
+        key: str,
+        value: Any,
+        *,
+        token: int,
+        ttl: float | None = None,
+        must_exist: bool = False,
+    ) -> AsyncFencedPipeline:
+        """Queue a fenced set; see :meth:`AsyncRedisGuard.set`."""
+        return self._add(token, op_set(key, value, ttl, must_exist))
+
+    def hset(
+        self, key: str, mapping: Mapping[Any, Any], *, token: int, must_exist: bool = False
+    ) -> AsyncFencedPipeline:
+        """Queue a fenced hash-field set; see :meth:`AsyncRedisGuard.hset`."""
+        return self._add(token, op_hset(key, mapping, must_exist))
+
+    def delete(self, key: str, *, token: int) -> AsyncFencedPipeline:
+        """Queue a fenced delete; see :meth:`AsyncRedisGuard.delete`."""
+        return self._add(token, op_delete(key))
+
+    def incr(
+        self, key: str, amount: int = 1, *, token: int, must_exist: bool = False
+    ) -> AsyncFencedPipeline:
+        """Queue a fenced increment; see :meth:`AsyncRedisGuard.incr`."""
+        return self._add(token, op_incr(key, amount, must_exist))
+
+    def rpush(
+        self, key: str, *values: Any, token: int, must_exist: bool = False
+    ) -> AsyncFencedPipeline:
+        """Queue a fenced list append; see :meth:`AsyncRedisGuard.rpush`."""
+        return self._add(token, op_rpush(key, values, must_exist))
+
+    def claim(self, key: str, *, token: int) -> AsyncFencedPipeline:
+        """Queue a claim; see :meth:`AsyncRedisGuard.claim`."""
+        return self._add(token, op_claim(key))
+
+    async def execute(self) -> list[Any]:
+        """Send every queued write in one round trip (two if the script must be loaded).
+
+        Returns:
+            One entry per write, in order: its result (as :meth:`AsyncRedisBatch.execute`)
+            or the :class:`fence.FenceError` that rejected or failed it
+            (:class:`fence.StaleTokenError` for a stale or missing write).
+
+        Raises:
+            BackendError: the connection failed; which writes were applied is unknown.
+        """
+        queued, self._queued = self._queued, []
+        guard = self.guard
+        calls = [
+            encode(guard.layout, token, (op,), issuer=guard.check_issuer, one_slot=False)
+            for token, op in queued
+        ]
+        replies = await self._send(list(range(len(calls))), calls)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            # A restart or SCRIPT FLUSH: those writes did not run. Load and send them again.
+            try:
+                await guard.client.script_load(WRITE.text)
+            except RedisError as err:
+                raise _translate(err, "fenced pipeline") from err
+            for i, reply in zip(missing, await self._send(missing, calls), strict=True):
+                replies[i] = reply
+        bus = guard.events
+        out: list[Any] = []
+        for (token, op), reply in zip(queued, replies, strict=True):
+            if isinstance(reply, NoScriptError):
+                vanished = RetryableError(
+                    f"{op.key}: the fenced-write script vanished twice; nothing was written",
+                    code="NOSCRIPT",
+                )
+                vanished.__cause__ = reply
+                out.append(vanished)
+                continue
+            if isinstance(reply, RedisError):
+                failure = _translate(reply, op.key)
+                failure.__cause__ = reply
+                out.append(failure)
+                continue
+            outcome = decode(token, (op,), reply)
+            if isinstance(outcome, StaleTokenError):
+                if bus.active:
+                    bus.emit(
+                        EventKind.WRITE_REJECTED, _SOURCE, op.key, token, reason=outcome.reason
+                    )
+                out.append(outcome)
+            else:
+                if bus.active:
+                    bus.emit(EventKind.WRITE_ACCEPTED, _SOURCE, op.key, token, op=op.code)
+                out.append(outcome[0])
+        return out
+
+    async def _send(self, which: list[int], calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        pipe = self.guard.client.pipeline(transaction=False)
+        for i in which:
+            keys, argv = calls[i]
+            pipe.execute_command("EVALSHA", WRITE.sha, len(keys), *keys, *argv)
+        try:
+            return list(await pipe.execute(raise_on_error=False))
+        except RedisError as err:
+            raise _translate(err, "fenced pipeline") from err

@@ -1,0 +1,65 @@
+"""The Redis storage guard: fenced writes to Redis keys, sync and asyncio.
+
+Every write is one ``EVALSHA`` of one Lua script that checks the fence and applies the
+write with the new fence atomically; a stale token changes nothing and raises
+:class:`fence.StaleTokenError`::
+
+    import redis
+    from fence.adapters.redis import RedisGuard
+
+    guard = RedisGuard(redis.Redis(), scope="resource")
+    with manager.lock("order:42") as lease:
+        guard.claim("order:42", lease.token)          # shut out older holders first (C8)
+        guard.set("{order:42}:status", "paid", token=lease.token)
+
+The asyncio twin is :class:`AsyncRedisGuard` (``redis.asyncio.Redis`` or
+``redis.asyncio.cluster.RedisCluster``). See ``docs/redis-guard.md`` for the key layout,
+the issuer check and the write-only fencing hole.
+"""
+
+from __future__ import annotations
+
+from ._async.redis import AsyncFencedPipeline, AsyncRedisBatch, AsyncRedisGuard
+from ._redis_lua import (
+    READ_LUA,
+    WRITE_LUA,
+    CrossSlotError,
+    FenceScope,
+    KeyLayout,
+    UnissuedTokenError,
+    hash_tag,
+    resource_of,
+    slot_of,
+)
+from ._sync.redis import FencedPipeline, RedisBatch, RedisGuard
+
+__all__ = [
+    "READ_LUA",
+    "WRITE_LUA",
+    "AsyncFencedPipeline",
+    "AsyncRedisBatch",
+    "AsyncRedisGuard",
+    "CrossSlotError",
+    "FenceScope",
+    "FencedPipeline",
+    "KeyLayout",
+    "RedisBatch",
+    "RedisGuard",
+    "UnissuedTokenError",
+    "hash_tag",
+    "resource_of",
+    "slot_of",
+]
+
+for _cls in (
+    AsyncFencedPipeline,
+    AsyncRedisBatch,
+    AsyncRedisGuard,
+    FencedPipeline,
+    RedisBatch,
+    RedisGuard,
+    FenceScope,
+    KeyLayout,
+):
+    _cls.__module__ = __name__
+del _cls

@@ -1,0 +1,211 @@
+"""The Redis guard under real faults, on servers these tests own: a restart (the script
+cache is gone), a killed server, a stopped server, and a Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
+from fence.adapters.redis import AsyncRedisGuard, CrossSlotError, RedisGuard, slot_of
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from fence import BackendError, Reason, RetryableError, StaleTokenError
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def aof_server() -> Iterator[RedisServer]:
+    """A redis-server that fsyncs every write, so data survives a SIGKILL restart."""
+    server = RedisServer("--appendonly", "yes", "--appendfsync", "always").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_server() -> Iterator[RedisServer]:
+    """A one-node Redis Cluster that owns every slot: the server enforces CROSSSLOT."""
+    server = RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+    server.start()
+    admin = redis.Redis(port=server.port)
+    try:
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        deadline = time.monotonic() + 20
+        while b"cluster_state:ok" not in admin.execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline, "the one-node cluster did not come up"
+            time.sleep(0.05)
+    finally:
+        admin.close()
+    yield server
+    server.stop()
+
+
+def _no_retry_client(server: RedisServer, **options: float) -> redis.Redis:
+    return redis.Redis(port=server.port, retry=Retry(NoBackoff(), 0), **options)
+
+
+def test_restart_mid_run_reloads_the_script_and_keeps_fences(aof_server: RedisServer) -> None:
+    client = redis.Redis(port=aof_server.port)
+    guard = RedisGuard(client)
+    try:
+        guard.set("k", 1, token=7)
+        aof_server.restart()  # SIGKILL: the script cache is empty afterwards
+        # redis-py reconnects; the guard meets NOSCRIPT, loads the script, retries once.
+        guard.set("k", 2, token=7)
+        assert guard.get("k") == (b"2", 7)
+        aof_server.restart()
+        with pytest.raises(StaleTokenError) as caught:  # a real verdict, from the AOF fence
+            guard.set("k", 3, token=6)
+        assert caught.value.fence == 7
+        aof_server.restart()
+        assert guard.pipeline().set("k", 4, token=8).execute() == [1]
+        assert guard.get("k") == (b"4", 8)
+    finally:
+        client.close()
+
+
+async def test_async_restart_mid_run_reloads_the_script(aof_server: RedisServer) -> None:
+    client = redis.asyncio.Redis(port=aof_server.port)
+    guard = AsyncRedisGuard(client)
+    try:
+        await guard.set("k", 1, token=7)
+        aof_server.restart()
+        await guard.set("k", 2, token=7)
+        assert await guard.get("k") == (b"2", 7)
+        aof_server.restart()
+        results = await guard.pipeline().set("k", 3, token=6).set("k", 4, token=8).execute()
+        assert isinstance(results[0], StaleTokenError)
+        assert results[1] == 1
+    finally:
+        await client.aclose()
+
+
+def test_killed_server_is_a_retryable_connection_error(aof_server: RedisServer) -> None:
+    client = _no_retry_client(aof_server)
+    guard = RedisGuard(client)
+    try:
+        guard.set("k", 1, token=1)
+        aof_server.kill()
+        with pytest.raises(BackendError) as caught:
+            guard.set("k", 2, token=1)
+        err = caught.value
+        assert (err.code, err.retryable) == ("CONNECTION", True)
+        assert isinstance(err.__cause__, redis.ConnectionError)
+        assert not isinstance(err, StaleTokenError)
+        with pytest.raises(BackendError) as caught:
+            guard.pipeline().set("k", 2, token=1).execute()
+        assert caught.value.code == "CONNECTION"
+        aof_server.start()
+        guard.set("k", 2, token=1)
+        assert guard.get("k") == (b"2", 1)
+    finally:
+        client.close()
+
+
+async def test_async_killed_server_is_a_retryable_connection_error(
+    aof_server: RedisServer,
+) -> None:
+    client = redis.asyncio.Redis(port=aof_server.port, retry=Retry(NoBackoff(), 0))
+    guard = AsyncRedisGuard(client)
+    try:
+        await guard.set("k", 1, token=1)
+        aof_server.kill()
+        with pytest.raises(BackendError) as caught:
+            await guard.claim("k", 2)
+        assert (caught.value.code, caught.value.retryable) == ("CONNECTION", True)
+    finally:
+        await client.aclose()
+
+
+def test_stopped_server_is_a_retryable_timeout(aof_server: RedisServer) -> None:
+    client = _no_retry_client(aof_server, socket_timeout=0.3)
+    guard = RedisGuard(client)
+    try:
+        guard.set("k", 1, token=1)
+        aof_server.pause()
+        try:
+            with pytest.raises(RetryableError) as caught:
+                guard.set("k", 2, token=1)
+        finally:
+            aof_server.resume()
+        assert caught.value.code == "TIMEOUT"
+        assert caught.value.retryable
+        assert isinstance(caught.value.__cause__, redis.TimeoutError)
+    finally:
+        client.close()
+
+
+# -- cluster -------------------------------------------------------------------------------
+
+
+def test_cluster_client_fenced_writes(cluster_server: RedisServer) -> None:
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster_server.port)
+    try:
+        client.flushall()
+        guard = RedisGuard(client)
+        rguard = RedisGuard(client, scope="resource", check_issuer=True)
+        guard.set("plain", 1, token=3)  # no hash tag: the fence key is tagged {plain}
+        assert guard.get("plain") == (b"1", 3)
+        client.script_flush()
+        guard.set("{o:1}:a", 1, token=3)
+        assert guard.batch(3).set("{o:1}:a", 2).incr("{o:1}:b").execute() == [1, 1]
+        with pytest.raises(StaleTokenError) as caught:
+            guard.batch(2).set("{o:1}:a", 3).set("{o:1}:c", 3).execute()
+        assert [e.scope for e in caught.value.rejected] == ["{o:1}:a"]
+        client.set("fence:{o:2}:token", 9)
+        rguard.claim("o:2", 9)
+        assert rguard.fence("{o:2}:x") == 9
+        results = guard.pipeline().set("{o:1}:a", 9, token=2).set("{o:3}:a", 1, token=1).execute()
+        assert isinstance(results[0], StaleTokenError)
+        assert results[1] == 1
+        # Mixed hash tags are refused before I/O, with CROSSSLOT explained.
+        with pytest.raises(CrossSlotError, match="CROSSSLOT"):
+            guard.batch(5).set("{o:1}:a", 1).set("{o:2}:a", 1).execute()
+        # A key whose fence cannot share its slot is refused up front on a cluster.
+        with pytest.raises(CrossSlotError):
+            guard.set("a}b", 1, token=1)
+    finally:
+        client.close()
+
+
+def test_cluster_server_crossslot_reply_is_explained(cluster_server: RedisServer) -> None:
+    # Bypass the client-side check: a plain client sends keys of two slots to the cluster
+    # node, which answers CROSSSLOT; the guard turns that into CrossSlotError.
+    client = redis.Redis(port=cluster_server.port)
+    guard = RedisGuard(client)
+    try:
+        keys = ["{o:1}:a", "{o:9}:a"]
+        assert slot_of(keys[0]) != slot_of(keys[1])
+        batch = guard.batch(5).set(keys[0], 1).set(keys[1], 1)
+        with pytest.raises(CrossSlotError) as caught:
+            guard._write(5, batch.ops)  # one_slot=False: the server decides
+        assert "CROSSSLOT" in str(caught.value)
+    finally:
+        client.close()
+
+
+async def test_async_cluster_client_fenced_writes(cluster_server: RedisServer) -> None:
+    client = redis.asyncio.cluster.RedisCluster(host="127.0.0.1", port=cluster_server.port)
+    try:
+        guard = AsyncRedisGuard(client, scope="resource")
+        await client.script_flush()
+        await guard.set("{acct:5}:balance", 10, token=4)
+        assert await guard.read_for_update("{acct:5}:balance", token=5) == b"10"
+        with pytest.raises(StaleTokenError) as caught:
+            await guard.set("{acct:5}:balance", 0, token=4)
+        assert caught.value.reason is Reason.STALE
+        assert await guard.batch(5).set("{acct:5}:balance", 20).execute() == [1]
+        results = await guard.pipeline().incr("{acct:6}:n", token=1).execute()
+        assert results == [1]
+        with pytest.raises(CrossSlotError):
+            await guard.batch(5).set("{acct:5}:a", 1).set("{acct:6}:a", 1).execute()
+    finally:
+        await client.aclose()
