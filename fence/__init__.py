@@ -15,6 +15,9 @@ See the README for the Redis, SQL and SQLAlchemy guards in ``fence.adapters``.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from fence._async.manager import AsyncBaseLockManager, AsyncLease
 from fence._async.memory import AsyncMemoryLockManager
 from fence._clock import Clock, ManualClock, SystemClock, system_clock
@@ -35,6 +38,7 @@ from fence._errors import (
     BackendError,
     ConfigurationError,
     FenceError,
+    FenceWarning,
     InvalidResourceError,
     InvalidTokenError,
     LeaseExpiredError,
@@ -51,7 +55,27 @@ from fence._sync.manager import BaseLockManager, Lease
 from fence._sync.memory import MemoryLockManager
 from fence.abc import AsyncGuard, AsyncLockManager, Guard, LockInfo, LockManager
 
+if TYPE_CHECKING:
+    from fence._async.redis import AsyncRedisLockManager
+    from fence._sync.redis import RedisLockManager
+
 __version__ = "0.1.0"
+
+# Backends whose driver packages are optional extras load on first use, so that
+# ``import fence`` needs neither redis-py nor SQLAlchemy.
+_LAZY = {
+    "AsyncRedisLockManager": "fence._async.redis",
+    "RedisLockManager": "fence._sync.redis",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fence' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "MAX_RESOURCE_LENGTH",
@@ -62,6 +86,7 @@ __all__ = [
     "AsyncLease",
     "AsyncLockManager",
     "AsyncMemoryLockManager",
+    "AsyncRedisLockManager",
     "BackendError",
     "BaseLockManager",
     "Clock",
@@ -70,6 +95,7 @@ __all__ = [
     "EventBus",
     "EventKind",
     "FenceError",
+    "FenceWarning",
     "Guard",
     "InvalidResourceError",
     "InvalidTokenError",
@@ -83,6 +109,7 @@ __all__ = [
     "MemoryLockManager",
     "NotOwnerError",
     "Reason",
+    "RedisLockManager",
     "RetryableError",
     "StaleTokenError",
     "SystemClock",

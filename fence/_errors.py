@@ -14,6 +14,7 @@ __all__ = [
     "BackendError",
     "ConfigurationError",
     "FenceError",
+    "FenceWarning",
     "InvalidResourceError",
     "InvalidTokenError",
     "LeaseExpiredError",
@@ -59,6 +60,15 @@ class FenceError(Exception):
     def __reduce__(self) -> tuple[Any, ...]:
         # The default reduction calls ``cls(*self.args)``, which loses keyword-only data.
         return (_restore, (type(self), self.args, dict(self.__dict__)))
+
+
+class FenceWarning(UserWarning):
+    """A setting that weakens the contract without breaking it outright.
+
+    For example a Redis ``maxmemory-policy`` that may evict token counters and fences, or
+    counter-mode tokens on a server without persistence. Filter it with the usual
+    :mod:`warnings` machinery.
+    """
 
 
 class InvalidTokenError(FenceError, ValueError):
@@ -252,6 +262,7 @@ class RetryableError(BackendError):
 
 for _cls in (
     FenceError,
+    FenceWarning,
     InvalidTokenError,
     InvalidResourceError,
     ConfigurationError,

@@ -69,6 +69,10 @@ class AsyncDriver(Protocol):
 
     The generic manager in ``fence._async.manager`` adds deadlines, reentrancy, waiting,
     renewal and events on top, once for every backend.
+
+    Optional hook: ``async def abandon(resource, secret) -> None``. The manager calls it
+    when a blocking acquire that has waited gives up (timeout, cancellation, error), so a
+    driver with a wait queue can drop the waiter and pass its turn on.
     """
 
     #: Short backend name for events and messages (``"memory"``, ``"redis"``, ``"sql"``).

@@ -51,3 +51,12 @@ def test_version_is_exposed() -> None:
         [sys.executable, "-m", "fence", "--version"], capture_output=True, text=True, check=True
     )
     assert fence.__version__ in completed.stdout
+
+
+def test_core_import_needs_no_driver_package() -> None:
+    code = (
+        "import sys, fence; "
+        "assert not {'redis', 'sqlalchemy', 'psycopg'} & set(sys.modules), sorted(sys.modules); "
+        "fence.RedisLockManager; assert 'redis' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

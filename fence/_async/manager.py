@@ -234,6 +234,11 @@ class AsyncLease:
             callbacks, self._callbacks = self._callbacks, []
         self._stop.set()
         manager = self._manager
+        # A lost lease is no longer held: the owner's next acquire starts a new lease with a
+        # new token instead of re-entering one that is gone.
+        key = (self._owner, self.resource)
+        if manager._held.get(key) is self:
+            del manager._held[key]
         manager.events.emit(EventKind.LOST, manager.source, self.resource, self.token, cause=cause)
         for callback in callbacks:
             _call_back(callback, self, error)
@@ -435,25 +440,32 @@ class AsyncBaseLockManager:
         start = clock.monotonic()
         wait_end = None if timeout is None else start + timeout
         waited = False
-        while True:
-            sent = clock.monotonic()
-            reply = await self.driver.acquire(resource, secret, ttl, holder)
-            if reply.token is not None:
-                break
-            now = clock.monotonic()
-            if not blocking:
-                return None
-            if wait_end is not None and now >= wait_end:
-                raise AcquireTimeout(
-                    f"{resource!r} was not free within {timeout}s",
-                    resource=resource,
-                    timeout=timeout,
+        try:
+            while True:
+                sent = clock.monotonic()
+                reply = await self.driver.acquire(resource, secret, ttl, holder)
+                if reply.token is not None:
+                    break
+                now = clock.monotonic()
+                if not blocking:
+                    return None
+                if wait_end is not None and now >= wait_end:
+                    raise AcquireTimeout(
+                        f"{resource!r} was not free within {timeout}s",
+                        resource=resource,
+                        timeout=timeout,
+                    )
+                waited = True
+                slice_ = (
+                    _MAX_WAIT_SLICE if wait_end is None else min(_MAX_WAIT_SLICE, wait_end - now)
                 )
-            waited = True
-            slice_ = _MAX_WAIT_SLICE if wait_end is None else min(_MAX_WAIT_SLICE, wait_end - now)
-            if reply.holder_ttl is not None:
-                slice_ = min(slice_, max(reply.holder_ttl, 0.001))
-            await self.driver.wait(resource, slice_, reply)
+                if reply.holder_ttl is not None:
+                    slice_ = min(slice_, max(reply.holder_ttl, 0.001))
+                await self.driver.wait(resource, slice_, reply)
+        except BaseException:
+            if waited:
+                await self._abandon(resource, secret)
+            raise
 
         deadline = client_deadline(sent, ttl, drift=self.drift, margin=self.margin)
         lease = AsyncLease(self, resource, reply.token, secret, ttl, deadline, owner)
@@ -469,6 +481,21 @@ class AsyncBaseLockManager:
         if self.renew if renew is None else renew:
             lease._watchdog = spawn(self._watch, lease, name=f"fence-renew:{resource}")
         return lease
+
+    async def _abandon(self, resource: str, secret: str) -> None:
+        """Tell the driver that a waiter gave up (timeout, cancellation, error).
+
+        Optional driver hook ``abandon(resource, secret)``: a driver with a wait queue
+        (FIFO fairness) removes the waiter and passes its turn on, so a waiter that left
+        never holds up the ones behind it. Failures are ignored: queue entries also expire.
+        """
+        abandon = getattr(self.driver, "abandon", None)
+        if abandon is None:
+            return
+        try:
+            await shield(abandon(resource, secret))
+        except BackendError:
+            _log.debug("abandon of a wait on %r failed", resource, exc_info=True)
 
     async def _reenter(self, lease: AsyncLease, ttl: float) -> None:
         if lease._error is not None:

@@ -1,0 +1,639 @@
+"""What the Redis manager adds to the conformance suite: key layout, token modes, waiting
+and FIFO fairness, revocation, clients, settings checks and replication.
+
+Runs against the session's throwaway ``redis-server``. The sync twin in ``tests/_sync`` is
+generated from this file. Faults that need a server of their own (SIGSTOP, SIGKILL, AOF
+loss, a cluster, a replica) are in ``tests/test_redis_manager_faults.py``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio
+from fence.adapters.redis import AsyncRedisGuard
+from redis.crc import key_slot
+
+from fence import (
+    AcquireTimeout,
+    BackendError,
+    ConfigurationError,
+    InvalidResourceError,
+    NotOwnerError,
+    StaleTokenError,
+    TokenMode,
+)
+from fence._async.redis import AsyncRedisLockManager
+from fence._errors import FenceWarning
+from fence._redis_scripts import resource_keys, waiter_id
+from fence.abc import AcquireReply
+from tests._acompat import join, sleep, spawn
+from tests.servers import free_port
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[Any]:
+    """A plain client for looking at what the manager wrote."""
+    client = redis.asyncio.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def resource() -> str:
+    return f"res:{secrets.token_hex(4)}"
+
+
+async def server_time_us(client: Any) -> int:
+    seconds, micros = await client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+async def until(predicate: Any, timeout: float = 5.0) -> None:
+    """Wait (polling, in a test only) until ``await predicate()`` is true."""
+    for _ in range(int(timeout / 0.01)):
+        if await predicate():
+            return
+        await sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+# -- layout (C12) -------------------------------------------------------------------------
+
+
+async def test_keys_share_a_hash_tag_and_counter_has_no_ttl(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    manager = AsyncRedisLockManager(redis_url, ttl=5)
+    try:
+        lease = await manager.acquire(resource)
+        keys = resource_keys("fence:", resource)
+        assert keys.lock == f"fence:{{{resource}}}:lock"
+        assert keys.token == f"fence:{{{resource}}}:token"
+        assert len({key_slot(k.encode()) for k in keys if not k.endswith(":wake:")}) == 1
+        assert int(await client.get(keys.token)) == lease.token
+        assert await client.ttl(keys.token) == -1  # counters never expire
+        assert 0 < await client.pttl(keys.lock) <= 5000
+        held = await client.hgetall(keys.lock)
+        assert int(held[b"token"]) == lease.token
+        await lease.release()
+        assert not await client.exists(keys.lock)
+        assert int(await client.get(keys.token)) == lease.token  # the counter outlives it
+    finally:
+        await manager.close()
+
+
+async def test_custom_prefix(redis_url: str, client: Any, resource: str) -> None:
+    manager = AsyncRedisLockManager(redis_url, prefix="app:locks:")
+    try:
+        lease = await manager.acquire(resource)
+        assert int(await client.get(f"app:locks:{{{resource}}}:token")) == lease.token
+        assert not await client.exists(f"fence:{{{resource}}}:token")
+        await lease.release()
+    finally:
+        await manager.close()
+
+
+def test_names_that_would_break_the_hash_tag_are_refused(redis_url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        AsyncRedisLockManager(redis_url, prefix="fence:{x}:")
+    with pytest.raises(InvalidResourceError):
+        resource_keys("fence:", "}starts-with-a-brace")
+
+
+async def test_resource_with_a_leading_brace_is_refused_before_io(redis_url: str) -> None:
+    manager = AsyncRedisLockManager(redis_url)
+    try:
+        with pytest.raises(InvalidResourceError):
+            await manager.acquire("}x")
+    finally:
+        await manager.close()
+
+
+# -- tokens (C2, C3) ------------------------------------------------------------------------
+
+
+async def test_hybrid_tokens_come_from_the_server_clock(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    manager = AsyncRedisLockManager(redis_url)
+    try:
+        before = await server_time_us(client)
+        lease = await manager.acquire(resource)
+        after = await server_time_us(client)
+        assert before <= lease.token <= after
+        await lease.release()
+    finally:
+        await manager.close()
+
+
+async def test_hybrid_token_survives_a_lost_counter(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """C3: the counter key is gone (evicted, lost with an AOF tail): TIME still puts the
+    next token above every token issued before."""
+    manager = AsyncRedisLockManager(redis_url)
+    try:
+        lease = await manager.acquire(resource)
+        await lease.release()
+        await client.delete(resource_keys("fence:", resource).token)
+        again = await manager.acquire(resource)
+        assert again.token > lease.token
+        await again.release()
+    finally:
+        await manager.close()
+
+
+async def test_counter_mode_counts_and_regresses_when_the_counter_is_lost(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """COUNTER mode is last + 1: dense, and only as durable as the counter key."""
+    manager = AsyncRedisLockManager(redis_url, token_mode=TokenMode.COUNTER, check_config=False)
+    try:
+        tokens = []
+        for _ in range(3):
+            lease = await manager.acquire(resource)
+            tokens.append(lease.token)
+            await lease.release()
+        assert tokens == [1, 2, 3]
+        await client.delete(resource_keys("fence:", resource).token)
+        lease = await manager.acquire(resource)
+        assert lease.token == 1  # regressed: this is what counter mode does not survive
+        await lease.release()
+    finally:
+        await manager.close()
+
+
+async def test_reentrant_acquire_in_the_script_keeps_the_token(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """The acquire script itself: the same secret keeps its token and resets the ttl."""
+    manager = AsyncRedisLockManager(redis_url)
+    try:
+        first = await manager.driver.acquire(resource, "secret-a", 0.5, "me")
+        second = await manager.driver.acquire(resource, "secret-a", 10.0, "me")
+        assert first.token is not None
+        assert second.token == first.token
+        assert await client.pttl(resource_keys("fence:", resource).lock) > 5000
+        other = await manager.driver.acquire(resource, "secret-b", 10.0, "them")
+        assert other.token is None
+        assert other.holder_ttl is not None
+        assert 5 < other.holder_ttl <= 10.01
+        assert await manager.driver.release(resource, "secret-a")
+    finally:
+        await manager.close()
+
+
+# -- revocation and inspection -------------------------------------------------------------
+
+
+async def test_revoke_raises_the_guard_fence(redis_url: str, client: Any, resource: str) -> None:
+    """The fence register ``fence:{R}:fence`` is raised to the revocation token, whether it
+    was absent or lower, and never lowered."""
+    keys = resource_keys("fence:", resource)
+    manager = AsyncRedisLockManager(redis_url, ttl=60)
+    try:
+        hung = await manager.acquire(resource)
+        assert await client.get(keys.fence) is None
+        revoked = await manager.revoke(resource)
+        assert revoked > hung.token
+        assert int(await client.get(keys.fence)) == revoked
+        assert int(await client.get(keys.token)) == revoked
+        assert await client.ttl(keys.fence) == -1
+        assert await manager.inspect(resource) is None
+        with pytest.raises(NotOwnerError):
+            await hung.release()
+    finally:
+        await manager.close()
+
+
+async def test_revoke_fences_out_the_hung_holder_at_the_guard(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """End to end with the Redis guard: after a revoke, the hung holder's write is refused
+    even though nobody wrote with a newer token yet."""
+    manager = AsyncRedisLockManager(redis_url, ttl=60)
+    guard = AsyncRedisGuard(client, scope="resource")
+    data = f"{{{resource}}}:data"
+    try:
+        hung = await manager.acquire(resource)
+        await guard.set(data, "written by the holder", token=hung.token)
+        await manager.revoke(resource)
+        with pytest.raises(StaleTokenError):
+            await guard.set(data, "written after the revoke", token=hung.token)
+        assert await client.get(data) == b"written by the holder"
+    finally:
+        await manager.close()
+
+
+async def test_revoke_never_lowers_a_higher_fence(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    keys = resource_keys("fence:", resource)
+    manager = AsyncRedisLockManager(redis_url, token_mode=TokenMode.COUNTER, check_config=False)
+    try:
+        lease = await manager.acquire(resource)
+        await client.set(keys.fence, 1000)
+        revoked = await manager.revoke(resource)
+        assert revoked == lease.token + 1
+        assert int(await client.get(keys.fence)) == 1000
+    finally:
+        await manager.close()
+
+
+async def test_inspect_reports_holder_token_and_server_ttl(redis_url: str, resource: str) -> None:
+    manager = AsyncRedisLockManager(redis_url)
+    try:
+        lease = await manager.acquire(resource, ttl=3)
+        info = await manager.inspect(resource)
+        assert info is not None
+        assert info.token == lease.token
+        assert 2 < info.remaining <= 3
+        assert info.holder is not None
+        assert ":" in info.holder  # host:pid:owner
+        assert lease._secret not in info.holder
+        await lease.release()
+        assert await manager.inspect(resource) is None
+    finally:
+        await manager.close()
+
+
+# -- waiting ------------------------------------------------------------------------------
+
+
+async def test_release_wakes_one_waiter_through_the_signal_list(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """The release pushes one wake-up to ``fence:{R}:signal``; a waiter blocked in BLPOP
+    gets it and takes the lock long before the holder's ttl."""
+    manager = AsyncRedisLockManager(redis_url, ttl=60)
+    try:
+        holder = await manager.acquire(resource)
+
+        async def waiter() -> int:
+            lease = await manager.acquire(resource, timeout=20)
+            await lease.release()
+            return int(lease.token)
+
+        task = await spawn(waiter)
+        # The waiter is blocked in BLPOP on the signal list (a blocked client shows it).
+        signal = resource_keys("fence:", resource).signal
+
+        async def blocked() -> bool:
+            return any(c.get("cmd") == "blpop" for c in await client.client_list())
+
+        await until(blocked)
+        assert await client.llen(signal) == 0
+        await holder.release()
+        assert await join(task) > holder.token
+    finally:
+        await manager.close()
+
+
+async def test_fifo_serves_waiters_in_arrival_order(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """FIFO: waiters get the lock in the order they queued, each woken on its own list,
+    with one failed attempt each: nobody else wakes at a release (no thundering herd)."""
+    manager = AsyncRedisLockManager(redis_url, fifo=True, queue_ttl=30, ttl=60)
+    keys = resource_keys("fence:", resource)
+    attempts: dict[str, int] = {}
+    real_acquire = manager.driver.acquire
+
+    async def counting_acquire(res: str, secret: str, ttl: float, holder: str) -> Any:
+        attempts[secret] = attempts.get(secret, 0) + 1
+        return await real_acquire(res, secret, ttl, holder)
+
+    manager.driver.acquire = counting_acquire
+    order: list[int] = []
+    try:
+        holder = await manager.acquire(resource)
+
+        def waiter(name: int) -> Any:
+            async def run() -> None:
+                lease = await manager.acquire(resource, timeout=20)
+                order.append(name)
+                await sleep(0.02)
+                await lease.release()
+
+            return run
+
+        tasks = []
+        for name in range(3):
+            tasks.append(await spawn(waiter(name)))
+
+            async def queued(n: int = name + 1) -> bool:
+                return int(await client.zcard(keys.queue)) == n
+
+            await until(queued)
+        await holder.release()
+        for task in tasks:
+            await join(task)
+        assert order == [0, 1, 2]
+        waiter_attempts = sorted(attempts.values())
+        assert waiter_attempts == [1, 2, 2, 2]  # the holder once; each waiter fail + win
+        assert await client.zcard(keys.queue) == 0
+    finally:
+        await manager.close()
+
+
+async def test_fifo_newcomer_queues_behind_waiters(redis_url: str, resource: str) -> None:
+    """FIFO: while somebody waits, a newcomer's try_acquire fails even in the moment the
+    lock is free, so the waiter's turn cannot be stolen."""
+    manager = AsyncRedisLockManager(redis_url, fifo=True, queue_ttl=30)
+    try:
+        holder = await manager.acquire(resource)
+        await manager.driver.wait(resource, 0.01, _reply(waiter_id("queued-secret")))
+        await holder.release()  # wakes the queued (absent) waiter, who has the turn
+
+        async def newcomer() -> Any:
+            return await manager.try_acquire(resource)
+
+        assert await join(await spawn(newcomer)) is None
+        got = await manager.driver.acquire(resource, "queued-secret", 5.0, "queued")
+        assert got.token is not None
+    finally:
+        await manager.close()
+
+
+async def test_fifo_waiter_that_gives_up_passes_its_turn(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """A FIFO waiter that times out leaves the queue at once (the manager's abandon hook),
+    so the waiter behind it is woken by the next release, not after ``queue_ttl``."""
+    keys = resource_keys("fence:", resource)
+    manager = AsyncRedisLockManager(redis_url, fifo=True, queue_ttl=60, ttl=60)
+    try:
+        holder = await manager.acquire(resource)
+
+        async def impatient() -> None:
+            await manager.acquire(resource, timeout=1.0)
+
+        async def patient() -> int:
+            lease = await manager.acquire(resource, timeout=20)
+            await lease.release()
+            return int(lease.token)
+
+        first = await spawn(impatient)
+
+        async def queued_one() -> bool:
+            return int(await client.zcard(keys.queue)) == 1
+
+        await until(queued_one)
+        second = await spawn(patient)
+
+        async def queued_two() -> bool:
+            return int(await client.zcard(keys.queue)) == 2
+
+        await until(queued_two)
+        with pytest.raises(AcquireTimeout):
+            await join(first)
+        assert await client.zcard(keys.queue) == 1  # the impatient one left
+        await holder.release()
+        assert await join(second) > holder.token
+    finally:
+        await manager.close()
+
+
+async def test_fifo_dead_waiter_expires_from_the_queue(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """A waiter that died in the queue (no heartbeat) holds its place only ``queue_ttl``."""
+    keys = resource_keys("fence:", resource)
+    manager = AsyncRedisLockManager(redis_url, fifo=True, queue_ttl=0.5)
+    try:
+        holder = await manager.acquire(resource)
+        dead = waiter_id("dead-secret")
+        await manager.driver.wait(resource, 0.001, _reply(dead))  # enqueue, never return
+        assert await client.zscore(keys.queue, dead) is not None
+        await holder.release()  # wakes the dead waiter, who never comes
+
+        async def live() -> int:
+            lease = await manager.acquire(resource, timeout=5)
+            await lease.release()
+            return int(lease.token)
+
+        assert await join(await spawn(live)) > holder.token
+        assert await client.zscore(keys.queue, dead) is None
+    finally:
+        await manager.close()
+
+
+async def test_abandon_passes_the_turn_on_only_when_the_lock_is_free(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """A waiter that gave up may have consumed the release's wake-up (cancelled in BLPOP):
+    its abandon pushes a new one if the lock is free, and nothing while it is held."""
+    keys = resource_keys("fence:", resource)
+    manager = AsyncRedisLockManager(redis_url)
+    try:
+        holder = await manager.acquire(resource)
+        await manager.driver.abandon(resource, "gone-secret")
+        assert await client.llen(keys.signal) == 0  # held: nothing to pass on
+        await holder.release()
+        await client.delete(keys.signal)  # the wake-up the cancelled waiter consumed
+        await manager.driver.abandon(resource, "gone-secret")
+        assert await client.llen(keys.signal) == 1
+    finally:
+        await manager.close()
+
+
+async def test_fifo_abandon_leaves_the_queue_and_wakes_the_next(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    keys = resource_keys("fence:", resource)
+    manager = AsyncRedisLockManager(redis_url, fifo=True, queue_ttl=30)
+    try:
+        holder = await manager.acquire(resource)
+        first, second = waiter_id("first-secret"), waiter_id("second-secret")
+        await manager.driver.wait(resource, 0.001, _reply(first))
+        await manager.driver.wait(resource, 0.001, _reply(second))
+        assert await client.zrange(keys.queue, 0, -1) == [first.encode(), second.encode()]
+        await holder.release()  # wakes the head, "first"
+        assert await client.llen(keys.wake_prefix + first) == 1
+        await manager.driver.abandon(resource, "first-secret")
+        assert await client.zrange(keys.queue, 0, -1) == [second.encode()]
+        assert await client.llen(keys.wake_prefix + second) == 1
+    finally:
+        await manager.close()
+
+
+def _reply(wid: str) -> AcquireReply:
+    """What a failed attempt of a waiter that is not queued yet hands to ``wait``."""
+    return AcquireReply(None, None, (wid, False))
+
+
+# -- clients ------------------------------------------------------------------------------
+
+
+async def test_given_client_is_used_and_never_closed(redis_url: str, resource: str) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        manager = AsyncRedisLockManager(client)
+        lease = await manager.acquire(resource)
+        await lease.release()
+        await manager.close()
+        assert await client.ping()  # still open and usable
+    finally:
+        await client.aclose()
+
+
+async def test_decoded_client_works(redis_url: str, resource: str) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        manager = AsyncRedisLockManager(client)
+        lease = await manager.acquire(resource)
+        info = await manager.inspect(resource)
+        assert info is not None
+        assert info.token == lease.token
+        assert isinstance(info.holder, str)
+        await lease.release()
+        await manager.close()
+    finally:
+        await client.aclose()
+
+
+async def test_url_manager_closes_its_clients(redis_url: str, resource: str) -> None:
+    manager = AsyncRedisLockManager(redis_url)
+    lease = await manager.acquire(resource)
+    await lease.release()
+    pool = manager.driver.client.connection_pool
+    assert pool._available_connections  # the manager opened one
+    await manager.close()
+    assert not any(c.is_connected for c in pool._available_connections)
+
+
+def test_wrong_client_flavour_is_refused(redis_url: str) -> None:
+    other = redis.Redis(port=1)  # unasync: other = redis.asyncio.Redis(port=1)
+    with pytest.raises(ConfigurationError, match="needs a Redis URL or a"):
+        AsyncRedisLockManager(other)
+    with pytest.raises(ConfigurationError):
+        AsyncRedisLockManager(object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError):
+        AsyncRedisLockManager("http://not-redis/")
+
+
+async def test_connection_errors_are_backend_errors() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    manager = AsyncRedisLockManager(url, socket_timeout=0.5)
+    try:
+        with pytest.raises(BackendError) as info:
+            await manager.acquire("res:down")
+        assert info.value.code == "CONNECTION"
+        assert info.value.retryable
+        assert "127.0.0.1" in str(info.value)
+        assert info.value.__cause__ is not None
+        with pytest.raises(BackendError):
+            await manager.inspect("res:down")
+    finally:
+        await manager.close()
+
+
+# -- server settings ------------------------------------------------------------------------
+
+
+async def test_warns_about_allkeys_eviction(redis_url: str, client: Any, resource: str) -> None:
+    await client.config_set("maxmemory-policy", "allkeys-lru")
+    manager = AsyncRedisLockManager(redis_url)
+    try:
+        with pytest.warns(FenceWarning, match="allkeys-lru"):
+            lease = await manager.acquire(resource)
+        await lease.release()
+        second = await manager.acquire(resource)  # warned once, on first use only
+        await second.release()
+    finally:
+        await client.config_set("maxmemory-policy", "noeviction")
+        await manager.close()
+
+
+async def test_warns_about_counter_mode_without_persistence(redis_url: str, resource: str) -> None:
+    manager = AsyncRedisLockManager(redis_url, token_mode=TokenMode.COUNTER)
+    try:
+        with pytest.warns(FenceWarning, match="persistence is off"):
+            lease = await manager.acquire(resource)
+        await lease.release()
+    finally:
+        await manager.close()
+
+
+async def test_hybrid_without_persistence_is_quiet(redis_url: str, resource: str) -> None:
+    """Hybrid tokens survive a lost counter, so no persistence is no reason to warn (the
+    suite turns warnings into errors)."""
+    manager = AsyncRedisLockManager(redis_url)
+    try:
+        lease = await manager.acquire(resource)
+        await lease.release()
+        assert manager.driver._checked
+    finally:
+        await manager.close()
+
+
+async def test_disabled_config_is_skipped_quietly(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """Managed Redis often forbids CONFIG: the check is skipped, the manager works."""
+    user = f"limited-{secrets.token_hex(3)}"
+    await client.acl_setuser(
+        user, enabled=True, nopass=True, keys=["*"], commands=["+@all", "-config"]
+    )
+    await client.config_set("maxmemory-policy", "allkeys-lru")  # would warn if seen
+    limited = redis.asyncio.Redis.from_url(redis_url, username=user)
+    try:
+        manager = AsyncRedisLockManager(limited)
+        lease = await manager.acquire(resource)
+        await lease.release()
+        await manager.close()
+    finally:
+        await client.config_set("maxmemory-policy", "noeviction")
+        await limited.aclose()
+        await client.acl_deluser(user)
+
+
+# -- replication ----------------------------------------------------------------------------
+
+
+async def test_min_replicas_without_replicas_fails_and_hands_out_nothing(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    manager = AsyncRedisLockManager(redis_url, min_replicas=1, replica_timeout=0.1)
+    try:
+        with pytest.raises(BackendError) as info:
+            await manager.acquire(resource)
+        assert info.value.code == "REPLICATION"
+        assert "0 of 1 replicas" in str(info.value)
+        assert await manager.inspect(resource) is None  # released, not left held
+        assert await client.exists(resource_keys("fence:", resource).token)
+    finally:
+        await manager.close()
+    plain = AsyncRedisLockManager(redis_url)
+    try:
+        lease = await plain.acquire(resource)
+        assert lease.token > 0
+        await lease.release()
+    finally:
+        await plain.close()
+
+
+async def test_wait_aof_needs_a_capable_server(redis_url: str, client: Any, resource: str) -> None:
+    info = await client.info("server")
+    version = tuple(int(x) for x in str(info["redis_version"]).split(".")[:2])
+    manager = AsyncRedisLockManager(redis_url, min_replicas=1, replica_timeout=0.1, wait_aof=True)
+    try:
+        expected = ConfigurationError if version < (7, 2) else BackendError
+        with pytest.raises(expected):
+            await manager.acquire(resource)
+        assert await manager.inspect(resource) is None
+    finally:
+        await manager.close()
+
+
+def test_min_replicas_options_are_checked(redis_url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        AsyncRedisLockManager(redis_url, min_replicas=-1)
+    with pytest.raises(ConfigurationError):
+        AsyncRedisLockManager(redis_url, wait_aof=True)

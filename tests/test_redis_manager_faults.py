@@ -1,0 +1,380 @@
+"""The Redis manager against real faults: a stopped or killed server, a lost AOF tail, a
+replica, and a three-master Redis Cluster. Every test starts the servers it needs.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+from redis.crc import key_slot
+
+from fence import EventBus, EventKind, LeaseLostError, TokenMode
+from fence._async.redis import AsyncRedisLockManager
+from fence._errors import FenceWarning
+from fence._redis_scripts import resource_keys
+from fence._sync.redis import RedisLockManager
+from fence.testing import EventRecorder
+from tests.cluster import RedisClusterServers
+from tests.servers import RedisServer
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    """A redis-server of this test's own, so that stopping it disturbs nobody."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def incr_aof(server: RedisServer) -> Path:
+    """The AOF file that receives new writes (Redis 7 multi-part AOF)."""
+    files = sorted((server.dir / "appendonlydir").glob("*.incr.aof"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def issue(manager: RedisLockManager, resource: str, count: int) -> list[int]:
+    tokens = []
+    for _ in range(count):
+        lease = manager.acquire(resource)
+        tokens.append(lease.token)
+        lease.release()
+    return tokens
+
+
+# -- renewal watchdog and the lost-lease signal (C10) ----------------------------------------
+
+
+def test_lease_survives_a_brief_server_stop(server: RedisServer) -> None:
+    """SIGSTOP shorter than the ttl during a renewal: the renewal times out, is retried
+    while the lease still has time, and succeeds once the server runs again."""
+    bus = EventBus()
+    manager = RedisLockManager(server.url, ttl=1.5, renew=True, socket_timeout=0.25, events=bus)
+    lost: list[LeaseLostError] = []
+    try:
+        with EventRecorder(bus) as recorder:
+            lease = manager.acquire("job", on_lost=lambda _lease, err: lost.append(err))
+            time.sleep(0.35)
+            server.pause()  # the renewal due at ~0.5 s meets a stopped server
+            try:
+                time.sleep(0.6)
+            finally:
+                server.resume()
+            time.sleep(1.2)  # past the first ttl: only renewals kept it
+        assert recorder.of(EventKind.RENEW_FAILED)  # the stop did hit a renewal
+        assert recorder.of(EventKind.RENEWED)
+        assert not lost
+        assert not lease.lost
+        assert lease.valid
+        info = manager.inspect("job")
+        assert info is not None
+        assert info.token == lease.token
+        lease.release()
+    finally:
+        manager.close()
+
+
+def test_lost_signal_when_the_server_stops_past_the_ttl(server: RedisServer) -> None:
+    """SIGSTOP longer than the ttl: renewals time out until the lease has no time left,
+    then the watchdog reports the loss (callback, event, check) without anyone asking."""
+    bus = EventBus()
+    manager = RedisLockManager(server.url, ttl=0.9, renew=True, socket_timeout=0.2, events=bus)
+    fired = threading.Event()
+    errors: list[LeaseLostError] = []
+
+    def on_lost(_lease: Any, err: LeaseLostError) -> None:
+        errors.append(err)
+        fired.set()
+
+    try:
+        with EventRecorder(bus) as recorder:
+            lease = manager.acquire("job", on_lost=on_lost)
+            server.pause()
+            try:
+                assert fired.wait(10)
+            finally:
+                server.resume()
+        assert len(errors) == 1
+        assert errors[0].token == lease.token
+        assert len(recorder.of(EventKind.LOST)) == 1
+        with pytest.raises(LeaseLostError):
+            lease.check()
+        # The server expired the lease by its own clock; the next holder gets a newer token.
+        other = RedisLockManager(server.url)
+        try:
+            newer = other.acquire("job", timeout=5)
+            assert newer.token > lease.token
+            newer.release()
+        finally:
+            other.close()
+    finally:
+        manager.close()
+
+
+def test_lost_signal_when_the_server_is_killed(server: RedisServer) -> None:
+    """SIGKILL: renewals are refused outright (retryable connection errors) until the lease
+    runs out; then the loss is reported. After a restart without persistence, hybrid tokens
+    still go up (C3)."""
+    manager = RedisLockManager(server.url, ttl=0.9, renew=True, socket_timeout=0.2)
+    fired = threading.Event()
+    try:
+        lease = manager.acquire("job", on_lost=lambda _lease, _err: fired.set())
+        server.kill()
+        assert fired.wait(10)
+        assert lease.lost
+        server.start()  # empty: no persistence
+        newer = manager.acquire("job", timeout=5, owner="the next holder")
+        assert newer.token > lease.token
+        newer.release()
+    finally:
+        manager.close()
+
+
+# -- token regression (C3) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "survives"), [(TokenMode.HYBRID, True), (TokenMode.COUNTER, False)]
+)
+def test_lost_aof_tail(mode: TokenMode, survives: bool) -> None:
+    """appendonly yes, appendfsync everysec; SIGKILL and lose the AOF tail (as a power loss
+    would lose the last second). Hybrid tokens stay above every token issued; counter tokens
+    repeat."""
+    server = RedisServer("--appendonly", "yes", "--appendfsync", "everysec").start()
+    try:
+        manager = RedisLockManager(server.url, token_mode=mode)
+        try:
+            tokens = issue(manager, "job", 2)
+            kept = incr_aof(server).stat().st_size
+            tokens += issue(manager, "job", 3)
+        finally:
+            manager.close()
+        server.kill()
+        aof = incr_aof(server)
+        assert aof.stat().st_size > kept
+        with aof.open("r+b") as file:
+            file.truncate(kept)  # the last three acquisitions never reached the disk
+        server.start()
+        manager = RedisLockManager(server.url, token_mode=mode)
+        try:
+            (token,) = issue(manager, "job", 1)
+        finally:
+            manager.close()
+        if survives:
+            assert token > max(tokens)
+        else:
+            assert token == tokens[1] + 1  # regressed: token tokens[2] is issued again
+            assert token <= max(tokens)
+    finally:
+        server.stop()
+
+
+def test_counter_mode_without_persistence_resets_on_restart(server: RedisServer) -> None:
+    """Counter mode on a server with no persistence warns, and a restart starts over at 1."""
+    manager = RedisLockManager(server.url, token_mode=TokenMode.COUNTER)
+    try:
+        with pytest.warns(FenceWarning, match="persistence is off"):
+            tokens = issue(manager, "job", 3)
+        assert tokens == [1, 2, 3]
+    finally:
+        manager.close()
+    server.restart()
+    manager = RedisLockManager(server.url, token_mode=TokenMode.COUNTER, check_config=False)
+    try:
+        assert issue(manager, "job", 1) == [1]
+    finally:
+        manager.close()
+
+
+def test_counter_mode_with_appendfsync_always_survives_a_kill() -> None:
+    server = RedisServer("--appendonly", "yes", "--appendfsync", "always").start()
+    try:
+        manager = RedisLockManager(server.url, token_mode=TokenMode.COUNTER)
+        try:
+            tokens = issue(manager, "job", 3)
+        finally:
+            manager.close()
+        server.kill()
+        server.start()
+        manager = RedisLockManager(server.url, token_mode=TokenMode.COUNTER)
+        try:
+            assert issue(manager, "job", 1) == [max(tokens) + 1]
+        finally:
+            manager.close()
+    finally:
+        server.stop()
+
+
+# -- replication -----------------------------------------------------------------------------
+
+
+def test_min_replicas_with_a_replica() -> None:
+    """With a live replica, WAIT succeeds and the replica already holds the new token."""
+    server = RedisServer("--repl-diskless-sync-delay", "0").start()
+    replica = RedisServer("--replicaof", "127.0.0.1", str(server.port)).start()
+    replica_client = redis.Redis.from_url(replica.url)
+    try:
+        for _ in range(500):
+            if replica_client.info("replication").get("master_link_status") == "up":
+                break
+            time.sleep(0.02)
+        manager = RedisLockManager(server.url, min_replicas=1, replica_timeout=5)
+        try:
+            lease = manager.acquire("job")
+            assert int(replica_client.get(resource_keys("fence:", "job").token)) == lease.token
+            lease.release()
+        finally:
+            manager.close()
+    finally:
+        replica_client.close()
+        replica.stop()
+        server.stop()
+
+
+# -- Redis Cluster (C12) -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisClusterServers]:
+    servers = RedisClusterServers().start()
+    yield servers
+    servers.stop()
+
+
+def test_cluster_sync(cluster: RedisClusterServers) -> None:
+    """Every operation on resources spread over all three masters, with a given client."""
+    client = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+    manager = RedisLockManager(client, ttl=10)
+    try:
+        resources = [f"order:{i}:{secrets.token_hex(2)}" for i in range(12)]
+        nodes = {client.get_node_from_key(resource_keys("fence:", r).lock).name for r in resources}
+        assert len(nodes) == 3  # the resources really are spread over the masters
+        for resource in resources:
+            keys = resource_keys("fence:", resource)
+            lease = manager.acquire(resource)
+            info = manager.inspect(resource)
+            assert info is not None
+            assert info.token == lease.token
+            assert int(client.get(keys.token)) == lease.token
+            assert client.ttl(keys.token) == -1
+            lease.release()
+            revoked = manager.revoke(resource)
+            assert revoked > lease.token
+            assert int(client.get(keys.fence)) == revoked
+            assert len({key_slot(k.encode()) for k in keys}) == 1
+
+        # A waiter in BLPOP on the resource's node is woken by the release.
+        resource = resources[0]
+        holder = manager.acquire(resource, ttl=60)
+        got: list[int] = []
+
+        def waiter() -> None:
+            lease = manager.acquire(resource, timeout=20)
+            got.append(lease.token)
+            lease.release()
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.3)
+        holder.release()
+        thread.join(30)
+        assert got
+        assert got[0] > holder.token
+    finally:
+        manager.close()
+        client.close()
+
+
+def test_cluster_fifo_from_url(cluster: RedisClusterServers) -> None:
+    """FIFO waiting works on a cluster too; the manager builds and closes its clients."""
+    manager = RedisLockManager(cluster.url, cluster=True, fifo=True, queue_ttl=30, ttl=30)
+    order: list[int] = []
+    try:
+        resource = f"fifo:{secrets.token_hex(3)}"
+        holder = manager.acquire(resource)
+        threads = []
+        for name in range(3):
+
+            def waiter(name: int = name) -> None:
+                lease = manager.acquire(resource, timeout=20)
+                order.append(name)
+                lease.release()
+
+            threads.append(threading.Thread(target=waiter))
+            threads[-1].start()
+            keys = resource_keys("fence:", resource)
+            client = manager.driver.client
+            for _ in range(500):
+                if client.zcard(keys.queue) == name + 1:
+                    break
+                time.sleep(0.01)
+        holder.release()
+        for thread in threads:
+            thread.join(30)
+        assert order == [0, 1, 2]
+    finally:
+        manager.close()
+
+
+async def test_cluster_asyncio(cluster: RedisClusterServers) -> None:
+    client = redis.asyncio.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+    manager = AsyncRedisLockManager(client, ttl=10)
+    try:
+        for i in range(6):
+            resource = f"async:{i}:{secrets.token_hex(2)}"
+            lease = await manager.acquire(resource)
+            assert int(await client.get(resource_keys("fence:", resource).token)) == lease.token
+            assert await manager.try_acquire(resource, owner="someone else") is None
+            await lease.release()
+            assert await manager.revoke(resource) > lease.token
+    finally:
+        await manager.close()
+        await client.aclose()
+
+
+# -- asyncio cancellation ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fifo", [False, True])
+async def test_cancelled_waiter_does_not_strand_the_next(redis_url: str, fifo: bool) -> None:
+    """A waiter cancelled around the release (it may have consumed the wake-up, or even
+    taken the lock) never keeps the next waiter out: the abandon hook passes the turn on."""
+    import asyncio
+
+    resource = f"cancel:{secrets.token_hex(3)}"
+    manager = AsyncRedisLockManager(redis_url, fifo=fifo, queue_ttl=60, ttl=60)
+    keys = resource_keys("fence:", resource)
+    client = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        holder = await manager.acquire(resource)
+        cancelled = asyncio.create_task(manager.acquire(resource, timeout=30))
+        await asyncio.sleep(0.2)
+        patient = asyncio.create_task(manager.acquire(resource, timeout=30))
+        await asyncio.sleep(0.2)
+        await holder.release()
+        # Whoever got the wake-up, cancel the first waiter now: if it already holds the
+        # lock, release it; either way the patient waiter must get in.
+        cancelled.cancel()
+        try:
+            lease = await cancelled
+            await lease.release()
+        except asyncio.CancelledError:
+            pass
+        got = await asyncio.wait_for(patient, 10)
+        assert got.token > holder.token
+        await got.release()
+        if fifo:
+            assert await client.zcard(keys.queue) == 0
+    finally:
+        await manager.close()
+        await client.aclose()
