@@ -14,6 +14,7 @@ from fence import (
     EventKind,
     LeaseLostError,
     MemoryBackend,
+    NotOwnerError,
     StaleTokenError,
     TokenMode,
 )
@@ -176,10 +177,29 @@ async def test_explicit_owner_controls_reentrancy() -> None:
 
 
 async def test_reentrant_acquire_of_a_lost_lease_raises() -> None:
+    """The loss is not known yet: re-entering a lease the backend no longer holds fails."""
     manager = AsyncMemoryLockManager()
     lease = await manager.acquire("r", ttl=5)
     await manager.revoke("r")
     with pytest.raises(LeaseLostError):
         await manager.acquire("r")
     assert lease.lost
+    await manager.close()
+
+
+async def test_owner_acquires_anew_after_a_known_loss() -> None:
+    """Once a lease is known lost, the same owner's next acquire gets a new lease and a new
+    token; the lost lease's release still reports that it was not held."""
+    manager = AsyncMemoryLockManager()
+    lost = await manager.acquire("r", ttl=5)
+    revoked = await manager.revoke("r")
+    with pytest.raises(LeaseLostError):
+        await lost.renew()
+    fresh = await manager.acquire("r", timeout=1)
+    assert fresh is not lost
+    assert fresh.token > revoked
+    with pytest.raises(NotOwnerError):
+        await lost.release()
+    assert fresh.valid
+    await fresh.release()
     await manager.close()

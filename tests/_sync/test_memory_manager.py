@@ -16,6 +16,7 @@ from fence import (
     LeaseLostError,
     MemoryBackend,
     MemoryLockManager,
+    NotOwnerError,
     StaleTokenError,
     TokenMode,
 )
@@ -178,10 +179,29 @@ def test_explicit_owner_controls_reentrancy() -> None:
 
 
 def test_reentrant_acquire_of_a_lost_lease_raises() -> None:
+    """The loss is not known yet: re-entering a lease the backend no longer holds fails."""
     manager = MemoryLockManager()
     lease = manager.acquire("r", ttl=5)
     manager.revoke("r")
     with pytest.raises(LeaseLostError):
         manager.acquire("r")
     assert lease.lost
+    manager.close()
+
+
+def test_owner_acquires_anew_after_a_known_loss() -> None:
+    """Once a lease is known lost, the same owner's next acquire gets a new lease and a new
+    token; the lost lease's release still reports that it was not held."""
+    manager = MemoryLockManager()
+    lost = manager.acquire("r", ttl=5)
+    revoked = manager.revoke("r")
+    with pytest.raises(LeaseLostError):
+        lost.renew()
+    fresh = manager.acquire("r", timeout=1)
+    assert fresh is not lost
+    assert fresh.token > revoked
+    with pytest.raises(NotOwnerError):
+        lost.release()
+    assert fresh.valid
+    fresh.release()
     manager.close()
