@@ -57,7 +57,10 @@ from fence.abc import AsyncGuard, AsyncLockManager, Guard, LockInfo, LockManager
 
 if TYPE_CHECKING:
     from fence._async.redis import AsyncRedisLockManager
+    from fence._async.sql import AsyncSQLLockManager
+    from fence._sql_schema import lease_table, lease_table_ddl
     from fence._sync.redis import RedisLockManager
+    from fence._sync.sql import SQLLockManager
 
 __version__ = "0.1.0"
 
@@ -66,6 +69,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "AsyncRedisLockManager": "fence._async.redis",
     "RedisLockManager": "fence._sync.redis",
+    "AsyncSQLLockManager": "fence._async.sql",
+    "SQLLockManager": "fence._sync.sql",
+    "lease_table": "fence._sql_schema",
+    "lease_table_ddl": "fence._sql_schema",
 }
 
 
@@ -77,6 +84,7 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
 __all__ = [
     "MAX_RESOURCE_LENGTH",
     "MAX_TOKEN",
@@ -87,6 +95,7 @@ __all__ = [
     "AsyncLockManager",
     "AsyncMemoryLockManager",
     "AsyncRedisLockManager",
+    "AsyncSQLLockManager",
     "BackendError",
     "BaseLockManager",
     "Clock",
@@ -111,6 +120,7 @@ __all__ = [
     "Reason",
     "RedisLockManager",
     "RetryableError",
+    "SQLLockManager",
     "StaleTokenError",
     "SystemClock",
     "TokenMode",
@@ -119,6 +129,8 @@ __all__ = [
     "client_deadline",
     "default_bus",
     "issue_token",
+    "lease_table",
+    "lease_table_ddl",
     "log_events",
     "rejection",
     "system_clock",
