@@ -7,10 +7,19 @@ same names, so the generated sync code runs on threads where the source runs on 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["Task", "Waiter", "cancel_after", "current_owner", "shield", "sleep", "spawn"]
+__all__ = [
+    "FanOut",
+    "Task",
+    "Waiter",
+    "cancel_after",
+    "current_owner",
+    "shield",
+    "sleep",
+    "spawn",
+]
 
 T = TypeVar("T")
 
@@ -104,3 +113,35 @@ def cancel_after(seconds: float) -> asyncio.Timeout:
     A renewal that hangs past the lease's deadline is cut off, so the loss is reported on time.
     """
     return asyncio.timeout(seconds)
+
+
+class FanOut:
+    """Run several calls at once and collect every outcome: a result or an exception.
+
+    The quorum manager sends one request to each node this way. Here the calls run as
+    tasks of the running loop; the thread twin in :mod:`fence._compat` runs them on a small
+    thread pool.
+
+    Args:
+        workers: how many calls may run at once (the thread twin's pool size).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, workers: int) -> None:
+        del workers  # tasks need no pool
+
+    async def run(self, calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T | Exception]:
+        """Start every call, wait for all of them; return their outcomes in order.
+
+        An ``Exception`` a call raises is returned in its place; anything else (a
+        cancellation) propagates.
+        """
+        outcomes = await asyncio.gather(*(call() for call in calls), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                raise outcome
+        return outcomes  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Nothing to stop: the calls ran as tasks."""

@@ -5,10 +5,20 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["Task", "Waiter", "cancel_after", "current_owner", "shield", "sleep", "spawn"]
+__all__ = [
+    "FanOut",
+    "Task",
+    "Waiter",
+    "cancel_after",
+    "current_owner",
+    "shield",
+    "sleep",
+    "spawn",
+]
 
 T = TypeVar("T")
 
@@ -72,3 +82,44 @@ def current_owner() -> object:
 def cancel_after(seconds: float) -> contextlib.nullcontext[None]:
     """A blocking call cannot be cut off from outside: the driver's socket timeouts bound it."""
     return contextlib.nullcontext()
+
+
+class FanOut:
+    """Run several calls at once on a small thread pool and collect every outcome.
+
+    The calling thread runs the last call itself, so ``n`` calls cost ``n - 1`` hand-offs
+    to the pool. The pool's threads start on first use.
+
+    Args:
+        workers: the pool's size; more calls than that wait for a free thread.
+    """
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, workers: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="fence")
+
+    def run(self, calls: Sequence[Callable[[], T]]) -> list[T | Exception]:
+        """Run every call, wait for all of them; return their outcomes in order.
+
+        An ``Exception`` a call raises is returned in its place.
+        """
+        if not calls:
+            return []
+        futures: list[Future[T]] = [self._pool.submit(call) for call in calls[:-1]]
+        try:
+            last: T | Exception = calls[-1]()
+        except Exception as exc:
+            last = exc
+        outcomes: list[T | Exception] = []
+        for future in futures:
+            try:
+                outcomes.append(future.result())
+            except Exception as exc:
+                outcomes.append(exc)
+        outcomes.append(last)
+        return outcomes
+
+    def close(self) -> None:
+        """Stop the pool's threads once the calls under way finish."""
+        self._pool.shutdown(wait=True)

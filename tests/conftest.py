@@ -6,7 +6,7 @@ import pytest
 
 from tests.registry import GUARD_HARNESSES, MANAGER_BACKENDS, load_all
 
-pytest_plugins = ["tests.fix_servers"]
+pytest_plugins = ["tests.fix_servers", "tests.fix_quorum"]
 
 load_all()
 

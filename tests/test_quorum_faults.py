@@ -1,0 +1,575 @@
+"""The quorum manager against real faults on its nodes, and its rules without I/O.
+
+Every fault test starts its own three redis-servers (``tests/fix_quorum.py``), so killing,
+stopping or wiping them disturbs no other test. A node is wiped the hard way: SIGKILL, its
+directory emptied, started again with no data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from fence import (
+    AcquireTimeout,
+    BackendError,
+    EventBus,
+    EventKind,
+    FenceWarning,
+    LockInfo,
+    TokenMode,
+)
+from fence._async.quorum import AsyncQuorumLockManager
+from fence._quorum import (
+    backoff_delay,
+    commit_needed,
+    majority,
+    merge_inspections,
+    merge_tokens,
+    time_until_free,
+    validity,
+)
+from fence._redis_scripts import resource_keys
+from fence._sync.quorum import QuorumLockManager
+from fence.testing import EventRecorder
+from tests.fix_quorum import start_nodes, stop_nodes
+from tests.servers import RedisServer
+
+# -- the rules, without I/O ------------------------------------------------------------------
+
+
+def test_majority() -> None:
+    assert [majority(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 2, 3, 3]
+
+
+def test_validity_subtracts_elapsed_time_and_redlock_drift() -> None:
+    """Redlock: validity = ttl - elapsed - (ttl * drift + constant)."""
+    assert validity(10.0, 0.1, drift=0.01, margin=0.002) == pytest.approx(10 - 0.1 - 0.102)
+    assert validity(1.0, 0.995, drift=0.01, margin=0.002) < 0
+
+
+def test_merge_tokens_takes_the_largest_candidate() -> None:
+    assert merge_tokens([6, 4, 5]) == 6
+    with pytest.raises(ValueError, match="no token"):
+        merge_tokens([])
+
+
+def test_commit_is_skipped_only_when_every_node_proposed_the_same_token() -> None:
+    assert not commit_needed([7, 7, 7], 3)
+    assert commit_needed([7, 7], 3)  # a node did not grant: it must learn the token
+    assert commit_needed([7, 8, 7], 3)  # the token exists on one node only
+
+
+def test_time_until_free_counts_the_nodes_a_majority_needs() -> None:
+    # three nodes, none free: the second-shortest holder ttl frees a majority
+    assert time_until_free([3.0, 1.0, 2.0], 0, 3) == 2.0
+    assert time_until_free([2.0], 1, 3) == 2.0
+    assert time_until_free([None, 1.0], 0, 3) is None
+    assert time_until_free([], 2, 3) == 0.0
+
+
+def test_merge_inspections_needs_a_majority_on_one_token() -> None:
+    a = LockInfo("r", 7, 4.0, "host:1")
+    b = LockInfo("r", 7, 3.0, "host:1")
+    other = LockInfo("r", 9, 5.0, "host:2")
+    merged = merge_inspections("r", [a, b, other], 3)
+    assert merged == LockInfo("r", 7, 3.0, "host:1")
+    assert merge_inspections("r", [a, other, None], 3) is None
+
+
+def test_backoff_is_jittered_and_capped() -> None:
+    rng = random.Random(7)
+    delays = [backoff_delay(n, base=0.01, cap=0.2, rng=rng) for n in range(12)]
+    assert all(0.005 <= d <= 0.2 for d in delays)
+    assert max(delays[6:]) <= 0.2
+    assert min(delays[6:]) >= 0.1  # capped: [cap/2, cap]
+    assert len({round(d, 9) for d in delays}) == len(delays)  # no two alike: jitter
+
+
+# -- fixtures and helpers -------------------------------------------------------------------
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[RedisServer]]:
+    """Three redis-servers of this test's own."""
+    servers = start_nodes()
+    yield servers
+    stop_nodes(servers)
+
+
+def wipe(server: RedisServer) -> None:
+    """Kill ``server``, delete everything in its directory, start it empty."""
+    server.kill()
+    for path in server.dir.iterdir():
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    server.start()
+
+
+def raw(node: RedisServer | str) -> redis.Redis:
+    url = node if isinstance(node, str) else node.url
+    return redis.Redis.from_url(url, socket_timeout=2)
+
+
+def lock_exists(server: RedisServer | str, resource: str) -> bool:
+    client = raw(server)
+    try:
+        return bool(client.exists(resource_keys("fence:", resource).lock))
+    finally:
+        client.close()
+
+
+def counter(server: RedisServer, resource: str) -> int:
+    client = raw(server)
+    try:
+        return int(client.get(resource_keys("fence:", resource).token) or 0)
+    finally:
+        client.close()
+
+
+def plant_lock(url: str, resource: str, secret: str, ttl_ms: int) -> None:
+    """Another client's lock on one node, as the acquire script writes it."""
+    client = raw(url)
+    try:
+        key = resource_keys("fence:", resource).lock
+        client.hset(key, mapping={"secret": secret, "token": "1", "holder": "elsewhere"})
+        client.pexpire(key, ttl_ms)
+    finally:
+        client.close()
+
+
+def cycle(manager: QuorumLockManager, resource: str) -> int:
+    lease = manager.acquire(resource, timeout=5)
+    token = lease.token
+    lease.release()
+    return token
+
+
+def urls(servers: list[RedisServer]) -> list[str]:
+    return [server.url for server in servers]
+
+
+# -- C2/C3: tokens after nodes lose their data -------------------------------------------------
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [TokenMode.COUNTER, TokenMode.HYBRID])
+def test_tokens_never_go_back_when_a_minority_loses_its_data(
+    nodes: list[RedisServer], mode: TokenMode
+) -> None:
+    """Each node in turn is wiped, first staying down through an acquisition, then coming
+    back empty: every token is above the one before. In counter mode a node's counter is
+    all it has, so this fails if the token is not written back to the nodes before it is
+    handed out (the third wipe would reissue a small token)."""
+    manager = QuorumLockManager(urls(nodes), token_mode=mode, check_config=False, ttl=5)
+    resource = "minority"
+    try:
+        tokens = [cycle(manager, resource) for _ in range(3)]
+        for victim in nodes * 2:
+            victim.kill()
+            tokens.append(cycle(manager, resource))  # a majority still answers
+            wipe(victim)  # back, empty: its counter is gone
+            assert counter(victim, resource) == 0
+            tokens.append(cycle(manager, resource))
+            tokens.append(cycle(manager, resource))
+        assert tokens == sorted(tokens)
+        assert len(set(tokens)) == len(tokens)
+        if mode is TokenMode.COUNTER:
+            # dense counter tokens: one per acquisition, none lost, none repeated
+            assert tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+            # every node was repaired by the write-back of the last acquisition
+            assert [counter(n, resource) for n in nodes] == [tokens[-1]] * 3
+    finally:
+        manager.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.parametrize("survivor_answers", [False, True])
+def test_counter_tokens_regress_when_a_majority_loses_its_data(
+    nodes: list[RedisServer], survivor_answers: bool
+) -> None:
+    """The documented limit: when a majority of nodes lose their counters and the node that
+    kept one does not answer, counter-mode tokens go back. If it answers, it proposes above
+    the old tokens and the sequence holds. Hybrid tokens do not go back (next test)."""
+    manager = QuorumLockManager(
+        urls(nodes), token_mode=TokenMode.COUNTER, check_config=False, ttl=5, socket_timeout=0.2
+    )
+    resource = "majority"
+    try:
+        before = [cycle(manager, resource) for _ in range(5)]
+        wipe(nodes[0])
+        wipe(nodes[1])
+        if survivor_answers:
+            assert cycle(manager, resource) == before[-1] + 1
+            return
+        nodes[2].pause()  # the only node that still knows the counter
+        try:
+            after = cycle(manager, resource)
+        finally:
+            nodes[2].resume()
+        assert after <= before[-1]  # regressed: tokens were reissued
+        assert after == 1
+    finally:
+        manager.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_hybrid_tokens_survive_a_majority_losing_its_data(nodes: list[RedisServer]) -> None:
+    manager = QuorumLockManager(urls(nodes), check_config=False, ttl=5, socket_timeout=0.2)
+    resource = "majority"
+    try:
+        before = [cycle(manager, resource) for _ in range(3)]
+        wipe(nodes[0])
+        wipe(nodes[1])
+        nodes[2].pause()
+        try:
+            after = cycle(manager, resource)
+        finally:
+            nodes[2].resume()
+        assert after > before[-1]  # the nodes' TIME kept it ahead
+    finally:
+        manager.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_counter_mode_warns_about_nodes_without_persistence(nodes: list[RedisServer]) -> None:
+    manager = QuorumLockManager(urls(nodes), token_mode=TokenMode.COUNTER, ttl=5)
+    try:
+        with pytest.warns(FenceWarning, match="persistence is off"):
+            cycle(manager, "warned")
+    finally:
+        manager.close()
+
+
+# -- a majority down: no lease, a clean error ----------------------------------------------------
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_majority_killed_acquire_fails_cleanly(nodes: list[RedisServer]) -> None:
+    bus = EventBus()
+    manager = QuorumLockManager(urls(nodes), check_config=False, ttl=5, events=bus)
+    try:
+        held = manager.acquire("job")
+        held.release()
+        nodes[0].kill()
+        nodes[1].kill()
+        with EventRecorder(bus) as recorder:
+            with pytest.raises(BackendError) as info:
+                manager.acquire("job", timeout=1)
+            assert info.value.code == "QUORUM"
+            assert info.value.retryable
+            assert nodes[0].url in str(info.value)
+            with pytest.raises(BackendError):
+                manager.try_acquire("job")
+            with pytest.raises(BackendError):
+                manager.inspect("job")
+            with pytest.raises(BackendError):
+                manager.revoke("job")
+        assert not lock_exists(nodes[2], "job")  # the attempt was undone on the live node
+        assert manager._held == {}
+        down = {e.detail["node"] for e in recorder.of(EventKind.BACKEND_DOWN)}
+        assert down == {nodes[0].url, nodes[1].url}
+        assert not recorder.of(EventKind.ACQUIRED)
+        # the nodes come back: the manager works again, with a larger token
+        nodes[0].start()
+        nodes[1].start()
+        again = manager.acquire("job", timeout=5)
+        assert again.token > held.token
+        again.release()
+    finally:
+        manager.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_majority_stopped_acquire_fails_cleanly(nodes: list[RedisServer]) -> None:
+    """Nodes that hang (SIGSTOP) cost the per-node timeout, then the same clean error."""
+    manager = QuorumLockManager(urls(nodes), check_config=False, ttl=5, socket_timeout=0.2)
+    try:
+        nodes[0].pause()
+        nodes[1].pause()
+        try:
+            with pytest.raises(BackendError) as info:
+                manager.acquire("job", timeout=1)
+            assert info.value.code == "QUORUM"
+            assert not lock_exists(nodes[2], "job")
+        finally:
+            nodes[0].resume()
+            nodes[1].resume()
+        assert manager._held == {}
+    finally:
+        manager.close()
+
+
+# -- partial failures: a minority stopped, killed, refusing ---------------------------------------
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_stopped_node_costs_its_timeout_not_the_lock(nodes: list[RedisServer]) -> None:
+    """One node hangs (SIGSTOP) through acquire, renew and release: the majority decides,
+    the node is reported once, and its leftover lock does not block the next holder."""
+    bus = EventBus()
+    manager = QuorumLockManager(
+        urls(nodes), check_config=False, ttl=1, socket_timeout=0.15, events=bus
+    )
+    try:
+        first = cycle(manager, "job")
+        with EventRecorder(bus) as recorder:
+            nodes[1].pause()
+            try:
+                lease = manager.acquire("job", timeout=2)
+                assert lease.token > first
+                assert lease.valid
+                lease.renew()
+                info = manager.inspect("job")
+                assert info is not None
+                assert info.token == lease.token
+                lease.release()  # two of three release: done
+                assert manager.driver.down == [nodes[1].url]
+            finally:
+                nodes[1].resume()
+        down = recorder.of(EventKind.BACKEND_DOWN)
+        assert len(down) == 1  # reported when it went down, not on every call
+        assert down[0].detail["node"] == nodes[1].url
+        assert down[0].detail["operation"] == "acquire"
+        # the resumed node may run the acquire it had queued: the lock it holds there is a
+        # minority and expires with its ttl; the next holder needs only the other two
+        assert cycle(manager, "job") > lease.token
+        assert manager.driver.down == []
+    finally:
+        manager.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_killed_node_refuses_connections(nodes: list[RedisServer]) -> None:
+    bus = EventBus()
+    manager = QuorumLockManager(urls(nodes), check_config=False, ttl=5, events=bus)
+    try:
+        with EventRecorder(bus) as recorder:
+            nodes[2].kill()
+            tokens = [cycle(manager, "job") for _ in range(4)]
+            nodes[2].start()
+            tokens += [cycle(manager, "job") for _ in range(2)]
+        assert tokens == sorted(tokens)
+        assert len(set(tokens)) == len(tokens)
+        down = recorder.of(EventKind.BACKEND_DOWN)
+        assert [e.detail["node"] for e in down] == [nodes[2].url]
+        assert down[0].detail["code"] == "CONNECTION"
+        assert counter(nodes[2], "job") == tokens[-1]  # repaired by the write-back
+    finally:
+        manager.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_node_that_refuses_writes(nodes: list[RedisServer]) -> None:
+    """A node out of memory (``maxmemory`` reached, ``noeviction``) refuses every script
+    that writes: it counts as a failed vote, and the other two carry the lock."""
+    admin = raw(nodes[0])
+    bus = EventBus()
+    manager = QuorumLockManager(urls(nodes), check_config=False, ttl=5, events=bus)
+    try:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")
+        with EventRecorder(bus) as recorder:
+            lease = manager.acquire("job", timeout=2)
+            assert not lock_exists(nodes[0], "job")
+            assert lock_exists(nodes[1], "job")
+            lease.release()
+        down = recorder.of(EventKind.BACKEND_DOWN)
+        assert [e.detail["node"] for e in down] == [nodes[0].url]
+        assert "maxmemory" in down[0].detail["error"]
+    finally:
+        admin.config_set("maxmemory", "0")
+        admin.close()
+        manager.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_release_that_fails_on_a_node(nodes: list[RedisServer]) -> None:
+    """The release reaches two nodes of three: it succeeds, and the failing node is
+    reported. Whatever copy of the lock the third node keeps expires with its ttl and holds
+    up nobody: the next holder needs only a majority."""
+    bus = EventBus()
+    manager = QuorumLockManager(
+        urls(nodes), check_config=False, ttl=0.8, socket_timeout=0.15, events=bus
+    )
+    try:
+        lease = manager.acquire("job")
+        with EventRecorder(bus) as recorder:
+            nodes[0].pause()
+            try:
+                lease.release()
+                assert lease.released
+            finally:
+                nodes[0].resume()
+        down = recorder.of(EventKind.BACKEND_DOWN)
+        assert [(e.detail["node"], e.detail["operation"]) for e in down] == [
+            (nodes[0].url, "release")
+        ]
+        assert [e.kind for e in recorder.events if e.kind != EventKind.BACKEND_DOWN] == [
+            EventKind.RELEASED
+        ]
+        assert recorder.of(EventKind.RELEASED)[0].detail["held"] is True
+        assert not lock_exists(nodes[1], "job")
+        assert not lock_exists(nodes[2], "job")
+        assert cycle(manager, "job") > lease.token  # a majority is free
+    finally:
+        manager.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_release_unconfirmed_when_a_majority_does_not_answer(nodes: list[RedisServer]) -> None:
+    manager = QuorumLockManager(urls(nodes), check_config=False, ttl=1, socket_timeout=0.15)
+    try:
+        lease = manager.acquire("job")
+        nodes[0].pause()
+        nodes[1].pause()
+        try:
+            with pytest.raises(BackendError) as info:
+                lease.release()
+            assert info.value.code == "QUORUM"
+        finally:
+            nodes[0].resume()
+            nodes[1].resume()
+    finally:
+        manager.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_watchdog_reports_loss_when_a_majority_stops(nodes: list[RedisServer]) -> None:
+    bus = EventBus()
+    manager = QuorumLockManager(
+        urls(nodes), check_config=False, ttl=0.9, socket_timeout=0.1, renew=True, events=bus
+    )
+    lost: list[Any] = []
+    try:
+        with EventRecorder(bus) as recorder:
+            lease = manager.acquire("job", on_lost=lambda _l, err: lost.append(err))
+            nodes[0].pause()
+            nodes[1].pause()
+            try:
+                assert lease.wait_lost(timeout=5)
+                # close() stops the watchdogs of held leases only; this one is lost, and
+                # may still be inside a renewal that is timing out.
+                lease._watchdog.join()
+            finally:
+                nodes[0].resume()
+                nodes[1].resume()
+        assert len(lost) == 1
+        assert recorder.of(EventKind.RENEW_FAILED)
+        assert len(recorder.of(EventKind.LOST)) == 1
+    finally:
+        manager.close()
+
+
+# -- split votes and undone attempts ------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_split_vote_is_undone_and_retried_with_backoff(quorum_urls: list[str]) -> None:
+    """Two other clients hold one node each: nobody has a majority. Our attempt wins only
+    the third node, gives it back, and retries after a jittered delay until they expire."""
+    servers = quorum_urls
+    resource = f"split:{secrets.token_hex(4)}"
+    manager = QuorumLockManager(quorum_urls, ttl=5)
+    attempts = [0]
+    real = manager.driver.acquire
+
+    def counting(*args: Any) -> Any:
+        attempts[0] += 1
+        return real(*args)
+
+    manager.driver.acquire = counting  # type: ignore[method-assign]
+    try:
+        plant_lock(servers[0], resource, "client-x", 600)
+        plant_lock(servers[1], resource, "client-y", 600)
+        assert manager.try_acquire(resource) is None
+        assert not lock_exists(servers[2], resource)  # our single vote was given back
+        with pytest.raises(AcquireTimeout):
+            manager.acquire(resource, timeout=0.2)
+        assert not lock_exists(servers[2], resource)
+        assert attempts[0] >= 3  # retried, after backoff delays, not after a wake-up
+        lease = manager.acquire(resource, timeout=5)  # the planted locks expire
+        assert lease.valid
+        lease.release()
+    finally:
+        manager.close()
+
+
+@pytest.mark.redis
+async def test_cancelled_acquire_leaves_no_lock(quorum_urls: list[str]) -> None:
+    """A task cancelled in the middle of an acquire round gives back what it took."""
+    resource = f"cancel:{secrets.token_hex(4)}"
+    manager = AsyncQuorumLockManager(quorum_urls, ttl=30)
+    clients = [redis.asyncio.Redis.from_url(url) for url in quorum_urls]
+    try:
+        for _ in range(5):
+            task = asyncio.get_running_loop().create_task(manager.acquire(resource))
+            await asyncio.sleep(0.0005)
+            task.cancel()
+            try:
+                lease = await task
+            except asyncio.CancelledError:
+                pass
+            else:
+                await lease.release()
+            await asyncio.sleep(0.05)  # let the shielded undo finish
+            key = resource_keys("fence:", resource).lock
+            assert [await c.exists(key) for c in clients] == [0, 0, 0]
+    finally:
+        for client in clients:
+            await client.aclose()
+        await manager.close()
+
+
+@pytest.mark.redis
+async def test_async_manager_with_a_stopped_node(nodes: list[RedisServer]) -> None:
+    bus = EventBus()
+    manager = AsyncQuorumLockManager(
+        urls(nodes), check_config=False, ttl=2, socket_timeout=0.15, events=bus
+    )
+    try:
+        with EventRecorder(bus) as recorder:
+            nodes[0].pause()
+            try:
+                lease = await manager.acquire("job", timeout=2)
+                info = await manager.inspect("job")
+                assert info is not None
+                assert info.token == lease.token
+                await lease.release()
+            finally:
+                nodes[0].resume()
+        assert [e.detail["node"] for e in recorder.of(EventKind.BACKEND_DOWN)] == [nodes[0].url]
+    finally:
+        await manager.close()
+
+
+def test_bad_node_lists() -> None:
+    from fence import ConfigurationError
+
+    with pytest.raises(ConfigurationError):
+        QuorumLockManager("redis://127.0.0.1:1/0")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError):
+        QuorumLockManager([])
+    with pytest.raises(ConfigurationError):
+        QuorumLockManager(["redis://127.0.0.1:1/0", "redis://127.0.0.1:1/0"])
