@@ -56,9 +56,11 @@ from fence._sync.memory import MemoryLockManager
 from fence.abc import AsyncGuard, AsyncLockManager, Guard, LockInfo, LockManager
 
 if TYPE_CHECKING:
+    from fence._async.quorum import AsyncQuorumLockManager
     from fence._async.redis import AsyncRedisLockManager
     from fence._async.sql import AsyncSQLLockManager
     from fence._sql_schema import lease_table, lease_table_ddl
+    from fence._sync.quorum import QuorumLockManager
     from fence._sync.redis import RedisLockManager
     from fence._sync.sql import SQLLockManager
 
@@ -71,6 +73,8 @@ _LAZY = {
     "RedisLockManager": "fence._sync.redis",
     "AsyncSQLLockManager": "fence._async.sql",
     "SQLLockManager": "fence._sync.sql",
+    "AsyncQuorumLockManager": "fence._async.quorum",
+    "QuorumLockManager": "fence._sync.quorum",
     "lease_table": "fence._sql_schema",
     "lease_table_ddl": "fence._sql_schema",
 }
@@ -94,6 +98,7 @@ __all__ = [
     "AsyncLease",
     "AsyncLockManager",
     "AsyncMemoryLockManager",
+    "AsyncQuorumLockManager",
     "AsyncRedisLockManager",
     "AsyncSQLLockManager",
     "BackendError",
@@ -117,6 +122,7 @@ __all__ = [
     "MemoryBackend",
     "MemoryLockManager",
     "NotOwnerError",
+    "QuorumLockManager",
     "Reason",
     "RedisLockManager",
     "RetryableError",

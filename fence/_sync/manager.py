@@ -292,6 +292,7 @@ class BaseLockManager:
         self.events = events or default_bus
         self.reentrant = reentrant
         self._held: dict[tuple[object, str], Lease] = {}
+        self._watchdogs: list[Any] = []
         self._closed = False
 
     def __repr__(self) -> str:
@@ -383,10 +384,15 @@ class BaseLockManager:
         if self._closed:
             return
         self._closed = True
-        for lease in list(self._held.values()):
+        held = list(self._held.values())
+        for lease in held:
             lease._stop.set()
-            if lease._watchdog is not None:
-                lease._watchdog.join()
+        # Lost leases have left _held, but their watchdogs may still be in a call: join
+        # every one before the driver closes the connections under them.
+        for watchdog in self._watchdogs:
+            watchdog.join()
+        self._watchdogs.clear()
+        for lease in held:
             if not lease._released and not lease.lost:
                 lease._released = True
                 try:
@@ -482,6 +488,8 @@ class BaseLockManager:
             events.emit(EventKind.ACQUIRED, self.source, resource, reply.token, now - start)
         if self.renew if renew is None else renew:
             lease._watchdog = spawn(self._watch, lease, name=f"fence-renew:{resource}")
+            self._watchdogs = [w for w in self._watchdogs if not w.done()]
+            self._watchdogs.append(lease._watchdog)
         return lease
 
     def _abandon(self, resource: str, secret: str) -> None:
