@@ -14,14 +14,25 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fence", description="iofence: fencing tokens for distributed locks."
     )
     parser.add_argument("--version", action="version", version=f"iofence {fence.__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parser(
+        "demo",
+        help="watch a paused lock holder's stale write being refused (SQLite, no server)",
+        add_help=False,
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``fence`` command; return its exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        from fence._demo import main as demo
+
+        return demo(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command is None:
         parser.print_help()
         return 2
