@@ -40,6 +40,7 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\bAsync(?=[A-Z])", ""),
     (r"\b_acompat\b", "_compat"),
     (r"\b_async\b", "_sync"),
+    (r"\bsqlalchemy\.ext\.asyncio\b", "sqlalchemy"),
     (r"\bredis\.asyncio\b", "redis"),
     (r"\baclose\b", "close"),
 ]

@@ -1,0 +1,580 @@
+"""Fenced writes to PostgreSQL rows through plain psycopg 3, inside the caller's transaction.
+
+The guards never begin, commit, roll back or close the caller's transaction: they run
+their statements on the connection they are given, and a rejected write changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+from psycopg.rows import dict_row
+
+from fence._core import validate_resource, validate_token
+from fence._errors import BackendError, ConfigurationError, StaleTokenError
+from fence._events import EventBus, default_bus
+
+from .._pg_statements import PgRegisterStatements, PgRowStatements, TableName
+from .._sql_common import (
+    ABSENT,
+    DEFAULT_FENCE_COLUMN,
+    DEFAULT_REGISTER_TABLE,
+    Probe,
+    RowScope,
+    batch_rejection,
+    closed_connection_error,
+    null_fence_error,
+    probe_passes,
+    probe_rejection,
+    report_accepted,
+    report_rejected,
+    translate_error,
+)
+
+__all__ = ["AsyncFenceRegister", "AsyncRowGuard"]
+
+SOURCE = "psycopg-guard"
+_SAVEPOINT = "iofence_batch"
+
+Rows = list[dict[str, Any]]
+
+#: A statement psycopg can run: a string or a :mod:`psycopg.sql` composition.
+Query = str | bytes | sql.SQL | sql.Composed
+
+
+class _Base:
+    """Statement execution, error mapping and verdict reporting shared by both guards."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], events: EventBus | None) -> None:
+        self.conn = conn
+        self.events = events or default_bus
+
+    async def _run(
+        self, query: Query, params: Sequence[Any], action: str, scope: str | RowScope
+    ) -> tuple[int, Rows]:
+        """Run one statement; return its row count and the rows it returned (as dicts)."""
+        if self.conn.closed:
+            raise closed_connection_error()
+        try:
+            async with self.conn.cursor(row_factory=dict_row) as cur:
+                await cur.execute(query, params)
+                rows = await cur.fetchall() if cur.description is not None else []
+                return cur.rowcount, rows
+        except psycopg.Error as exc:
+            raise translate_error(exc, action, str(scope)) from exc
+
+    async def _count(
+        self, query: Query, params: Sequence[Any], action: str, scope: str | RowScope
+    ) -> int:
+        """Run one statement that returns no rows; return its row count."""
+        if self.conn.closed:
+            raise closed_connection_error()
+        try:
+            cur = await self.conn.execute(query, params)
+            return cur.rowcount
+        except psycopg.Error as exc:
+            raise translate_error(exc, action, str(scope)) from exc
+
+    async def _run_in_savepoint(
+        self, query: str, params: Sequence[Any], expected: int, action: str, scope: str
+    ) -> int:
+        """Run ``query`` in a savepoint; undo it and return 0 unless it changed ``expected``.
+
+        Inside a transaction (the usual case) this is ``SAVEPOINT`` ... ``RELEASE`` or
+        ``ROLLBACK TO``; the caller's transaction goes on. On an autocommit connection
+        outside any transaction the statement is its own transaction anyway.
+        """
+        if self.conn.closed:
+            raise closed_connection_error()
+        idle = self.conn.info.transaction_status == TransactionStatus.IDLE
+        if self.conn.autocommit and idle:
+            try:
+                async with self.conn.transaction():
+                    count, _ = await self._run(query, params, action, scope)
+                    if count != expected:
+                        raise psycopg.Rollback()
+                return count
+            except psycopg.Error as exc:
+                raise translate_error(exc, action, scope) from exc
+        await self._run(f"SAVEPOINT {_SAVEPOINT}", (), action, scope)
+        try:
+            count, _ = await self._run(query, params, action, scope)
+        except BaseException:
+            # Undo the batch; an error here (a dead connection) must not hide the first.
+            with contextlib.suppress(psycopg.Error, BackendError):
+                await self.conn.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
+            raise
+        if count == expected:
+            await self._run(f"RELEASE SAVEPOINT {_SAVEPOINT}", (), action, scope)
+            return count
+        await self._run(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", (), action, scope)
+        await self._run(f"RELEASE SAVEPOINT {_SAVEPOINT}", (), action, scope)
+        return 0
+
+    def _accepted(self, scopes: Sequence[str], token: int) -> None:
+        if self.events.active:
+            report_accepted(self.events, SOURCE, scopes, token)
+
+    def _rejected(self, err: StaleTokenError) -> StaleTokenError:
+        if self.events.active:
+            report_rejected(self.events, SOURCE, err)
+        return err
+
+
+class AsyncRowGuard(_Base):
+    """Fenced writes to the rows of one PostgreSQL table through psycopg (C4-C9).
+
+    The same contract as :class:`fence.adapters.sql.AsyncRowGuard`, on a plain psycopg
+    connection: the table needs a fence column ``BIGINT NOT NULL DEFAULT 0``, and a
+    tombstone column ``BOOLEAN NOT NULL DEFAULT FALSE`` for fenced deletes. Rows come back
+    as dicts.
+
+    Args:
+        conn: the caller's connection; the guard runs inside its transaction.
+        table: the table name, or ``(schema, name)``.
+        key: the key column or columns (a primary key or unique constraint).
+        fence: the fence column.
+        tombstone: the soft-delete column; ``None`` if the table has none.
+        tombstone_insert: whether a tombstone holding only the key and fence can be
+            inserted for an absent row (every other column nullable or defaulted). Set it
+            to ``False`` when it cannot: claims of absent rows are then ``MISSING``.
+        returning: :meth:`update` and :meth:`upsert` return the written row
+            (``RETURNING *``); with ``False`` they return ``None`` and the row count proves
+            the write, which saves the transfer and decoding of the row.
+        events: the bus for ``WRITE_ACCEPTED`` / ``WRITE_REJECTED``.
+
+    Example::
+
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            guard = AsyncRowGuard(conn, "accounts", key="id", tombstone="deleted")
+            await guard.update(42, lease.token, {"balance": 10})
+    """
+
+    def __init__(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        table: TableName,
+        *,
+        key: str | Sequence[str] = "id",
+        fence: str = DEFAULT_FENCE_COLUMN,
+        tombstone: str | None = None,
+        tombstone_insert: bool = True,
+        returning: bool = True,
+        events: EventBus | None = None,
+    ) -> None:
+        super().__init__(conn, events)
+        self.returning = returning
+        self.statements = PgRowStatements(
+            table,
+            key=(key,) if isinstance(key, str) else tuple(key),
+            fence=fence,
+            tombstone=tombstone,
+            tombstone_insert=tombstone_insert,
+        )
+
+    async def _probe(self, keyvals: tuple[Any, ...], scope: str) -> Probe:
+        _, rows = await self._run(self.statements.probe, keyvals, "diagnostic read", scope)
+        if not rows:
+            return ABSENT
+        fence, dead = rows[0].values()
+        return Probe(exists=True, fence=fence, live=not dead)
+
+    async def fence(self, key: Any) -> int | None:
+        """The fence of a row, ``None`` if the row does not exist.
+
+        Raises:
+            ConfigurationError: the row's fence column is NULL (C9).
+            BackendError: the database failed.
+        """
+        keyvals = self.statements.key_values(key)
+        scope = self.statements.scope(keyvals)
+        probe = await self._probe(keyvals, scope)
+        if probe.exists and probe.fence is None:
+            raise null_fence_error(scope)
+        return probe.fence
+
+    async def update(
+        self, key: Any, token: int, values: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """Fenced ``UPDATE``: write ``values`` to the row iff ``token >= fence`` (C4, C5).
+
+        One statement: ``UPDATE t SET ..., fence = %s WHERE <key> AND fence <= %s
+        [AND NOT deleted] RETURNING *``.
+
+        Args:
+            key: the row's key value (a tuple or mapping for a composite key).
+            token: the fencing token of the caller's lease.
+            values: column name to new value; neither the key nor the fence.
+
+        Returns:
+            The updated row, or ``None`` if the guard was built with ``returning=False``.
+
+        Raises:
+            InvalidTokenError: ``token`` is not a valid token; nothing was sent.
+            StaleTokenError: ``STALE``, ``MISSING`` (no live row) or ``UNVERIFIABLE``
+                (NULL fence); nothing was written.
+            RetryableError: serialization failure or deadlock; retry the transaction.
+            BackendError: the connection is closed or the database failed.
+        """
+        token = validate_token(token)
+        s = self.statements
+        keyvals = s.key_values(key)
+        data = s.check_values(values, upsert=False)
+        if not data:
+            raise ConfigurationError("a fenced update needs values; use claim() to only fence")
+        scope = RowScope(s.name, keyvals)
+        params = (*data.values(), token, *keyvals, token)
+        query = s.update(tuple(data), self.returning)
+        if self.returning:
+            count, rows = await self._run(query, params, "fenced update", scope)
+        else:
+            count, rows = await self._count(query, params, "fenced update", scope), []
+        if count == 1:
+            if self.events.active:
+                self._accepted((str(scope),), token)
+            return rows[0] if rows else None
+        probe = await self._probe(keyvals, str(scope))
+        raise self._rejected(probe_rejection(str(scope), token, probe, need_live=True))
+
+    async def upsert(self, token: int, values: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Fenced insert-or-replace (``ON CONFLICT DO UPDATE ... WHERE fence <= EXCLUDED.fence``).
+
+        A tombstone comes back to life for a current token; a stale writer cannot bring
+        it back (C7).
+
+        Args:
+            token: the fencing token.
+            values: every column to write, including the key; not the fence.
+
+        Returns:
+            The written row, or ``None`` if the guard was built with ``returning=False``.
+
+        Raises:
+            StaleTokenError: the row holds a newer (or NULL) fence; nothing was written.
+            InvalidTokenError, RetryableError, BackendError: as for :meth:`update`.
+        """
+        token = validate_token(token)
+        s = self.statements
+        data = s.check_values(values, upsert=True)
+        keyvals = tuple(data[name] for name in s.key_names)
+        scope = s.scope(keyvals)
+        query, params = s.upsert(tuple(data), self.returning), (*data.values(), token)
+        if self.returning:
+            count, rows = await self._run(query, params, "fenced upsert", scope)
+        else:
+            count, rows = await self._count(query, params, "fenced upsert", scope), []
+        if count == 1:
+            self._accepted((scope,), token)
+            return rows[0] if rows else None
+        probe = await self._probe(keyvals, scope)
+        raise self._rejected(probe_rejection(scope, token, probe, need_live=False))
+
+    async def _raise_fence(
+        self, key: Any, token: int, *, delete: bool, action: str
+    ) -> dict[str, Any] | None:
+        """Set ``fence = token`` on the row, inserting a tombstone if it is absent.
+
+        Returns the row if it is live, else ``None``.
+        """
+        token = validate_token(token)
+        s = self.statements
+        keyvals = s.key_values(key)
+        scope = s.scope(keyvals)
+        count, rows = await self._run(
+            s.raise_fence(delete=delete), (token, *keyvals, token), action, scope
+        )
+        probe: Probe | None = None
+        if count != 1:
+            probe = await self._probe(keyvals, scope)
+            if not probe.exists and s.can_insert_tombstone:
+                count, rows = await self._run(
+                    s.insert_tombstone(delete=delete), (*keyvals, token), action, scope
+                )
+                if count != 1:
+                    probe = await self._probe(keyvals, scope)
+        if count == 1:
+            self._accepted((scope,), token)
+            row = rows[0]
+            if s.tombstone_name is not None and row[s.tombstone_name]:
+                return None
+            return row
+        assert probe is not None
+        raise self._rejected(probe_rejection(scope, token, probe, need_live=False))
+
+    async def claim(self, key: Any, token: int) -> int:
+        """Raise the row's fence to ``token`` without writing data (C8); return the fence.
+
+        A row that does not exist is claimed with a tombstone holding only its key and
+        fence (needs a tombstone column); otherwise the claim is ``MISSING``.
+
+        Raises:
+            InvalidTokenError: ``token`` is not a valid token; nothing was sent.
+            StaleTokenError: ``STALE``, ``MISSING`` or ``UNVERIFIABLE``; nothing written.
+            RetryableError, BackendError: as for :meth:`update`.
+        """
+        await self._raise_fence(key, token, delete=False, action="fence claim")
+        return token
+
+    async def read_for_update(self, key: Any, token: int) -> dict[str, Any] | None:
+        """A registering read (C8): raise the fence to ``token`` and return the row.
+
+        The row stays locked until the transaction ends, and a stale reader is refused.
+
+        Returns:
+            The row, or ``None`` if it is a tombstone or was absent (a tombstone now holds
+            the fence).
+
+        Raises:
+            StaleTokenError: as for :meth:`claim`.
+        """
+        return await self._raise_fence(key, token, delete=False, action="registering read")
+
+    async def delete(self, key: Any, token: int) -> None:
+        """Fenced soft delete: mark the row deleted, keep its fence as a tombstone (C7).
+
+        Raises:
+            ConfigurationError: the guard has no tombstone column (a hard delete would let
+                a stale writer insert the row again); use a fence register instead.
+            StaleTokenError: as for :meth:`claim`.
+        """
+        if self.statements.tombstone_name is None:
+            raise ConfigurationError(
+                f"a fenced delete of {self.statements.name} needs a tombstone column "
+                "(tombstone=...) or a fence register: a hard delete would let a stale "
+                "writer insert the row again"
+            )
+        await self._raise_fence(key, token, delete=True, action="fenced delete")
+
+    # -- many rows --------------------------------------------------------------------
+
+    def _keyed(self, pairs: Sequence[tuple[Any, Any]]) -> list[tuple[tuple[Any, ...], Any]]:
+        out: dict[tuple[Any, ...], Any] = {}
+        for key, values in pairs:
+            keyvals = self.statements.key_values(key)
+            if keyvals in out:
+                raise ConfigurationError(f"key {keyvals!r} appears twice in the batch")
+            out[keyvals] = values
+        return list(out.items())
+
+    async def _batch_rejection(
+        self, keys: Sequence[tuple[Any, ...]], token: int, *, need_live: bool
+    ) -> StaleTokenError:
+        s = self.statements
+        flat = [v for k in keys for v in k]
+        _, rows = await self._run(s.probe_many(len(keys)), flat, "diagnostic read", s.name)
+        width = len(s.key_names)
+        found = {}
+        for row in rows:
+            values = list(row.values())
+            found[tuple(values[:width])] = Probe(True, values[width], not values[width + 1])
+        errors = []
+        for keyvals in keys:
+            probe = found.get(keyvals, ABSENT)
+            if probe_passes(probe, token, need_live=need_live):
+                continue
+            errors.append(probe_rejection(s.scope(keyvals), token, probe, need_live=need_live))
+        if not errors:  # a concurrent writer moved on between the write and the read
+            errors = [
+                probe_rejection(s.scope(k), token, found.get(k, ABSENT), need_live=need_live)
+                for k in keys
+            ]
+        return batch_rejection(s.name, token, errors)
+
+    def _partial(self, count: int, total: int) -> BackendError:
+        return BackendError(
+            f"a batch on {self.statements.name} wrote {count} of {total} rows; roll the "
+            "transaction back",
+            code="PARTIAL",
+        )
+
+    async def update_many(self, token: int, items: Mapping[Any, Mapping[str, Any]]) -> None:
+        """Fenced update of many rows in one statement, all or nothing (C6).
+
+        The statement locks every target row (in key order) and counts those that pass
+        before it writes any; unless all pass it writes none, and the error lists every
+        rejected row.
+
+        Args:
+            token: the fencing token.
+            items: key to column values; rows may set different columns.
+
+        Raises:
+            StaleTokenError: ``.rejected`` holds one error per rejected row; nothing
+                was written.
+            InvalidTokenError, RetryableError, BackendError: as for :meth:`update`.
+        """
+        token = validate_token(token)
+        s = self.statements
+        keyed = [(k, s.check_values(v, upsert=False)) for k, v in self._keyed(list(items.items()))]
+        if not keyed:
+            return
+        keys = [k for k, _ in keyed]
+        query, params = s.update_many(keyed, token)
+        count, _ = await self._run(query, params, "fenced batch update", s.name)
+        if count == len(keys):
+            self._accepted([s.scope(k) for k in keys], token)
+            return
+        if count:
+            raise self._partial(count, len(keys))
+        raise self._rejected(await self._batch_rejection(keys, token, need_live=True))
+
+    async def upsert_many(self, token: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Fenced insert-or-replace of many rows, all or nothing (C6).
+
+        The rows are written by one statement inside a savepoint, which is rolled back
+        unless every row passed; the caller's transaction goes on either way.
+
+        Args:
+            token: the fencing token.
+            rows: the rows, each with its key; all set the same columns.
+
+        Raises:
+            StaleTokenError: ``.rejected`` lists every rejected row; nothing was written.
+            ConfigurationError: rows set different columns.
+            InvalidTokenError, RetryableError, BackendError: as for :meth:`update`.
+        """
+        token = validate_token(token)
+        s = self.statements
+        data = [s.check_values(row, upsert=True) for row in rows]
+        if not data:
+            return
+        columns = tuple(data[0])
+        if any(tuple(row) != columns for row in data):
+            raise ConfigurationError(
+                f"every row of a batch upsert of {s.name} must set the same columns"
+            )
+        keyed = self._keyed([(tuple(row[n] for n in s.key_names), row) for row in data])
+        keys = [k for k, _ in keyed]
+        params = [v for row in data for v in (*row.values(), token)]
+        count = await self._run_in_savepoint(
+            s.upsert_many(columns, len(data)), params, len(keys), "fenced batch upsert", s.name
+        )
+        if count == len(keys):
+            self._accepted([s.scope(k) for k in keys], token)
+            return
+        raise self._rejected(await self._batch_rejection(keys, token, need_live=False))
+
+
+class AsyncFenceRegister(_Base):
+    """A fence register on PostgreSQL through psycopg (C6, C7, C8).
+
+    Fences live in a table ``(scope PK, fence BIGINT)``. :meth:`claim` checks and raises
+    the fence of a scope inside the caller's transaction and keeps the register row locked
+    until it commits, so a unit of work spanning many rows and tables is fenced as one.
+    Register rows are never deleted: they are the tombstones of what a scope covered.
+
+    Args:
+        conn: the caller's connection.
+        table: the register table (see the DDL in the docs), or ``(schema, name)``.
+        events: the bus for ``WRITE_ACCEPTED`` / ``WRITE_REJECTED``.
+
+    Example::
+
+        async with conn.transaction():
+            register = AsyncFenceRegister(conn)
+            await register.claim("order:42", lease.token)
+            await conn.execute("UPDATE orders SET ... WHERE id = %s", (42,))
+    """
+
+    def __init__(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        table: TableName = DEFAULT_REGISTER_TABLE,
+        *,
+        events: EventBus | None = None,
+    ) -> None:
+        super().__init__(conn, events)
+        self.statements = PgRegisterStatements(table)
+
+    async def fence(self, scope: str) -> int | None:
+        """The fence of ``scope``, ``None`` if it was never claimed.
+
+        Raises:
+            InvalidResourceError: ``scope`` is not a valid scope name.
+            BackendError: the database failed.
+        """
+        scope = validate_resource(scope, what="scope")
+        _, rows = await self._run(self.statements.probe, (scope,), "diagnostic read", scope)
+        return rows[0]["fence"] if rows else None
+
+    async def claim(self, scope: str, token: int) -> int:
+        """Check ``token`` against the fence of ``scope`` and raise the fence to it (C4, C8).
+
+        Returns:
+            The fence, now ``token``.
+
+        Raises:
+            InvalidTokenError: ``token`` is not a valid token; nothing was sent.
+            InvalidResourceError: ``scope`` is not a valid scope name.
+            StaleTokenError: ``STALE``, with the current fence; nothing was written.
+            RetryableError: serialization failure or deadlock; retry the transaction.
+            BackendError: the connection is closed or the database failed.
+        """
+        token = validate_token(token)
+        scope = validate_resource(scope, what="scope")
+        count, _ = await self._run(self.statements.claim, (scope, token), "fence claim", scope)
+        if count == 1:
+            self._accepted((scope,), token)
+            return token
+        fence = await self.fence(scope)
+        raise self._rejected(
+            probe_rejection(scope, token, Probe(True, fence, True), need_live=False)
+        )
+
+    async def claim_many(self, scopes: Sequence[str], token: int) -> None:
+        """Claim several scopes with one token, all or nothing (C6).
+
+        Raises:
+            StaleTokenError: ``.rejected`` lists every scope whose fence is above
+                ``token``; no fence was raised.
+            InvalidTokenError, InvalidResourceError, RetryableError, BackendError: as for
+                :meth:`claim`.
+        """
+        token = validate_token(token)
+        unique = sorted({validate_resource(s, what="scope") for s in scopes})
+        if not unique:
+            return
+        s = self.statements
+        params = [v for scope in unique for v in (scope, token)]
+        count = await self._run_in_savepoint(
+            s.claim_many(len(unique)), params, len(unique), "fence claim", s.name
+        )
+        if count == len(unique):
+            self._accepted(unique, token)
+            return
+        _, rows = await self._run(s.probe_many(len(unique)), unique, "diagnostic read", s.name)
+        fences = {row["scope"]: row["fence"] for row in rows}
+        probes = {scope: Probe(scope in fences, fences.get(scope), True) for scope in unique}
+        errors = [
+            probe_rejection(scope, token, probe, need_live=False)
+            for scope, probe in probes.items()
+            if not probe_passes(probe, token, need_live=False)
+        ] or [probe_rejection(scope, token, probes[scope], need_live=False) for scope in unique]
+        raise self._rejected(batch_rejection(s.name, token, errors))
+
+    async def read(
+        self, scope: str, token: int, query: Query, params: Sequence[Any] = ()
+    ) -> list[dict[str, Any]]:
+        """A registering read (C8): claim ``scope``, then run ``query`` and return its rows.
+
+        Args:
+            scope: the fence scope.
+            token: the fencing token.
+            query: the read to run after the claim.
+            params: its parameters.
+
+        Returns:
+            The rows, as dicts.
+
+        Raises:
+            StaleTokenError: the claim was refused; the read did not run.
+            InvalidTokenError, RetryableError, BackendError: as for :meth:`claim`.
+        """
+        await self.claim(scope, token)
+        _, rows = await self._run(query, params, "registering read", scope)
+        return rows

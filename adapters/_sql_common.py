@@ -1,0 +1,280 @@
+"""What both SQL guards share: the DDL, scope names, verdicts and error mapping. No I/O.
+
+The SQLAlchemy Core guard (``fence.adapters.sql``) and the psycopg guard
+(``fence.adapters.psycopg``) move bytes; everything that decides lives here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fence._core import rejection
+from fence._errors import (
+    BackendError,
+    ConfigurationError,
+    FenceError,
+    Reason,
+    RetryableError,
+    StaleTokenError,
+)
+from fence._events import EventBus, EventKind
+
+__all__ = [
+    "ABSENT",
+    "DEFAULT_FENCE_COLUMN",
+    "DEFAULT_REGISTER_TABLE",
+    "DEFAULT_TOMBSTONE_COLUMN",
+    "FENCE_COLUMN_DDL",
+    "REGISTER_TABLE_DDL",
+    "TOMBSTONE_COLUMN_DDL",
+    "Probe",
+    "RowScope",
+    "batch_rejection",
+    "closed_connection_error",
+    "null_fence_error",
+    "probe_passes",
+    "probe_rejection",
+    "report_accepted",
+    "report_rejected",
+    "row_scope",
+    "translate_error",
+]
+
+#: The name the guards look for when no fence column is named.
+DEFAULT_FENCE_COLUMN = "fence"
+
+#: The conventional name of the soft-delete flag that turns a deleted row into a tombstone.
+DEFAULT_TOMBSTONE_COLUMN = "deleted"
+
+#: The default table of a fence register.
+DEFAULT_REGISTER_TABLE = "fence_register"
+
+#: The fence column, for an existing table (PostgreSQL and SQLite). Existing rows start at 0,
+#: so the first token accepted raises them.
+FENCE_COLUMN_DDL = "ALTER TABLE {table} ADD COLUMN fence BIGINT NOT NULL DEFAULT 0"
+
+#: The soft-delete flag that keeps a deleted row, and its fence, as a tombstone (C7).
+TOMBSTONE_COLUMN_DDL = "ALTER TABLE {table} ADD COLUMN deleted BOOLEAN NOT NULL DEFAULT FALSE"
+
+#: The fence register (PostgreSQL and SQLite): one row per fence scope, never deleted.
+REGISTER_TABLE_DDL = (
+    "CREATE TABLE IF NOT EXISTS {table} (\n"
+    "    scope VARCHAR(512) PRIMARY KEY,\n"
+    "    fence BIGINT NOT NULL\n"
+    ")"
+)
+
+# SQLSTATEs that are never a verdict on the token (C5): the write did not happen and the
+# transaction may be retried as a whole.
+_RETRYABLE_SQLSTATES = {
+    "40001": ("SERIALIZATION", "serialization failure"),
+    "40P01": ("DEADLOCK", "deadlock detected"),
+    "55P03": ("LOCK_TIMEOUT", "lock not available"),
+    "57014": ("TIMEOUT", "statement cancelled or timed out"),
+}
+
+# sqlite3 result codes: SQLITE_BUSY, SQLITE_LOCKED (extended codes keep the low byte).
+_SQLITE_BUSY_CODES = {5, 6}
+
+
+def row_scope(table: str, key: Sequence[Any]) -> str:
+    """The scope name of one row in errors and events, e.g. ``accounts(42)``.
+
+    Args:
+        table: the table name.
+        key: the key values, in key-column order.
+    """
+    return f"{table}({', '.join(repr(v) if isinstance(v, str) else str(v) for v in key)})"
+
+
+class RowScope:
+    """A row's scope name, built only when an error or an event needs it (hot path)."""
+
+    __slots__ = ("key", "table")
+
+    def __init__(self, table: str, key: Sequence[Any]) -> None:
+        self.table = table
+        self.key = key
+
+    def __str__(self) -> str:
+        return row_scope(self.table, self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What the diagnostic read after a write that changed nothing found.
+
+    Attributes:
+        exists: a row (live or tombstone) holds the key.
+        fence: its fence, ``None`` if there is no row or the column is NULL.
+        live: the row exists and is not a tombstone.
+    """
+
+    exists: bool
+    fence: int | None
+    live: bool
+
+
+#: The probe of a key with no row.
+ABSENT = Probe(exists=False, fence=None, live=False)
+
+
+def probe_passes(probe: Probe, token: int, *, need_live: bool) -> bool:
+    """Whether the diagnostic read shows that a write with ``token`` would pass (C4).
+
+    An absent row passes an upsert or claim (a missing fence counts as 0) but not an
+    update, which needs a live row.
+    """
+    if not probe.exists:
+        return not need_live
+    return probe.fence is not None and token >= probe.fence and (probe.live or not need_live)
+
+
+def probe_rejection(scope: str, token: int, probe: Probe, *, need_live: bool) -> StaleTokenError:
+    """The error for a fenced write that changed nothing, from what the probe found (C5, C9).
+
+    Args:
+        scope: the row or register scope.
+        token: the presented token.
+        probe: the diagnostic read.
+        need_live: the write was an update, which needs a live row (``MISSING`` otherwise).
+    """
+    return rejection(
+        scope,
+        token,
+        probe.fence,
+        exists=probe.live if need_live else probe.exists,
+        fence_is_null=probe.exists and probe.fence is None,
+    )
+
+
+def batch_rejection(scope: str, token: int, errors: Sequence[StaleTokenError]) -> StaleTokenError:
+    """One error for an all-or-nothing batch, listing every rejected item (C6).
+
+    The headline reason is ``STALE`` if any item is stale (a newer holder wrote), else
+    ``UNVERIFIABLE`` if any item is, else ``MISSING``; the headline fence is the highest one.
+
+    Args:
+        scope: what the batch targeted (a table name or ``"fence_register"``).
+        token: the presented token.
+        errors: one error per rejected item, at least one.
+    """
+    reasons = {e.reason for e in errors}
+    for reason in (Reason.STALE, Reason.UNVERIFIABLE, Reason.MISSING):
+        if reason in reasons:
+            break
+    fences = [e.fence for e in errors if e.fence is not None]
+    if len(errors) == 1:
+        only = errors[0]
+        return StaleTokenError(only.scope, token, only.fence, only.reason, rejected=tuple(errors))
+    return StaleTokenError(
+        scope, token, max(fences) if fences else None, reason, rejected=tuple(errors)
+    )
+
+
+def null_fence_error(scope: str) -> ConfigurationError:
+    """The error for reading a fence that is NULL: the column must be NOT NULL (C9)."""
+    return ConfigurationError(
+        f"{scope}: the fence column is NULL, so no write can be verified; declare it "
+        "BIGINT NOT NULL DEFAULT 0 and set the NULL rows to 0"
+    )
+
+
+def closed_connection_error(what: str = "the connection") -> BackendError:
+    """The error for a guard used on a closed connection, before any statement is sent."""
+    return BackendError(
+        f"{what} is closed; nothing was written. Open a new connection and run the whole "
+        "transaction again",
+        code="CONNECTION",
+    )
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    for candidate in (exc, getattr(exc, "orig", None), exc.__cause__):
+        state = getattr(candidate, "sqlstate", None)
+        if isinstance(state, str):
+            return state
+    return None
+
+
+def _sqlite_code(exc: BaseException) -> int | None:
+    for candidate in (exc, getattr(exc, "orig", None), exc.__cause__):
+        code = getattr(candidate, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            return code & 0xFF
+    return None
+
+
+def translate_error(exc: BaseException, action: str, scope: str) -> FenceError:
+    """Map a driver exception to the iofence error to raise (chain it with ``from``).
+
+    A serialization failure, a deadlock, a lock or statement timeout and a busy SQLite
+    database become :class:`fence.RetryableError`, never a stale verdict (C5). A lost or
+    closed connection becomes a :class:`fence.BackendError` with code ``CONNECTION``.
+
+    Args:
+        exc: what the driver raised (a DB-API error, or SQLAlchemy's wrapper of one).
+        action: what the guard was doing, for the message (``"fenced update"``).
+        scope: the scope it was doing it on.
+    """
+    state = _sqlstate(exc)
+    detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    text = detail[0] if detail else type(exc).__name__
+    if state in _RETRYABLE_SQLSTATES:
+        code, what = _RETRYABLE_SQLSTATES[state]
+        return RetryableError(
+            f"{action} on {scope}: {what} (SQLSTATE {state}); nothing was written and the "
+            "token was not judged. Roll back and retry the whole transaction",
+            code=code,
+        )
+    if _sqlite_code(exc) in _SQLITE_BUSY_CODES:
+        return RetryableError(
+            f"{action} on {scope}: the SQLite database is locked by another writer ({text}); "
+            "roll back and retry the whole transaction",
+            code="BUSY",
+        )
+    if state == "25P02":
+        return BackendError(
+            f"{action} on {scope}: the transaction was already aborted by an earlier error; "
+            "roll it back before writing",
+            code="ABORTED",
+        )
+    if (state is not None and state.startswith(("08", "57P"))) or _looks_disconnected(exc):
+        return BackendError(
+            f"{action} on {scope}: the connection is lost or closed ({text}); the "
+            "transaction did not commit. Run it again on a new connection",
+            code="CONNECTION",
+        )
+    suffix = f" (SQLSTATE {state})" if state else ""
+    return BackendError(f"{action} on {scope} failed: {text}{suffix}", code="BACKEND")
+
+
+def _looks_disconnected(exc: BaseException) -> bool:
+    if getattr(exc, "connection_invalidated", False):
+        return True
+    name = type(exc).__name__
+    if name == "ResourceClosedError":
+        return True
+    message = str(exc).lower()
+    return "closed" in message and "connection" in message
+
+
+def report_accepted(bus: EventBus, source: str, scopes: Iterable[str], token: int) -> None:
+    """Emit ``WRITE_ACCEPTED`` for each scope (callers check ``bus.active`` first)."""
+    for scope in scopes:
+        bus.emit(EventKind.WRITE_ACCEPTED, source, scope, token)
+
+
+def report_rejected(bus: EventBus, source: str, err: StaleTokenError) -> None:
+    """Emit ``WRITE_REJECTED`` for each rejected item of ``err`` (callers check ``bus.active``)."""
+    for item in err.rejected or (err,):
+        bus.emit(
+            EventKind.WRITE_REJECTED,
+            source,
+            item.scope,
+            err.token,
+            reason=str(item.reason),
+            fence=item.fence,
+        )

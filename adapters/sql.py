@@ -1,0 +1,53 @@
+"""Fenced SQL rows through SQLAlchemy Core (2.x), sync and asyncio, PostgreSQL and SQLite.
+
+Two guards, both run inside the caller's connection and transaction:
+
+- :class:`RowGuard` / :class:`AsyncRowGuard`: each row of a table carries its own fence
+  (:func:`fence_column`); fenced update, upsert, soft delete, claim, registering read, and
+  all-or-nothing batches.
+- :class:`FenceRegister` / :class:`AsyncFenceRegister`: fences in a table of their own
+  (:func:`fence_register_table`), claimed at the start of a transaction to fence a whole
+  unit of work spanning many rows and tables.
+
+Example::
+
+    from fence.adapters.sql import RowGuard, fence_column
+
+    accounts = Table("accounts", metadata,
+                     Column("id", Integer, primary_key=True),
+                     Column("balance", Integer, nullable=False),
+                     fence_column())
+
+    with engine.begin() as conn:
+        RowGuard(conn, accounts).update(42, lease.token, {"balance": 10})
+
+See ``docs/sql-guard.md`` for the DDL, the isolation levels and the tombstones.
+"""
+
+from __future__ import annotations
+
+from ._async.sql import AsyncFenceRegister, AsyncRowGuard
+from ._sql_common import (
+    FENCE_COLUMN_DDL,
+    REGISTER_TABLE_DDL,
+    TOMBSTONE_COLUMN_DDL,
+)
+from ._sql_statements import fence_column, fence_register_table, tombstone_column
+from ._sync.sql import FenceRegister, RowGuard
+
+__all__ = [
+    "FENCE_COLUMN_DDL",
+    "REGISTER_TABLE_DDL",
+    "TOMBSTONE_COLUMN_DDL",
+    "AsyncFenceRegister",
+    "AsyncRowGuard",
+    "FenceRegister",
+    "RowGuard",
+    "fence_column",
+    "fence_register_table",
+    "tombstone_column",
+]
+
+for _cls in (AsyncFenceRegister, AsyncRowGuard, FenceRegister, RowGuard):
+    _cls.__module__ = __name__
+del _cls
