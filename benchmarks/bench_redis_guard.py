@@ -29,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
-from fence.adapters.redis import RedisGuard
 
+from fence.adapters.redis import RedisGuard
 from tests.servers import RedisServer
 
 TRIVIAL_LUA = """

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import redis
-from fence.adapters.redis import RedisGuard
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -27,6 +26,7 @@ from hypothesis.stateful import (
 )
 
 from fence import ManualClock, MemoryLockManager, Reason, StaleTokenError, TokenMode
+from fence.adapters.redis import RedisGuard
 
 CLIENTS = st.integers(min_value=0, max_value=2)
 TTL = 10.0

@@ -7,9 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-import fence.adapters
-
 import fence
+import fence.adapters
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,15 +13,6 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 import redis.asyncio
-from fence.adapters.redis import (
-    AsyncRedisGuard,
-    CrossSlotError,
-    FenceScope,
-    RedisGuard,
-    UnissuedTokenError,
-    hash_tag,
-    resource_of,
-)
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -37,6 +28,15 @@ from fence import (
     StaleTokenError,
 )
 from fence.abc import AsyncGuard, Guard
+from fence.adapters.redis import (
+    AsyncRedisGuard,
+    CrossSlotError,
+    FenceScope,
+    RedisGuard,
+    UnissuedTokenError,
+    hash_tag,
+    resource_of,
+)
 from fence.testing import EventRecorder
 
 

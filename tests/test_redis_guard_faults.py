@@ -12,11 +12,11 @@ import redis
 import redis.asyncio
 import redis.asyncio.cluster
 import redis.cluster
-from fence.adapters.redis import AsyncRedisGuard, CrossSlotError, RedisGuard, slot_of
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fence import BackendError, Reason, RetryableError, StaleTokenError
+from fence.adapters.redis import AsyncRedisGuard, CrossSlotError, RedisGuard, slot_of
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis

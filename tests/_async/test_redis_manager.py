@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import redis.asyncio
-from fence.adapters.redis import AsyncRedisGuard
 from redis.crc import key_slot
 
 from fence import (
@@ -30,6 +29,7 @@ from fence._async.redis import AsyncRedisLockManager
 from fence._errors import FenceWarning
 from fence._redis_scripts import resource_keys, waiter_id
 from fence.abc import AcquireReply
+from fence.adapters.redis import AsyncRedisGuard
 from tests._acompat import join, sleep, spawn
 from tests.servers import free_port
 

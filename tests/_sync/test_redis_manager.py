@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import redis
-from fence.adapters.redis import RedisGuard
 from redis.crc import key_slot
 
 from fence import (
@@ -32,6 +31,7 @@ from fence._errors import FenceWarning
 from fence._redis_scripts import resource_keys, waiter_id
 from fence._sync.redis import RedisLockManager
 from fence.abc import AcquireReply
+from fence.adapters.redis import RedisGuard
 from tests._compat import join, sleep, spawn
 from tests.servers import free_port
 
