@@ -352,12 +352,15 @@ class AsyncBaseLockManager:
         timeout: float | None = None,
         renew: bool | None = None,
         on_lost: LeaseCallback | None = None,
+        owner: object = None,
     ) -> AsyncIterator[AsyncLease]:
         """Acquire ``resource`` for the ``async with`` block and release at its end.
 
         Same arguments as :meth:`acquire`.
         """
-        lease = await self.acquire(resource, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+        lease = await self.acquire(
+            resource, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, owner=owner
+        )
         async with lease:
             yield lease
 

@@ -354,12 +354,15 @@ class BaseLockManager:
         timeout: float | None = None,
         renew: bool | None = None,
         on_lost: LeaseCallback | None = None,
+        owner: object = None,
     ) -> Iterator[Lease]:
         """Acquire ``resource`` for the ``with`` block and release at its end.
 
         Same arguments as :meth:`acquire`.
         """
-        lease = self.acquire(resource, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+        lease = self.acquire(
+            resource, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, owner=owner
+        )
         with lease:
             yield lease
 
