@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
-from fence.adapters.redis import AsyncRedisGuard, FenceScope, RedisGuard
 
+from fence.adapters.redis import AsyncRedisGuard, FenceScope, RedisGuard
 from tests.registry import GuardHarnessFactory, register_guard_harness
 
 
