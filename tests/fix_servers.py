@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import PostgresServer, RedisServer, reap_orphans
 
 _MARKS = {
     "redis_server": "redis",
@@ -18,6 +18,11 @@ _MARKS = {
     "postgres_server": "postgres",
     "postgres_url": "postgres",
 }
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop servers that a test run which died left behind."""
+    reap_orphans()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

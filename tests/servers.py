@@ -20,6 +20,51 @@ import tempfile
 import time
 from pathlib import Path
 
+OWNER_FILE = "owner.pid"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim_dir(path: Path) -> None:
+    """Record that this process owns a server directory, so a later run can reap it."""
+    (path / OWNER_FILE).write_text(str(os.getpid()))
+
+
+def reap_orphans() -> list[str]:
+    """Stop servers left behind by test runs that died (killed by a timeout, say).
+
+    A server directory whose owner process is gone is stopped (PostgreSQL with an immediate
+    shutdown, redis-server with SIGKILL) and removed. Returns the directories reaped.
+    """
+    reaped = []
+    for path in Path(tempfile.gettempdir()).glob("iofence-*"):
+        owner = path / OWNER_FILE
+        try:
+            pid = int(owner.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid):
+            continue
+        pidfile = path / "data" / "postmaster.pid"
+        if pidfile.exists():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                os.kill(int(pidfile.read_text().split()[0]), signal.SIGQUIT)
+        redis_pid = path / "redis.pid"
+        if redis_pid.exists():
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(redis_pid.read_text()), signal.SIGKILL)
+        shutil.rmtree(path, ignore_errors=True)
+        reaped.append(str(path))
+    return reaped
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -73,6 +118,8 @@ class RedisServer:
             *self.extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        claim_dir(self.dir)
+        (self.dir / "redis.pid").write_text(str(self.proc.pid))
         wait_for_port(self.port)
         return self
 
@@ -163,6 +210,7 @@ class PostgresServer:
 
     def start(self) -> PostgresServer:
         """initdb (first time) and start the cluster; wait until it accepts connections."""
+        claim_dir(self.dir)
         if not self.data.exists():
             self._run(
                 str(self.bindir / "initdb"),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from pathlib import Path
 
 import psycopg
 import redis
 
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import OWNER_FILE, PostgresServer, RedisServer, reap_orphans
 
 
 def test_redis_server_is_real(redis_server: RedisServer, redis_url: str) -> None:
@@ -39,3 +41,21 @@ def test_postgres_does_not_run_as_root(postgres_server: PostgresServer) -> None:
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
     uid = int(next(line.split()[1] for line in status if line.startswith("Uid:")))
     assert uid != 0
+
+
+def test_servers_of_a_dead_run_are_reaped() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    server = RedisServer().start()
+    assert server.proc is not None
+    (server.dir / OWNER_FILE).write_text(str(dead.pid))
+    reaped = reap_orphans()
+    assert str(server.dir) in reaped
+    assert not server.dir.exists()
+    assert server.proc.wait(timeout=10) == -signal.SIGKILL  # killed by the reaper
+    server.proc = None
+
+
+def test_live_runs_are_not_reaped(redis_server: RedisServer) -> None:
+    assert str(redis_server.dir) not in reap_orphans()
+    assert redis_server.dir.exists()
