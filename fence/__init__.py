@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fence._async.manager import AsyncBaseLockManager, AsyncLease
 from fence._async.memory import AsyncMemoryLockManager
 from fence._clock import Clock, ManualClock, SystemClock, system_clock
+from fence._connect import connect, connect_async
 from fence._core import (
     MAX_RESOURCE_LENGTH,
     MAX_TOKEN,
@@ -133,6 +134,8 @@ __all__ = [
     "TokenRequiredError",
     "accepts",
     "client_deadline",
+    "connect",
+    "connect_async",
     "default_bus",
     "issue_token",
     "lease_table",

@@ -1,0 +1,120 @@
+"""Pick a lock manager by URL: ``memory://``, ``redis://``, ``postgresql://``, ``sqlite://``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from fence._async.manager import AsyncBaseLockManager
+from fence._errors import ConfigurationError
+from fence._memory import MemoryBackend
+from fence._sync.manager import BaseLockManager
+
+__all__ = ["connect", "connect_async"]
+
+_REDIS = {"redis", "rediss", "unix"}
+_SQL = {"postgresql", "postgres", "sqlite"}
+_named: dict[str, MemoryBackend] = {}
+_named_lock = threading.Lock()
+
+
+def _memory_backend(url: str) -> MemoryBackend:
+    name = urlsplit(url).netloc + urlsplit(url).path
+    if not name:
+        return MemoryBackend()
+    with _named_lock:
+        return _named.setdefault(name, MemoryBackend())
+
+
+def _kind(url: str | Sequence[str]) -> tuple[str, str | list[str]]:
+    if not isinstance(url, str):
+        nodes = list(url)
+        if len(nodes) < 3 or not all(isinstance(n, str) for n in nodes):
+            raise ConfigurationError("a quorum needs a list of at least 3 node URLs")
+        return "quorum", nodes
+    scheme = urlsplit(url).scheme.lower()
+    base, _, variant = scheme.partition("+")
+    if base == "memory":
+        return "memory", url
+    if base in _REDIS:
+        if variant == "cluster":
+            return "redis-cluster", url.replace(f"{base}+cluster://", f"{base}://", 1)
+        return "redis", url
+    if base in _SQL:
+        if base == "postgres":
+            url = "postgresql" + url[len("postgres") :]
+        return "sql", url
+    raise ConfigurationError(
+        f"no lock manager for {scheme!r}: use memory://, redis://, redis+cluster://, "
+        "postgresql://, sqlite:// or a list of redis:// URLs for a quorum"
+    )
+
+
+def connect(url: str | Sequence[str], **options: Any) -> BaseLockManager:
+    """Build a lock manager from a URL.
+
+    Args:
+        url: ``memory://`` (a private in-process backend) or ``memory://name`` (one
+            backend per name, shared by every manager of this process); ``redis://``,
+            ``rediss://``, ``unix://`` (``RedisLockManager``); ``redis+cluster://``
+            (a Redis Cluster); ``postgresql://`` or ``sqlite://`` (``SQLLockManager``,
+            with any SQLAlchemy driver suffix such as ``postgresql+psycopg://``); or a
+            list of 3 or more ``redis://`` URLs (``QuorumLockManager``).
+        **options: the manager's keyword arguments (``ttl``, ``renew``, ``token_mode``...).
+
+    Raises:
+        ConfigurationError: an unknown scheme.
+
+    Example::
+
+        manager = fence.connect(os.environ.get("FENCE_URL", "sqlite:///locks.db"), ttl=10)
+    """
+    kind, target = _kind(url)
+    if kind == "memory":
+        from fence._sync.memory import MemoryLockManager
+
+        assert isinstance(target, str)
+        return MemoryLockManager(_memory_backend(target), **options)
+    if kind in ("redis", "redis-cluster"):
+        from fence._sync.redis import RedisLockManager
+
+        assert isinstance(target, str)
+        return RedisLockManager(target, cluster=kind == "redis-cluster", **options)
+    if kind == "sql":
+        from fence._sync.sql import SQLLockManager
+
+        assert isinstance(target, str)
+        return SQLLockManager(target, **options)
+    from fence._sync.quorum import QuorumLockManager
+
+    assert isinstance(target, list)
+    return QuorumLockManager(target, **options)
+
+
+def connect_async(url: str | Sequence[str], **options: Any) -> AsyncBaseLockManager:
+    """The asyncio twin of :func:`connect`: same URLs, ``Async*LockManager`` classes.
+
+    The manager opens its connections on first use, so this needs no running loop.
+    """
+    kind, target = _kind(url)
+    if kind == "memory":
+        from fence._async.memory import AsyncMemoryLockManager
+
+        assert isinstance(target, str)
+        return AsyncMemoryLockManager(_memory_backend(target), **options)
+    if kind in ("redis", "redis-cluster"):
+        from fence._async.redis import AsyncRedisLockManager
+
+        assert isinstance(target, str)
+        return AsyncRedisLockManager(target, cluster=kind == "redis-cluster", **options)
+    if kind == "sql":
+        from fence._async.sql import AsyncSQLLockManager
+
+        assert isinstance(target, str)
+        return AsyncSQLLockManager(target, **options)
+    from fence._async.quorum import AsyncQuorumLockManager
+
+    assert isinstance(target, list)
+    return AsyncQuorumLockManager(target, **options)

@@ -1,0 +1,73 @@
+"""``fence.connect`` picks the manager by URL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import fence
+from fence import ConfigurationError
+
+
+def test_memory_urls() -> None:
+    a = fence.connect("memory://")
+    b = fence.connect("memory://")
+    assert isinstance(a, fence.MemoryLockManager)
+    lease = a.acquire("r")
+    assert b.try_acquire("r") is not None  # private backends
+    shared1 = fence.connect("memory://tests-shared")
+    shared2 = fence.connect("memory://tests-shared")
+    held = shared1.acquire("r")
+    assert shared2.try_acquire("r") is None  # one backend per name
+    held.release()
+    lease.release()
+
+
+def test_redis_url(redis_url: str) -> None:
+    manager = fence.connect(redis_url, ttl=5)
+    assert isinstance(manager, fence.RedisLockManager)
+    with manager.lock("r") as lease:
+        assert lease.valid
+    manager.close()
+
+
+def test_sqlite_url(tmp_path: Path) -> None:
+    manager = fence.connect(f"sqlite:///{tmp_path}/locks.db", create_table=True)
+    assert isinstance(manager, fence.SQLLockManager)
+    with manager.lock("r") as lease:
+        assert lease.valid
+    manager.close()
+
+
+def test_postgres_url(postgres_url: str) -> None:
+    url = postgres_url.replace("postgresql+psycopg://", "postgres://")
+    manager = fence.connect(url, create_table=True)
+    assert isinstance(manager, fence.SQLLockManager)
+    with manager.lock("r") as lease:
+        assert lease.valid
+    manager.close()
+
+
+async def test_async_urls(redis_url: str) -> None:
+    manager = fence.connect_async(redis_url)
+    assert isinstance(manager, fence.AsyncRedisLockManager)
+    async with manager.lock("r") as lease:
+        assert lease.valid
+    await manager.close()
+    memory = fence.connect_async("memory://")
+    assert isinstance(memory, fence.AsyncMemoryLockManager)
+
+
+@pytest.mark.parametrize("url", ["http://x", "mysql://db", "", ["redis://a"]])
+def test_unknown_urls(url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        fence.connect(url)
+
+
+def test_quorum_urls(quorum_urls: list[str]) -> None:
+    manager = fence.connect(quorum_urls, ttl=5)
+    assert isinstance(manager, fence.QuorumLockManager)
+    with manager.lock("r") as lease:
+        assert lease.valid
+    manager.close()
