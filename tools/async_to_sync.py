@@ -40,9 +40,12 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\bAsync(?=[A-Z])", ""),
     (r"\b_acompat\b", "_compat"),
     (r"\b_async\b", "_sync"),
+    (r"\bsqlalchemy\.ext\.asyncio\.session\b", "sqlalchemy.orm"),
     (r"\bsqlalchemy\.ext\.asyncio\b", "sqlalchemy"),
     (r"\bredis\.asyncio\b", "redis"),
     (r"\baclose\b", "close"),
+    (r"\basync_sessionmaker\b", "sessionmaker"),
+    (r"\bcreate_async_engine\b", "create_engine"),
 ]
 
 _DIRECTIVE = re.compile(r"^(?P<indent>\s*)(?P<code>.*?)\s*# unasync: (?P<what>.+?)\s*$")

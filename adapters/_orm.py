@@ -1,0 +1,1050 @@
+"""The SQLAlchemy ORM session hook, written once as sync listeners. No asyncio here.
+
+``AsyncSession`` runs its ``sync_session`` inside a greenlet, so the same listeners serve
+both. The hook works at three points:
+
+- ``SessionEvents``: ``before_flush`` refuses writes without a token (C9) before any I/O,
+  ``after_begin`` claims the bound scope in a fence register (C8) before the first read,
+  ``before_commit`` checks the lease, ``do_orm_execute`` fences ORM-enabled
+  ``update()`` / ``delete()`` and refuses bulk paths, and the transaction events mark the
+  span of each flush.
+- Mapper events (``before_insert`` / ``before_update``) set the fence attribute to the
+  token, so the ORM writes it and keeps it in the identity map.
+- ``ConnectionEvents`` (``before_execute`` / ``after_execute``) rewrite the statements a
+  flush emits for a fenced table, inside that span only: ``fence <= :token`` on UPDATE, a
+  soft delete for DELETE, ``ON CONFLICT ... WHERE fence <= excluded.fence`` for INSERT; and
+  check the row count of each before the ORM looks at it.
+
+The statements and the verdicts come from the SQL row guard (``_sql_statements``,
+``_sql_common``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import (
+    BinaryExpression,
+    BindParameter,
+    Column,
+    ColumnElement,
+    Delete,
+    Engine,
+    Executable,
+    Insert,
+    Table,
+    Update,
+    bindparam,
+    event,
+    false,
+    func,
+    select,
+    true,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Result
+from sqlalchemy.orm import (
+    Mapper,
+    ORMExecuteState,
+    Session,
+    SessionTransaction,
+    with_loader_criteria,
+)
+from sqlalchemy.orm import exc as orm_exc
+from sqlalchemy.orm.attributes import instance_state
+from sqlalchemy.sql import operators
+from sqlalchemy.sql.visitors import replacement_traverse
+
+from fence._core import validate_resource, validate_token
+from fence._errors import (
+    ConfigurationError,
+    LeaseExpiredError,
+    LeaseLostError,
+    Reason,
+    TokenRequiredError,
+)
+from fence._errors import StaleTokenError as _FenceStale
+from fence._events import EventBus, EventKind, default_bus
+
+from ._sql_common import (
+    ABSENT,
+    Probe,
+    batch_rejection,
+    probe_passes,
+    probe_rejection,
+)
+from ._sql_statements import (
+    DEFAULT_REGISTER,
+    FENCE_INFO,
+    RowStatements,
+    row_statements,
+)
+from ._sync.sql import FenceRegister
+
+if TYPE_CHECKING:
+    from fence._async.manager import AsyncLease
+    from fence._sync.manager import Lease
+
+__all__ = [
+    "BINDING_KEY",
+    "INCLUDE_TOMBSTONES",
+    "OPTIONAL_INFO",
+    "SessionBinding",
+    "StaleTokenError",
+    "bind",
+    "binding",
+    "check_lease",
+    "fenced_version",
+    "install",
+    "mapper_info",
+    "table_info",
+    "unbind",
+]
+
+SOURCE = "orm"
+
+#: ``Session.info`` key of the :class:`SessionBinding`.
+BINDING_KEY = "iofence.binding"
+
+#: ``Column.info`` key set by :func:`fenced_version`: without a token the model keeps plain
+#: optimistic concurrency instead of raising :class:`fence.TokenRequiredError`.
+OPTIONAL_INFO = "iofence.optional"
+
+_TOKEN = "_token"  # noqa: S105 - the bind parameter of the token, as in the row guard's statements
+
+
+class StaleTokenError(_FenceStale, orm_exc.StaleDataError):
+    """A fenced flush or ORM write was rejected; nothing of the flush was kept (C5).
+
+    It is both a :class:`fence.StaleTokenError` and a
+    :class:`sqlalchemy.orm.exc.StaleDataError`, so code that handles optimistic
+    concurrency failures today handles fencing rejections too. The session is left as
+    after any failed flush: call ``session.rollback()`` and run the unit of work again
+    under a new lease.
+
+    Attributes:
+        mapper: the mapper of the rejected row (``None`` for a register claim); dropped
+            when the error is pickled.
+        key: the primary key of the rejected row as a tuple (``None`` for a claim or a
+            criteria ``update()``/``delete()``; see ``rejected``).
+        scope, token, fence, reason, rejected: as for :class:`fence.StaleTokenError`; a
+            batch (several rows of one flush or criteria statement) lists one error per
+            rejected row in ``rejected``.
+
+    Example::
+
+        try:
+            session.commit()
+        except StaleTokenError as err:   # or: except StaleDataError
+            session.rollback()
+            print(err.mapper, err.key, err.token, err.fence)
+    """
+
+    def __init__(
+        self,
+        scope: str,
+        token: int,
+        fence: int | None,
+        reason: Reason = Reason.STALE,
+        *,
+        mapper: Mapper[Any] | None = None,
+        key: tuple[Any, ...] | None = None,
+        rejected: tuple[_FenceStale, ...] = (),
+        message: str | None = None,
+    ) -> None:
+        super().__init__(scope, token, fence, reason, rejected=rejected, message=message)
+        self.mapper = mapper
+        self.key = key
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A Mapper does not pickle; the scope names the row.
+        state = dict(self.__dict__, mapper=None)
+        return (_restore, (type(self), self.args, state))
+
+    @classmethod
+    def from_guard(
+        cls, err: _FenceStale, mapper: Mapper[Any] | None, key: tuple[Any, ...] | None
+    ) -> StaleTokenError:
+        """Re-home a guard's :class:`fence.StaleTokenError` with the ORM's data."""
+        return cls(
+            err.scope,
+            err.token,
+            err.fence,
+            err.reason,
+            mapper=mapper,
+            key=key,
+            rejected=err.rejected,
+            message=str(err.args[0]) if err.args else None,
+        )
+
+
+def _restore(cls: type[StaleTokenError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
+StaleTokenError.__module__ = "fence.adapters.orm"
+
+
+# -- what is fenced --------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _TableInfo:
+    """A table with a fence column, and the statements the hook runs on it."""
+
+    statements: RowStatements
+    optional: bool
+    rewrites: weakref.WeakKeyDictionary[Any, Any] = field(default_factory=weakref.WeakKeyDictionary)
+
+    @property
+    def table(self) -> Table:
+        return self.statements.table
+
+    @property
+    def fence(self) -> Column[Any]:
+        return self.statements.fence
+
+    @property
+    def tombstone(self) -> Column[Any] | None:
+        return self.statements.tombstone
+
+    def live(self) -> ColumnElement[bool]:
+        return self.tombstone == false() if self.tombstone is not None else true()
+
+
+@dataclass(eq=False)
+class _MapperInfo:
+    table: _TableInfo
+    attr: str  # the mapped attribute of the fence column
+    required: bool  # no token -> TokenRequiredError (else plain optimistic concurrency)
+
+
+_TABLES: weakref.WeakKeyDictionary[Table, _TableInfo | None] = weakref.WeakKeyDictionary()
+_MAPPERS: weakref.WeakKeyDictionary[Mapper[Any], _MapperInfo | None] = weakref.WeakKeyDictionary()
+
+
+def _fence_of(table: Table) -> Column[Any] | None:
+    found = [c for c in table.columns if c.info.get(FENCE_INFO)]
+    return found[0] if len(found) == 1 else None
+
+
+def table_info(table: Any) -> _TableInfo | None:
+    """The fencing of ``table``: ``None`` unless it has a marked fence column."""
+    try:
+        return _TABLES[table]
+    except KeyError:
+        pass
+    except TypeError:  # not weak-referenceable: not a Table
+        return None
+    info = None
+    if isinstance(table, Table):
+        fence = _fence_of(table)
+        if fence is not None:
+            info = _TableInfo(
+                row_statements(table, fence.key, None, None),
+                optional=bool(fence.info.get(OPTIONAL_INFO)),
+            )
+    _TABLES[table] = info
+    return info
+
+
+def mapper_info(mapper: Mapper[Any]) -> _MapperInfo | None:
+    """The fencing of a mapped class: ``None`` unless one of its tables is fenced."""
+    try:
+        return _MAPPERS[mapper]
+    except KeyError:
+        pass
+    info = None
+    for table in mapper.tables:
+        tinfo = table_info(table)
+        if tinfo is not None:
+            prop = mapper.get_property_by_column(tinfo.fence)
+            info = _MapperInfo(tinfo, prop.key, required=not tinfo.optional)
+            break
+    _MAPPERS[mapper] = info
+    return info
+
+
+# -- the binding -----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class SessionBinding:
+    """What :func:`bind` attached to a session (``session.info[BINDING_KEY]``).
+
+    Attributes:
+        token: the fencing token every fenced write of the session carries.
+        scope: the fence-register scope claimed at the start of each transaction.
+        lease: the lease the token came from, if one was given.
+        claim: whether the scope is claimed (C8).
+        register: the fence register table.
+        check_lease: whether ``commit()`` checks the lease first.
+        events: the event bus for ``WRITE_ACCEPTED`` / ``WRITE_REJECTED``.
+    """
+
+    token: int
+    scope: str
+    lease: Lease | AsyncLease | None
+    claim: bool
+    register: Table
+    check_lease: bool
+    events: EventBus
+
+
+def _sync_session(session: Any) -> Session:
+    sync = getattr(session, "sync_session", session)
+    if not isinstance(sync, Session):
+        raise ConfigurationError(
+            f"bind() needs a Session or an AsyncSession, got {type(session).__name__}"
+        )
+    return sync
+
+
+def bind(
+    session: Any,
+    lease: Lease | AsyncLease | None = None,
+    *,
+    token: int | None = None,
+    scope: str | None = None,
+    claim: bool = True,
+    register: Table | None = None,
+    check_lease: bool = True,
+    events: EventBus | None = None,
+) -> SessionBinding:
+    """Bind a session to a lease: every flush of a fenced class now carries its token.
+
+    From now on, for mapped classes with a fence column (:func:`fence_column` or
+    :func:`fenced_version`):
+
+    - a flushed UPDATE adds ``fence <= :token`` (and ``NOT deleted``) and sets
+      ``fence = :token``;
+    - a flushed DELETE becomes a soft delete that keeps the row as a tombstone (C7) with
+      a :func:`tombstone_column`, else a fenced hard delete, allowed only with a register
+      claim (the register row is then the tombstone);
+    - a flushed INSERT becomes a fenced upsert: a row with the same key is replaced (a
+      tombstone revived) iff the token passes, else :class:`StaleTokenError`;
+    - ``session.execute(update(...))`` / ``delete(...)`` on a fenced class get the same
+      predicate, gated so that every matched row passes or none is written (C6).
+
+    With ``claim=True`` (the default) every transaction of the session starts by claiming
+    ``scope`` in the fence register (``INSERT ... ON CONFLICT ... WHERE fence <= :token``)
+    before its first statement runs. A stale holder is refused at its first read, and on
+    PostgreSQL the register row stays locked until commit, so a newer holder's claim waits
+    for a transaction already under way (C8). Without the claim a stale write that lands
+    between this session's read and its write is accepted, then overwritten.
+
+    Bind before the session's first statement; the binding lasts until :func:`unbind`
+    or the session is garbage collected.
+
+    Args:
+        session: a :class:`~sqlalchemy.orm.Session` or
+            :class:`~sqlalchemy.ext.asyncio.AsyncSession` (its ``sync_session`` is bound).
+        lease: the lease whose token and resource to use.
+        token: the token, instead of a lease.
+        scope: the register scope to claim (default: the lease's resource).
+        claim: claim the scope at the start of each transaction (C8).
+        register: the register table (default ``fence_register``, see
+            :func:`fence_register_table`); it must exist.
+        check_lease: raise :class:`fence.LeaseLostError` from ``commit()`` when the lease
+            is lost or expired, before anything commits.
+        events: the event bus (default: :data:`fence.default_bus`).
+
+    Returns:
+        The :class:`SessionBinding`.
+
+    Raises:
+        InvalidTokenError: the token is not valid (C1).
+        InvalidResourceError: the scope is not a valid name.
+        ConfigurationError: neither or both of ``lease`` and ``token``; no scope to claim;
+            or the session already runs a transaction (the claim would come after a read).
+
+    Example::
+
+        with manager.lock("order:42") as lease, Session(engine) as session:
+            bind(session, lease)
+            order = session.get(Order, 42)       # the claim runs first
+            order.state = "paid"
+            session.commit()                     # UPDATE ... WHERE fence <= :token
+    """
+    sync = _sync_session(session)
+    if (lease is None) == (token is None):
+        raise ConfigurationError("bind() needs either a lease or a token")
+    if lease is not None:
+        token = lease.token
+        if scope is None:
+            scope = lease.resource
+    token = validate_token(token)
+    if claim:
+        if scope is None:
+            raise ConfigurationError("bind(token=..., claim=True) needs the scope to claim")
+        if sync.in_transaction():
+            raise ConfigurationError(
+                "bind() before the session's first statement: this transaction already "
+                "began, so the claim would come after a read. Commit or roll back first, "
+                "or pass claim=False"
+            )
+    scope = validate_resource(scope if scope is not None else "-", what="scope")
+    found = SessionBinding(
+        token=token,
+        scope=scope,
+        lease=lease,
+        claim=claim,
+        register=register if register is not None else DEFAULT_REGISTER,
+        check_lease=check_lease and lease is not None,
+        events=events or default_bus,
+    )
+    sync.info[BINDING_KEY] = found
+    return found
+
+
+def unbind(session: Any) -> SessionBinding | None:
+    """Remove the session's binding; return it (``None`` if it had none).
+
+    Afterwards a write of a fenced class raises :class:`fence.TokenRequiredError` (a
+    :func:`fenced_version` model goes back to plain optimistic concurrency).
+    """
+    found: SessionBinding | None = _sync_session(session).info.pop(BINDING_KEY, None)
+    return found
+
+
+def binding(session: Any) -> SessionBinding | None:
+    """The session's :class:`SessionBinding`, or ``None``."""
+    found: SessionBinding | None = _sync_session(session).info.get(BINDING_KEY)
+    return found
+
+
+def fenced_version(column: Any, **mapper_args: Any) -> dict[str, Any]:
+    """``__mapper_args__`` that turn an optimistic-concurrency model into a fenced one.
+
+    The drop-in for ``{"version_id_col": version}``: rename the version column to
+    ``fence`` (``BIGINT``) and write::
+
+        class Account(Base):
+            __tablename__ = "accounts"
+            id: Mapped[int] = mapped_column(primary_key=True)
+            fence: Mapped[int] = mapped_column(BigInteger, nullable=False)
+            __mapper_args__ = fenced_version(fence)
+
+    In a session bound to a lease (:func:`bind`) the column is a fence: writes carry
+    ``fence <= :token`` and set it to the token. In an unbound session the model keeps
+    plain optimistic concurrency: each UPDATE checks ``fence = :read_value`` and adds 1,
+    and a lost race raises :class:`~sqlalchemy.orm.exc.StaleDataError` as before.
+
+    Args:
+        column: the ``mapped_column()`` or :class:`~sqlalchemy.Column` to use.
+        mapper_args: more mapper arguments to merge in.
+
+    Returns:
+        A dict for ``__mapper_args__``.
+
+    Raises:
+        ConfigurationError: ``column`` is not a column.
+    """
+    col = getattr(column, "column", column)
+    if not isinstance(col, Column):
+        raise ConfigurationError(f"fenced_version() needs a column, got {column!r}")
+    col.info[FENCE_INFO] = True
+    col.info[OPTIONAL_INFO] = True
+    return {"version_id_col": column, "version_id_generator": _next_version, **mapper_args}
+
+
+def _next_version(current: int | None) -> int:
+    """The next version: the token in a bound flush, else the plain step (``+ 1``)."""
+    flush = _CURRENT.get()
+    if flush is not None and flush.binding is not None:
+        return flush.binding.token
+    return (current or 0) + 1
+
+
+# -- the span of a flush ----------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Flush:
+    """One flush (or bulk save) of one session, from its inner transaction's start to end."""
+
+    session: Session
+    transaction: SessionTransaction
+    binding: SessionBinding | None
+    flushing: bool = False  # a mapper event fired: a flush, not a bulk save
+    rowcount: int | None = None  # rows changed by the rewritten statement running now
+
+
+_CURRENT: contextvars.ContextVar[_Flush | None] = contextvars.ContextVar(
+    "iofence_orm_flush", default=None
+)
+
+
+def _after_transaction_create(session: Session, transaction: SessionTransaction) -> None:
+    # A flush and the legacy bulk_* methods run in an inner (non-nested) transaction.
+    if transaction.parent is not None and not transaction.nested:
+        _CURRENT.set(_Flush(session, transaction, session.info.get(BINDING_KEY)))
+
+
+def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    current = _CURRENT.get()
+    if current is not None and current.transaction is transaction:
+        _CURRENT.set(None)
+
+
+def _before_flush(session: Session, flush_context: Any, instances: Any) -> None:
+    found: SessionBinding | None = session.info.get(BINDING_KEY)
+    if found is not None and found.claim:
+        return  # every write carries the token; a hard delete has the register row
+    for obj in _touched(session) if found is None else session.deleted:
+        info = mapper_info(instance_state(obj).mapper)
+        if info is None:
+            continue
+        if found is None:
+            if info.required:
+                raise TokenRequiredError(
+                    f"flush of {type(obj).__name__} (table {info.table.table.name}) without "
+                    "a fencing token: bind the session to a lease first "
+                    "(fence.adapters.orm.bind(session, lease))",
+                    scope=info.table.table.name,
+                )
+        elif obj in session.deleted and info.table.tombstone is None and not found.claim:
+            raise ConfigurationError(
+                f"a fenced delete of {type(obj).__name__} needs a tombstone column "
+                "(tombstone_column()) or a register claim (bind(..., claim=True)): a hard "
+                "delete without either would let a stale writer insert the row again"
+            )
+
+
+def _touched(session: Session) -> Iterable[Any]:
+    yield from session.new
+    yield from session.deleted
+    for obj in session.dirty:
+        if session.is_modified(obj, include_collections=False):
+            yield obj
+
+
+def _set_fence(mapper: Mapper[Any], connection: Connection, target: Any) -> None:
+    current = _CURRENT.get()
+    if current is None:
+        return
+    current.flushing = True
+    if current.binding is None:
+        return
+    info = mapper_info(mapper)
+    if info is None:
+        return
+    state = instance_state(target)
+    if state.key is not None and not current.session.is_modified(target, include_collections=False):
+        return  # no net change: no UPDATE, and none should be caused
+    setattr(target, info.attr, current.binding.token)
+
+
+def _mark_flushing(mapper: Mapper[Any], connection: Connection, target: Any) -> None:
+    current = _CURRENT.get()
+    if current is not None:
+        current.flushing = True
+
+
+# -- statements of a flush ---------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Rewrite:
+    """How a rewritten flush statement is judged after it ran."""
+
+    info: _TableInfo
+    kind: str  # "update", "delete", "insert"
+    key_params: tuple[str, ...]  # names of the key values in the ORM's parameters
+    mapper: Mapper[Any] | None = None
+
+
+_JUDGE: weakref.WeakKeyDictionary[Any, _Rewrite] = weakref.WeakKeyDictionary()
+
+
+def _replace_version(stmt: Any, info: _TableInfo, token: BindParameter[Any]) -> tuple[Any, bool]:
+    """Swap the ORM's ``version = :read`` for ``fence <= :token`` (the drop-in model)."""
+    fence = info.fence
+    swapped = False
+
+    def swap(element: Any, **kw: Any) -> Any:
+        nonlocal swapped
+        if (
+            isinstance(element, BinaryExpression)
+            and element.left is fence
+            and element.operator is operators.eq
+            and isinstance(element.right, BindParameter)
+        ):
+            swapped = True
+            return fence <= token
+        return None
+
+    opts: dict[str, Any] = {}
+    new = replacement_traverse(stmt, opts, swap)
+    return new, swapped
+
+
+def _rewrite_update(stmt: Update, info: _TableInfo) -> Executable:
+    token = bindparam(_TOKEN, type_=info.fence.type)
+    new, swapped = _replace_version(stmt, info, token)
+    if not swapped:
+        new = new.where(info.fence <= token)
+    return new.where(info.live())  # type: ignore[no-any-return]
+
+
+def _rewrite_hard_delete(stmt: Delete, info: _TableInfo) -> Executable:
+    token = bindparam(_TOKEN, type_=info.fence.type)
+    new, swapped = _replace_version(stmt, info, token)
+    return new if swapped else new.where(info.fence <= token)  # type: ignore[no-any-return]
+
+
+def _dialect_insert(dialect: str) -> type[Any]:
+    if dialect == "postgresql":
+        return postgresql.Insert
+    if dialect == "sqlite":
+        return sqlite.Insert
+    raise ConfigurationError(
+        f"a fenced flush of new rows needs ON CONFLICT: PostgreSQL or SQLite, not {dialect}"
+    )
+
+
+def _rewrite_insert(stmt: Insert, info: _TableInfo, dialect: str) -> Executable:
+    """The ORM's INSERT as a fenced upsert, keeping its RETURNING and defaults settings."""
+    cls = _dialect_insert(dialect)
+    base = object.__new__(cls)
+    base.__dict__ = stmt._generate().__dict__  # the ORM's state, without memoized keys
+    s = info.statements
+    excluded = base.excluded
+    return base.on_conflict_do_update(  # type: ignore[no-any-return]
+        index_elements=list(s.key),
+        set_={c.key: excluded[c.key] for c in s.table.columns if c.key not in s.key_set},
+        where=info.fence <= excluded[info.fence.key],
+    )
+
+
+def _before_execute(
+    conn: Connection,
+    elem: Any,
+    multiparams: list[dict[str, Any]],
+    params: dict[str, Any],
+    execution_options: Mapping[str, Any],
+) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+    current = _CURRENT.get()
+    if current is None or not getattr(elem, "is_dml", False):
+        return elem, multiparams, params
+    info = table_info(getattr(elem, "table", None))
+    if info is None or elem in _JUDGE:
+        return elem, multiparams, params
+    found = current.binding
+    if found is None and info.optional:
+        return elem, multiparams, params  # a fenced_version() model without a lease
+    if not current.flushing:
+        raise _bulk_refusal(info, "Session.bulk_save_objects / bulk_*_mappings")
+    assert found is not None  # an unbound flush of a required class failed in before_flush
+    token = found.token
+    rows = multiparams or [params]
+    s = info.statements
+    fence_key = info.fence.key
+    if isinstance(elem, Update):
+        new = info.rewrites.get(elem)
+        if new is None:
+            new = info.rewrites[elem] = _rewrite_update(elem, info)
+            _JUDGE[new] = _Rewrite(info, "update", tuple(str(c._label) for c in s.key))
+        rows = [{**p, fence_key: token, _TOKEN: token} for p in rows]
+    elif isinstance(elem, Delete):
+        if info.tombstone is not None:
+            new = info.rewrites.get(Delete)
+            if new is None:
+                # The guard's soft delete, as a statement of the hook's own.
+                new = s.raise_fence(delete=True, returning=False).execution_options()
+                info.rewrites[Delete] = new
+                _JUDGE[new] = _Rewrite(info, "delete", tuple(f"_key_{c.key}" for c in s.key))
+            rows = [s.params([p[c.key] for c in s.key], token, {}) for p in rows]
+        else:
+            new = info.rewrites.get(elem)
+            if new is None:
+                new = info.rewrites[elem] = _rewrite_hard_delete(elem, info)
+                _JUDGE[new] = _Rewrite(info, "delete", tuple(c.key for c in s.key))
+            rows = [{**p, _TOKEN: token} for p in rows]
+    elif isinstance(elem, Insert):
+        dialect = conn.dialect.name
+        new = info.rewrites.get(elem)
+        if new is None:
+            new = info.rewrites[elem] = _rewrite_insert(elem, info, dialect)
+            _JUDGE[new] = _Rewrite(info, "insert", tuple(c.key for c in s.key))
+        rows = [{**p, fence_key: token} for p in rows]
+    else:  # pragma: no cover - is_dml covers only these three
+        return elem, multiparams, params
+    current.rowcount = 0
+    if len(rows) == 1:
+        return new, [], rows[0]
+    return new, rows, {}
+
+
+def _after_cursor_execute(
+    conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
+) -> None:
+    # The cursor's own count, read while it is open: SQLAlchemy keeps no row count for an
+    # INSERT, and a batch of inserts may run as several cursor executions.
+    current = _CURRENT.get()
+    if current is None or current.rowcount is None:
+        return
+    count = cursor.rowcount
+    current.rowcount = -1 if count < 0 or current.rowcount < 0 else current.rowcount + count
+
+
+def _after_execute(
+    conn: Connection,
+    elem: Any,
+    multiparams: list[dict[str, Any]],
+    params: dict[str, Any],
+    execution_options: Mapping[str, Any],
+    result: Any,
+) -> None:
+    current = _CURRENT.get()
+    if current is None:
+        return
+    judge = _JUDGE.get(elem)
+    if judge is None:
+        return
+    assert current.binding is not None
+    rows = multiparams or [params]
+    token = current.binding.token
+    events = current.binding.events
+    count = current.rowcount if current.rowcount is not None else result.rowcount
+    current.rowcount = None
+    info = judge.info
+    s = info.statements
+    keys = [tuple(p.get(name) for name in judge.key_params) for p in rows]
+    if count == len(rows):
+        if events.active:
+            for keyvals in keys:
+                events.emit(EventKind.WRITE_ACCEPTED, SOURCE, s.scope(keyvals), token)
+        return
+    mapper = _mapper_of(current.session, info)
+    if count < 0:  # C9: a write whose row count is unknown is refused, not guessed
+        raise StaleTokenError(
+            s.name,
+            token,
+            None,
+            Reason.UNVERIFIABLE,
+            mapper=mapper,
+            message=(
+                f"{s.name}: the {conn.dialect.name} driver did not report how many rows the "
+                "fenced flush changed, so it cannot be verified; roll back"
+            ),
+        )
+    need_live = judge.kind == "update"
+    errors = []
+    probes = []
+    for keyvals in keys:
+        probe = _probe(conn, s, keyvals) if None not in keyvals else ABSENT
+        probes.append(probe)
+        if not probe_passes(probe, token, need_live=need_live):
+            errors.append(
+                (keyvals, probe_rejection(s.scope(keyvals), token, probe, need_live=need_live))
+            )
+    if not errors:  # a concurrent writer moved on between the write and the probe
+        errors = [
+            (k, probe_rejection(s.scope(k), token, p, need_live=need_live))
+            for k, p in zip(keys, probes, strict=True)
+        ]
+    raise _reject(events, mapper, token, errors, s.name, batch=len(keys) > 1)
+
+
+def _probe(conn: Connection, s: RowStatements, keyvals: Sequence[Any]) -> Probe:
+    row = conn.execute(s.probe(), s.key_params(keyvals)).first()
+    if row is None:
+        return ABSENT
+    fence, dead = tuple(row)
+    return Probe(exists=True, fence=fence, live=not dead)
+
+
+def _reject(
+    events: EventBus,
+    mapper: Mapper[Any] | None,
+    token: int,
+    errors: Sequence[tuple[tuple[Any, ...] | None, _FenceStale]],
+    table: str,
+    *,
+    batch: bool,
+) -> StaleTokenError:
+    items = tuple(StaleTokenError.from_guard(err, mapper, key) for key, err in errors)
+    if events.active:
+        for item in items:
+            events.emit(
+                EventKind.WRITE_REJECTED,
+                SOURCE,
+                item.scope,
+                token,
+                reason=str(item.reason),
+                fence=item.fence,
+            )
+    if not batch:
+        return items[0]
+    if len(items) == 1:  # one row of a batch: its key, and the batch's list
+        only = items[0]
+        return StaleTokenError.from_guard(batch_rejection(table, token, items), mapper, only.key)
+    return StaleTokenError.from_guard(batch_rejection(table, token, items), mapper, None)
+
+
+def _mapper_of(session: Session, info: _TableInfo) -> Mapper[Any] | None:
+    for mapper, found in list(_MAPPERS.items()):
+        if found is not None and found.table is info:
+            return mapper
+    return None
+
+
+def _bulk_refusal(info: _TableInfo, path: str) -> TokenRequiredError:
+    return TokenRequiredError(
+        f"{path} on the fenced table {info.table.name} is refused: these bulk paths bypass "
+        "the flush events, so the fence cannot be set and the row counts of a batch cannot "
+        "be judged row by row (C9). Use session.add_all() and flush, "
+        "RowGuard.update_many / upsert_many (all or nothing), or a criteria "
+        "session.execute(update(...).where(...))",
+        scope=info.table.name,
+    )
+
+
+# -- ORM-enabled update() and delete() ----------------------------------------------------
+
+
+#: Execution option that lets an ORM query see tombstones (soft-deleted rows).
+INCLUDE_TOMBSTONES = "include_tombstones"
+
+
+def _hide_tombstones(state: ORMExecuteState) -> None:
+    """Add ``NOT deleted`` for every fenced class with a tombstone column in the query.
+
+    A soft-deleted row is deleted for the ORM: queries, ``get()`` and refreshes skip it.
+    """
+    if state.execution_options.get(INCLUDE_TOMBSTONES):
+        return
+    options = []
+    for mapper in state.all_mappers:
+        info = mapper_info(mapper)
+        if info is None or info.table.tombstone is None:
+            continue
+        options.append(
+            with_loader_criteria(
+                mapper.class_, info.table.tombstone == false(), include_aliases=True
+            )
+        )
+    if options:
+        state.statement = state.statement.options(*options)
+
+
+def _do_orm_execute(state: ORMExecuteState) -> Result[Any] | None:
+    if state.is_select:
+        _hide_tombstones(state)
+        return None
+    if not (state.is_update or state.is_delete or state.is_insert):
+        return None
+    stmt: Any = state.statement
+    description = getattr(stmt, "entity_description", None) or {}
+    info = table_info(description.get("table"))
+    if info is None:
+        return None
+    found: SessionBinding | None = state.session.info.get(BINDING_KEY)
+    if found is None:
+        if info.optional:
+            return None
+        raise TokenRequiredError(
+            f"session.execute() of a write to the fenced table {info.table.name} without a "
+            "fencing token: bind the session to a lease first",
+            scope=info.table.name,
+        )
+    if state.is_insert:
+        raise _bulk_refusal(info, "session.execute(insert(...))")
+    if state.is_executemany:
+        raise _bulk_refusal(info, "session.execute(update(...), [rows])")
+    sync = state.execution_options.get("synchronize_session", "auto")
+    if sync == "evaluate":
+        raise ConfigurationError(
+            "synchronize_session='evaluate' cannot follow a fenced update or delete: its "
+            "gate (every matched row passes or none is written) runs in the database. Use "
+            "'auto', 'fetch' or False"
+        )
+    token = found.token
+    mapper = state.bind_mapper
+    fenced, judge_live = _fenced_criteria(stmt, info, token, found, mapper)
+    result = state.invoke_statement(statement=fenced)
+    count = getattr(result, "rowcount", -1)
+    if count is None or count < 0:
+        raise StaleTokenError(
+            info.table.name,
+            token,
+            None,
+            Reason.UNVERIFIABLE,
+            mapper=mapper,
+            message=f"{info.table.name}: the driver did not report the row count of a fenced "
+            "update or delete, so it cannot be verified; roll back",
+        )
+    if count == 0:
+        blockers = _blockers(state, info, stmt.whereclause, token)
+        if blockers:
+            errors = [
+                (
+                    key,
+                    probe_rejection(info.statements.scope(key), token, probe, need_live=judge_live),
+                )
+                for key, probe in blockers
+            ]
+            raise _reject(found.events, mapper, token, errors, info.table.name, batch=True)
+    elif found.events.active:
+        found.events.emit(EventKind.WRITE_ACCEPTED, SOURCE, info.table.name, token, rows=count)
+    return result
+
+
+def _fenced_criteria(
+    stmt: Any, info: _TableInfo, token: int, found: SessionBinding, mapper: Any
+) -> tuple[Any, bool]:
+    """The criteria statement with the fence predicate and the all-or-nothing gate."""
+    s = info.statements
+    fence = info.fence
+    criteria = stmt.whereclause
+    locked = select(fence.label("f")).select_from(s.table)
+    if criteria is not None:
+        locked = locked.where(criteria)
+    locked_sub = locked.order_by(*s.key).with_for_update().subquery("fence_locked")
+    blocking = (
+        select(func.count()).select_from(locked_sub).where(locked_sub.c.f > token).scalar_subquery()
+    )
+    gate = (fence <= token, blocking == 0)
+    if isinstance(stmt, Delete):
+        if info.tombstone is None:
+            if not found.claim:
+                raise ConfigurationError(
+                    f"a fenced delete on {s.name} needs a tombstone column or a register "
+                    "claim (bind(..., claim=True))"
+                )
+            return stmt.where(*gate), False
+        soft = update(mapper.class_ if mapper is not None else s.table)
+        if criteria is not None:
+            soft = soft.where(criteria)
+        soft = soft.where(*gate).values({fence: token, info.tombstone: True})
+        return soft.execution_options(**stmt.get_execution_options()), False
+    return stmt.where(*gate, info.live()).values({fence: token}), True
+
+
+def _blockers(
+    state: ORMExecuteState, info: _TableInfo, criteria: Any, token: int
+) -> list[tuple[tuple[Any, ...], Probe]]:
+    s = info.statements
+    live = info.tombstone if info.tombstone is not None else false()
+    query = select(*s.key, info.fence, live).where(info.fence > token)
+    if criteria is not None:
+        query = query.where(criteria)
+    conn = state.session.connection(bind_arguments=state.bind_arguments)
+    width = len(s.key)
+    return [
+        (tuple(row[:width]), Probe(True, row[width], not row[width + 1]))
+        for row in conn.execute(query)
+    ]
+
+
+# -- claim and lease check ----------------------------------------------------------------
+
+
+_CLAIMS: weakref.WeakKeyDictionary[Table, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _claim_statement(register: Table, dialect: str) -> Any:
+    """The register claim of one scope, built once with bind parameters (hot path).
+
+    The same statement as :meth:`FenceRegister.claim`:
+    ``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = :t WHERE fence <= :t``.
+    """
+    per_table = _CLAIMS.setdefault(register, {})
+    found = per_table.get(dialect)
+    if found is None:
+        ins = _dialect_insert(dialect)(register).values(
+            scope=bindparam("_scope", type_=register.c.scope.type),
+            fence=bindparam(_TOKEN, type_=register.c.fence.type),
+        )
+        found = per_table[dialect] = ins.on_conflict_do_update(
+            index_elements=[register.c.scope],
+            set_={"fence": ins.excluded.fence},
+            where=register.c.fence <= ins.excluded.fence,
+        ).execution_options(preserve_rowcount=True)
+    return found
+
+
+def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
+    found: SessionBinding | None = session.info.get(BINDING_KEY)
+    if found is None or not found.claim or transaction.nested:
+        return
+    stmt = _claim_statement(found.register, connection.dialect.name)
+    result = connection.execute(stmt, {"_scope": found.scope, _TOKEN: found.token})
+    if result.rowcount == 1:
+        if found.events.active:
+            found.events.emit(EventKind.WRITE_ACCEPTED, SOURCE, found.scope, found.token)
+        return
+    # Refused (or unknown): the register guard runs the claim again and judges it (C5).
+    try:
+        FenceRegister(connection, found.register, events=found.events).claim(
+            found.scope, found.token
+        )
+    except _FenceStale as err:
+        raise StaleTokenError.from_guard(err, None, None) from None
+
+
+def _before_commit(session: Session) -> None:
+    found: SessionBinding | None = session.info.get(BINDING_KEY)
+    if found is None or not found.check_lease or found.lease is None:
+        return
+    check_lease(found.lease)
+
+
+def check_lease(lease: Lease | AsyncLease) -> None:
+    """Raise :class:`fence.LeaseLostError` unless ``lease`` is still valid.
+
+    An expired lease counts as lost here: the work must not commit on it.
+    """
+    try:
+        lease.check()
+    except LeaseLostError:
+        raise
+    except LeaseExpiredError as exc:
+        raise LeaseLostError(
+            f"lease on {lease.resource!r} (token {lease.token}) is no longer valid before "
+            f"commit: {exc}; nothing was committed",
+            resource=lease.resource,
+            token=lease.token,
+            remaining=exc.remaining,
+            cause="the lease ran out before commit",
+        ) from exc
+
+
+# -- installation -------------------------------------------------------------------------
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Install the listeners (once per process; importing ``fence.adapters.orm`` does it).
+
+    They are class-level listeners on :class:`~sqlalchemy.orm.Session` (and so on every
+    ``AsyncSession.sync_session``), on :class:`~sqlalchemy.orm.Mapper` and on
+    :class:`~sqlalchemy.Engine`. Statements outside a flush of a session pass through
+    untouched, so Core code and the other guards are not affected.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    event.listen(Session, "before_flush", _before_flush)
+    event.listen(Session, "after_transaction_create", _after_transaction_create)
+    event.listen(Session, "after_transaction_end", _after_transaction_end)
+    event.listen(Session, "after_begin", _after_begin)
+    event.listen(Session, "before_commit", _before_commit)
+    event.listen(Session, "do_orm_execute", _do_orm_execute)
+    event.listen(Mapper, "before_insert", _set_fence)
+    event.listen(Mapper, "before_update", _set_fence)
+    event.listen(Mapper, "before_delete", _mark_flushing)
+    event.listen(Engine, "before_execute", _before_execute, retval=True)
+    event.listen(Engine, "after_cursor_execute", _after_cursor_execute)
+    event.listen(Engine, "after_execute", _after_execute)
