@@ -20,6 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="watch a paused lock holder's stale write being refused (SQLite, no server)",
         add_help=False,
     )
+    commands.add_parser(
+        "chaos",
+        help="pause lock holders and crash servers for every lock/guard pairing; check the log",
+        add_help=False,
+    )
     return parser
 
 
@@ -31,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fence._demo import main as demo
 
         return demo(rest)
+    if args.command == "chaos":
+        from fence._chaos.runner import main as chaos
+
+        return chaos(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command is None:

@@ -30,7 +30,9 @@ class Record:
         t: wall time in seconds.
         worker: the worker's name.
         event: ``acquired``, ``released``, ``lost``, ``write_ok``, ``write_rejected``,
-            ``write_error``, ``paused``, ``resumed``, ``fault``.
+            ``write_error`` (unknown outcome), ``read_rejected``, ``read_error``,
+            ``acquire_error``, ``paused``, ``resumed``, ``fault``. The checker reads the
+            writes and the acquisitions; the other events are for people and pictures.
         scope: the record (resource) involved, if any.
         token: the lease token, if any (``None`` for an unfenced baseline).
         before: the value the worker read.

@@ -26,7 +26,9 @@ def render_svg(records: Iterable[Record], title: str, *, width: int = 1200, lane
     span = max(t1 - t0, 1e-6)
     workers: list[str] = sorted({r.worker for r in rows if r.worker != "controller"})
     scopes: list[str] = sorted({r.scope for r in rows if r.scope})
-    left, right, top = 110, 20, 40
+    faults = [r for r in rows if r.event == "fault"]
+    # Fault labels take two staggered rows above the lanes, so neighbours do not overlap.
+    left, right, top = 110, 20, (56 if faults else 40)
     plot = width - left - right
 
     def x(t: float) -> float:
@@ -34,6 +36,7 @@ def render_svg(records: Iterable[Record], title: str, *, width: int = 1200, lane
 
     parts: list[str] = []
     height = top + lane * len(workers) + 60
+    parts.extend(_grid(t0, span, x, top, top + lane * len(workers)))
     for index, worker in enumerate(workers):
         y = top + index * lane
         parts.append(
@@ -47,21 +50,45 @@ def render_svg(records: Iterable[Record], title: str, *, width: int = 1200, lane
         mine = [r for r in rows if r.worker == worker]
         parts.extend(_bars(mine, x, y, lane, scopes, t1))
         parts.extend(_marks(mine, x, y, lane))
-    for fault in (r for r in rows if r.event == "fault"):
+    for number, fault in enumerate(faults):
         fx = x(fault.t)
+        row_y = top - 8 - 12 * (number % 2)
         parts.append(
-            f'<line x1="{fx:.1f}" x2="{fx:.1f}" y1="{top - 6}" y2="{height - 50}" '
+            f'<line x1="{fx:.1f}" x2="{fx:.1f}" y1="{row_y - 8}" y2="{height - 50}" '
             'stroke="#000" stroke-width="1.5" stroke-dasharray="4 3"/>'
         )
-        parts.append(
-            f'<text x="{fx + 3:.1f}" y="{top - 8}" font-size="10">'
-            f"{html.escape(fault.detail or 'fault')}</text>"
+        label = fault.detail or "fault"
+        # About 5.5 px per character at this size: a label that would run off the right
+        # edge ends at its line instead of starting there.
+        anchor = (
+            f'x="{fx - 3:.1f}" text-anchor="end"'
+            if fx + 3 + 5.5 * len(label) > width
+            else f'x="{fx + 3:.1f}"'
         )
+        parts.append(f'<text {anchor} y="{row_y}" font-size="10">{html.escape(label)}</text>')
     parts.extend(_legend(scopes, left, height - 30))
     parts.append(
         f'<text x="{left}" y="{height - 8}" font-size="11" fill="#555">0 s … {span:.1f} s</text>'
     )
     return _document(width, height, title, parts)
+
+
+def _grid(
+    t0: float, span: float, x: Callable[[float], float], top: float, bottom: float
+) -> list[str]:
+    """Light vertical lines with a seconds label, at most a dozen across the picture."""
+    step = next((s for s in (0.5, 1, 2, 5, 10, 30, 60, 300, 600) if span / s <= 12), 3600.0)
+    out: list[str] = []
+    count = int(span / step) + 1
+    for i in range(count):
+        offset = i * step
+        gx = x(t0 + offset)
+        out.append(f'<line x1="{gx:.1f}" x2="{gx:.1f}" y1="{top}" y2="{bottom}" stroke="#f0f0f0"/>')
+        out.append(
+            f'<text x="{gx:.1f}" y="{bottom + 12}" text-anchor="middle" font-size="10" '
+            f'fill="#777">{offset:g} s</text>'
+        )
+    return out
 
 
 def _bars(

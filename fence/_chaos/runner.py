@@ -1,0 +1,435 @@
+"""``fence chaos``: run every pairing under pauses and server faults, then check the log.
+
+For each pairing the runner prepares the servers, spawns the worker processes, lets the
+:class:`~fence._chaos.controller.Pauser` stop lease holders and the
+:class:`~fence._chaos.controller.FaultInjector` break the servers, then reads the final
+counters and hands the whole log to :func:`fence._chaos.checker.check`. The output is a JSON
+summary (stdout, and ``--summary FILE``) and, with ``--timeline FILE``, an SVG picture.
+
+The unfenced baseline (redis-py ``Lock`` with plain ``GET``/``SET``) runs under the same
+pauses, each one landing between a worker's read and its write, so it shows the updates a
+lease alone loses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from fence._chaos import pairings as _pairings
+from fence._chaos.checker import Record, check
+from fence._chaos.controller import FaultInjector, Pauser, fault_plan
+from fence._chaos.pairings import PAIRINGS, PLANNED, Endpoints, Pairing
+from fence._chaos.servers import PostgresServer, RedisServer
+from fence._chaos.timeline import render_svg
+from fence._chaos.worker import Board, Phase, WorkerConfig
+from fence._chaos.worker import main as worker_main
+
+__all__ = ["Settings", "main", "run"]
+
+_LONG = {"duration": 600.0, "workers": 8, "records": 4}
+_DEFAULT = {"duration": 20.0, "workers": 5, "records": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The knobs of a chaos run.
+
+    Attributes:
+        pairings: the pairings to run, by name.
+        workers: worker processes per pairing.
+        records: records (counters) per pairing; fewer records than workers means
+            contention.
+        ttl: the lease time, in seconds. Pauses last 1.3 to 2 times as long.
+        work: seconds a worker spends between its read and its write.
+        duration: the longest a pairing runs, in seconds.
+        pauses: end a pairing once this many pauses counted and one cycle of faults ran
+            (``None``: run for ``duration``).
+        faults: inject server faults (fenced pairings).
+        fault_every: seconds between two faults.
+        seed: the random seed of the controller and the workers.
+    """
+
+    pairings: tuple[str, ...]
+    workers: int = 5
+    records: int = 3
+    ttl: float = 0.4
+    work: float = 0.02
+    duration: float = 20.0
+    pauses: int | None = None
+    faults: bool = True
+    fault_every: float = 1.5
+    seed: int = 0
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _read_log(path: Path) -> list[Record]:
+    if not path.exists():
+        return []
+    records = []
+    with path.open(encoding="utf-8") as log:
+        for line in log:
+            line = line.strip()
+            if line:
+                with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill
+                    records.append(Record.from_json(json.loads(line)))
+    return records
+
+
+def _wait_ready(board: Board, procs: Sequence[Any], timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while True:
+        phases = [board.read(i)[0] for i in range(len(procs))]
+        if all(phase == Phase.READY for phase in phases):
+            return
+        dead = [p.name for p in procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"chaos workers {dead} died while starting; see their .stderr logs")
+        if time.monotonic() > end:
+            raise RuntimeError(f"chaos workers did not start within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+def _max_inflight(workers: int) -> int:
+    # Several pauses at once, but at least two workers keep running to take expired leases.
+    return max(1, min(workers - 2, workers // 2 + 1))
+
+
+def run_pairing(
+    pairing: Pairing,
+    servers: dict[str, Any],
+    settings: Settings,
+    workdir: Path,
+) -> tuple[dict[str, Any], list[Record]]:
+    """Run one pairing; return its summary and its whole log."""
+    endpoints = Endpoints(
+        redis=servers["redis"].url if "redis" in servers else None,
+        postgres=servers["postgres"].url if "postgres" in servers else None,
+    )
+    records = pairing.records(settings.records)
+    _pairings.setup(pairing, endpoints, records)
+    folder = workdir / pairing.short
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(f"{settings.seed}:{pairing.name}")
+
+    ctx = mp.get_context("spawn")
+    n = settings.workers
+    array = ctx.RawArray("q", Board.size(n))
+    board = Board(array, n)
+    names = [f"w{i + 1}" for i in range(n)]
+    configs = [
+        WorkerConfig(
+            name=names[i],
+            index=i,
+            pairing=pairing.name,
+            endpoints=endpoints,
+            records=tuple(records),
+            ttl=settings.ttl,
+            work=settings.work,
+            acquire_timeout=max(1.0, 4 * settings.ttl),
+            log_path=str(folder / f"{names[i]}.jsonl"),
+            seed=rng.randrange(2**32),
+        )
+        for i in range(n)
+    ]
+    for i in range(n):
+        board.post(i, Phase.STARTING)
+    procs = [
+        ctx.Process(target=worker_main, args=(config, array), name=f"chaos-{config.name}")
+        for config in configs
+    ]
+    for proc in procs:
+        proc.start()
+    log: list[Record] = []
+    pauser: Pauser | None = None
+    injector: FaultInjector | None = None
+    stragglers: list[str] = []
+    started = time.monotonic()
+    try:
+        _wait_ready(board, procs, timeout=120)
+        pids = [int(proc.pid or 0) for proc in procs]
+        pauser = Pauser(
+            board=board,
+            pids=pids,
+            names=names,
+            records=records,
+            ttl=settings.ttl,
+            log=log,
+            rng=rng,
+            max_inflight=_max_inflight(n),
+            # The baseline is stopped only between read and write, so that every pause
+            # can cost it an update: its loss is shown, not left to luck.
+            prefer_read=0.75 if pairing.fenced else 1.0,
+        )
+        if settings.faults and pairing.fenced:
+            plan = fault_plan([servers[name] for name in pairing.servers])
+            injector = FaultInjector(plan, settings.fault_every, first=1.0, log=log)
+        board.start()
+        started = time.monotonic()
+        if injector is not None:
+            injector.start()
+        while True:
+            pauser.step()
+            elapsed = time.monotonic() - started
+            if elapsed >= settings.duration:
+                break
+            if (
+                settings.pauses is not None
+                and pauser.counted >= settings.pauses
+                and (injector is None or injector.cycles >= 1)
+            ):
+                break
+            if any(not proc.is_alive() for proc in procs):
+                break
+            time.sleep(0.005)
+    finally:
+        board.stop()
+        if pauser is not None:
+            pauser.resume_all()
+        if injector is not None:
+            injector.finish()
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():  # pragma: no cover - a hung worker is a harness bug
+                stragglers.append(proc.name)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(proc.pid or 0), signal.SIGCONT)
+                proc.kill()
+                proc.join(10)
+    elapsed = time.monotonic() - started
+    assert pauser is not None
+
+    for config in configs:
+        log.extend(_read_log(Path(config.log_path)))
+    log.sort(key=lambda r: r.t)
+    with (folder / "controller.jsonl").open("w", encoding="utf-8") as out:
+        for record in log:
+            if record.worker == "controller" or record.event in ("paused", "resumed"):
+                data = {k: v for k, v in asdict(record).items() if v is not None}
+                out.write(json.dumps(data) + "\n")
+
+    final = _pairings.final_values(pairing, endpoints, records)
+    verdict = check(log, final)
+    events = Counter(record.event for record in log)
+    faults = injector.done if injector is not None else []
+    kills = Counter(f["server"] for f in faults if f["kind"] == "kill")
+    failures = [p.name for p in procs if p.exitcode not in (0, None)]
+    summary: dict[str, Any] = {
+        "pairing": pairing.name,
+        "description": pairing.description,
+        "fenced": pairing.fenced,
+        # The unfenced baseline is there to lose updates; a fenced pairing never may.
+        "expected": "no stale write, no lost update" if pairing.fenced else "lost updates",
+        "lock": _pairings.LOCKERS[pairing.locker].name,
+        "store": _pairings.STORES[pairing.store].name,
+        "workers": n,
+        "records": len(records),
+        "ttl_s": settings.ttl,
+        "elapsed_s": round(elapsed, 2),
+        "pauses_injected": pauser.counted,
+        "pauses_between_read_and_write": pauser.between_read_and_write,
+        "faults_injected": len(faults),
+        "server_kills": dict(kills),
+        "faults": faults,
+        "fault_errors": injector.errors if injector is not None else [],
+        "acquired": events["acquired"],
+        "accepted": sum(verdict.accepted.values()),
+        "rejected": sum(verdict.rejected.values()),
+        "reads_rejected": events["read_rejected"],
+        "unknown_outcomes": events["write_error"],
+        "backend_errors": events["acquire_error"] + events["read_error"],
+        "leases_lost_at_release": events["lost"],
+        "final": final,
+        "stale_accepted": len(verdict.stale_accepted),
+        "lost_updates": sum(verdict.lost_updates.values()),
+        "verdict": verdict.as_dict(),
+        "worker_failures": failures,
+        "workers_killed": stragglers,
+    }
+    summary["ok"] = bool(
+        verdict.ok and not failures and not stragglers and not summary["fault_errors"]
+    )
+    return summary, log
+
+
+def _timeline_path(base: Path, pairing: Pairing, several: bool) -> Path:
+    if not several:
+        return base
+    return base.with_name(f"{base.stem}-{pairing.name.replace('+', '-')}{base.suffix}")
+
+
+def run(settings: Settings, workdir: Path, timeline: Path | None = None) -> dict[str, Any]:
+    """Run the pairings of ``settings``; return the JSON summary as a dict.
+
+    Raises:
+        RuntimeError: a server or a worker could not start.
+    """
+    chosen = [PAIRINGS[name] for name in settings.pairings]
+    wanted = {server for pairing in chosen for server in pairing.servers}
+    servers: dict[str, Any] = {}
+    results: list[dict[str, Any]] = []
+    try:
+        if "redis" in wanted:
+            servers["redis"] = RedisServer().start()
+        if "postgres" in wanted:
+            servers["postgres"] = PostgresServer().start()
+        for pairing in chosen:
+            _say(f"fence chaos: {pairing.name}: {pairing.description} ...")
+            summary, log = run_pairing(pairing, servers, settings, workdir)
+            results.append(summary)
+            _say(
+                f"  {summary['elapsed_s']:.1f} s, {summary['pauses_injected']} pauses, "
+                f"{summary['faults_injected']} faults, {summary['accepted']} accepted, "
+                f"{summary['rejected']} rejected, {summary['stale_accepted']} stale accepted, "
+                f"{summary['lost_updates']} lost updates -> "
+                + ("ok" if summary["ok"] else ("LOSES UPDATES" if not pairing.fenced else "FAILED"))
+            )
+            if timeline is not None:
+                path = _timeline_path(timeline, pairing, len(chosen) > 1)
+                title = (
+                    f"fence chaos {pairing.name}: {summary['workers']} workers, ttl "
+                    f"{settings.ttl} s, {summary['pauses_injected']} pauses, "
+                    f"{summary['faults_injected']} server faults: {summary['accepted']} "
+                    f"accepted, {summary['rejected']} rejected, "
+                    f"{summary['lost_updates']} lost updates"
+                )
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(render_svg(log, title), encoding="utf-8")
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    fenced = [r for r in results if r["fenced"]]
+    baseline = [r for r in results if not r["fenced"]]
+    kills: Counter[str] = Counter()
+    for result in fenced:
+        kills.update(result["server_kills"])
+    return {
+        "settings": asdict(settings),
+        "pairings": results,
+        "not_covered": dict(PLANNED),
+        "totals": {
+            "pauses_injected": sum(r["pauses_injected"] for r in fenced),
+            "faults_injected": sum(r["faults_injected"] for r in fenced),
+            "server_kills": dict(kills),
+            "accepted": sum(r["accepted"] for r in fenced),
+            "rejected": sum(r["rejected"] for r in fenced),
+            "stale_accepted": sum(r["stale_accepted"] for r in fenced),
+            "lost_updates": sum(r["lost_updates"] for r in fenced),
+            "baseline_lost_updates": sum(r["lost_updates"] for r in baseline),
+        },
+        "ok": all(r["ok"] for r in fenced),
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fence chaos",
+        description=(
+            "Run lock holders under SIGSTOP pauses past their lease and server crashes, "
+            "for every pairing of lock manager and storage guard, and check that no stale "
+            "write was accepted and no update lost. Starts its own redis-server and "
+            "PostgreSQL."
+        ),
+    )
+    names = [*PAIRINGS]
+    parser.add_argument(
+        "--pairing",
+        action="append",
+        choices=names,
+        metavar="NAME",
+        help=f"run only this pairing (repeatable): {', '.join(names)}",
+    )
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unfenced baseline")
+    parser.add_argument("--workers", type=int, help="worker processes per pairing (default 5)")
+    parser.add_argument("--records", type=int, help="records per pairing (default 3)")
+    parser.add_argument("--ttl", type=float, default=0.4, help="lease ttl in seconds (0.4)")
+    parser.add_argument(
+        "--work", type=float, default=0.02, help="seconds between read and write (0.02)"
+    )
+    parser.add_argument(
+        "--duration", type=float, help="seconds per pairing, at most (default 20; --long 600)"
+    )
+    parser.add_argument(
+        "--pauses",
+        type=int,
+        help="end a pairing early once this many pauses counted and every fault ran once",
+    )
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="a long run: 600 s per pairing, 8 workers, 4 records (each overridable)",
+    )
+    parser.add_argument("--no-faults", action="store_true", help="pauses only, no server faults")
+    parser.add_argument(
+        "--fault-every", type=float, default=1.5, help="seconds between server faults (1.5)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    parser.add_argument("--summary", metavar="FILE", help="also write the JSON summary here")
+    parser.add_argument(
+        "--timeline",
+        metavar="FILE",
+        help="write an SVG timeline (one file per pairing, suffixed, when several run)",
+    )
+    parser.add_argument("--keep", metavar="DIR", help="keep the worker logs in DIR")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fence chaos``; exit status 0 when every fenced pairing passed."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for name in ("ttl", "duration", "fault_every", "records", "workers", "pauses"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.work < 0:
+        parser.error(f"--work must not be negative, got {args.work}")
+    preset = _LONG if args.long else _DEFAULT
+    chosen = list(dict.fromkeys(args.pairing or [*PAIRINGS]))
+    if args.no_baseline:
+        chosen = [name for name in chosen if PAIRINGS[name].fenced]
+    settings = Settings(
+        pairings=tuple(chosen),
+        workers=args.workers or int(preset["workers"]),
+        records=args.records or int(preset["records"]),
+        ttl=args.ttl,
+        work=args.work,
+        duration=args.duration or float(preset["duration"]),
+        pauses=args.pauses,
+        faults=not args.no_faults,
+        fault_every=args.fault_every,
+        seed=args.seed,
+    )
+    if settings.workers < 3:
+        settings = replace(settings, workers=3)  # two keep running while one is stopped
+        _say("fence chaos: using 3 workers, the fewest that let pauses overlap with progress")
+    timeline = Path(args.timeline) if args.timeline else None
+    if args.keep:
+        workdir = Path(args.keep)
+        workdir.mkdir(parents=True, exist_ok=True)
+        result = run(settings, workdir, timeline)
+    else:
+        with tempfile.TemporaryDirectory(prefix="iofence-chaos-") as tmp:
+            result = run(settings, Path(tmp), timeline)
+    text = json.dumps(result, indent=2)
+    if args.summary:
+        Path(args.summary).write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0 if result["ok"] else 1
