@@ -15,29 +15,24 @@ machine:
   register claim (one more round trip) at the start of the transaction; ``claim=False``
   shows the hook without it.
 
-The ratio is ``plain / hooked`` time per operation: 1.0 means the hook costs nothing; the
-target is at least 0.9 for the flush.
+Each repetition gives one throughput ratio ``hooked / plain``; the median is reported
+(1.0 means the hook costs nothing; the target is at least 0.9 for the flush).
 
-    python benchmarks/bench_orm.py [--ops 2000] [--rounds 5]
+    python benchmarks/bench_orm.py [--quick] [--repeats 7]
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+import _harness
+from _harness import Context, Row
 from sqlalchemy import BigInteger, Engine, Integer, create_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from fence.adapters.orm import bind, fence_column, fence_register_table, tombstone_column
-from tests.servers import PostgresServer
+
+GROUP = "orm"
 
 
 class Base(DeclarativeBase):
@@ -62,28 +57,6 @@ class Versioned(Base):
 
 REGISTER = fence_register_table(Base.metadata)
 TOKEN = 1_000_000
-
-
-def timed(fn: Callable[[], None], ops: int) -> float:
-    """Seconds per call of ``fn()`` over ``ops`` calls."""
-    start = time.perf_counter()
-    for _ in range(ops):
-        fn()
-    return (time.perf_counter() - start) / ops
-
-
-def interleave(variants: dict[str, Callable[[], None]], ops: int, rounds: int) -> dict[str, float]:
-    """Median seconds per call of each variant, run in rotating batches of 50."""
-    for fn in variants.values():
-        timed(fn, 100)  # warm up: compiled caches, prepared statements
-    batch = 50
-    samples: dict[str, list[float]] = {k: [] for k in variants}
-    order = list(variants)
-    for n in range(rounds * max(1, ops // batch)):
-        shift = n % len(order)
-        for key in order[shift:] + order[:shift]:
-            samples[key].append(timed(variants[key], batch))
-    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def flush_variants(engine: Engine) -> tuple[dict[str, Callable[[], None]], list[Session]]:
@@ -124,52 +97,79 @@ def unit_variants(engine: Engine) -> dict[str, Callable[[], None]]:
     return {"plain": plain_unit, "hook claim": hooked(True), "hook no-claim": hooked(False)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+def seed(engine: Engine) -> None:
+    """(Re)create the two tables with rows 1 and 2 in each."""
+    Base.metadata.drop_all(engine)
+    Base.metadata.create_all(engine)
+    with Session(engine) as s:
+        bind(s, token=1, scope="seed")
+        s.add_all([Fenced(id=i, v=0) for i in (1, 2)])
+        s.commit()
+    with Session(engine) as s:
+        s.add_all([Versioned(id=i, v=0) for i in (1, 2)])
+        s.commit()
 
-    server = PostgresServer().start()
+
+def collect(ctx: Context) -> list[Row]:
+    """Flushes and whole units of work, hook vs ``version_id_col``; see the module docstring."""
+    engine = create_engine(ctx.servers.postgres.url)
     try:
-        engine = create_engine(server.url)
-        Base.metadata.create_all(engine)
-        with Session(engine) as s:
-            bind(s, token=1, scope="seed")
-            s.add_all([Fenced(id=i, v=0) for i in (1, 2)])
-            s.commit()
-        with Session(engine) as s:
-            s.add_all([Versioned(id=i, v=0) for i in (1, 2)])
-            s.commit()
-
-        rows: list[dict[str, Any]] = []
+        seed(engine)
         variants, sessions = flush_variants(engine)
-        medians = interleave(variants, args.ops, args.rounds)
-        for session in sessions:
-            session.rollback()
-            session.close()
-        rows.append(report("flush", "hook", medians))
-        medians = interleave(unit_variants(engine), args.ops // 2, args.rounds)
-        rows.append(report("unit", "hook claim", medians))
-        rows.append(report("unit", "hook no-claim", medians))
-        engine.dispose()
+        try:
+            flush = _harness.interleaved(
+                {
+                    "version_id_col flush": variants["plain"],
+                    "flush with the hook": variants["hook"],
+                },
+                calls=ctx.n(1000, 60),
+                batch=20,
+                repeats=ctx.repeats,
+                warmup=ctx.n(100, 10),
+            )
+        finally:
+            for session in sessions:
+                session.rollback()
+                session.close()
+        units = unit_variants(engine)
+        unit = _harness.interleaved(
+            {
+                "version_id_col unit of work": units["plain"],
+                "unit of work with the hook, claim": units["hook claim"],
+                "unit of work with the hook, no claim": units["hook no-claim"],
+            },
+            calls=ctx.n(300, 20),
+            batch=10,
+            repeats=ctx.repeats,
+            warmup=ctx.n(30, 5),
+        )
     finally:
-        server.destroy()
-
-    print(f"{'case':<22} {'plain us':>10} {'hook us':>10} {'ratio':>7}")
-    for r in rows:
-        print(f"{r['case']:<22} {r['plain']:>10.1f} {r['hook']:>10.1f} {r['ratio']:>7.2f}")
-    return 0
-
-
-def report(case: str, key: str, medians: dict[str, float]) -> dict[str, Any]:
-    return {
-        "case": f"{case} {key.removeprefix('hook').strip() or ''}".strip(),
-        "plain": medians["plain"] * 1e6,
-        "hook": medians[key] * 1e6,
-        "ratio": medians["plain"] / medians[key],
-    }
+        engine.dispose()
+    rows = _harness.rate_rows(
+        GROUP,
+        flush,
+        "version_id_col flush",
+        unit="flushes/s",
+        prefix="ORM: ",
+        targets={"flush with the hook": 0.9},
+        notes={
+            "flush with the hook": "one session and transaction; each flush changes one "
+            "attribute of a loaded object: one UPDATE either way",
+        },
+    )
+    rows += _harness.rate_rows(
+        GROUP,
+        unit,
+        "version_id_col unit of work",
+        unit="units/s",
+        prefix="ORM: ",
+        notes={
+            "unit of work with the hook, claim": "new session, get(), change, commit; the "
+            "claim (C8) adds one round trip at the start of the transaction",
+        },
+    )
+    return rows
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_harness.standalone(collect, __doc__))

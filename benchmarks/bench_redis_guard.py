@@ -1,140 +1,183 @@
 #!/usr/bin/env python3
-"""How much a fenced write costs next to a plain one, on a throwaway redis-server.
+"""How much a fenced Redis write costs next to a plain one, on a throwaway redis-server.
 
-    python benchmarks/bench_redis_guard.py [--ops 3000] [--repeat 15]
+    python benchmarks/bench_redis_guard.py [--quick] [--repeats 7]
 
 Compares, in one run and on one connection (sequential round trips over loopback):
 
 - ``SET``: a plain ``SET key value`` (the baseline);
-- ``EVALSHA trivial``: a raw ``EVALSHA`` of a script with the same keys and arguments that
-  makes the same Redis calls as the fenced set (one ``GET``, one ``SET``) without any
-  logic: the floor of any script-based fence;
+- ``raw EVALSHA``: an ``EVALSHA`` of a script with the same keys and arguments that makes
+  the same Redis calls as the fenced set (one ``GET``, one ``SET``) without any logic: the
+  floor of any script-based fence;
 - ``fenced set``: :meth:`RedisGuard.set` (validation, key layout, the fence check, events);
-- and the same for 100-write pipelines: plain ``SET`` vs :class:`FencedPipeline`.
+- ten writes: a fenced batch of 10 (one script, all or nothing) vs 10 single fenced sets,
+  and a fenced pipeline of 10 vs a pipeline of 10 plain ``SET`` s.
 
-The single writes are interleaved call by call, ``--ops`` rounds per repetition; each
-variant's median throughput over ``--repeat`` repetitions is reported with its ratio to
-the baseline. Numbers vary with the machine; the ratios are what matter.
+The single writes are interleaved call by call; each repetition gives one ratio, and the
+median is reported. The server's own time per command (``INFO commandstats``) is recorded
+beside the fenced row, to show how much of the gap is spent inside Redis.
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+import _harness
 import redis
+from _harness import Context, Row
 
 from fence.adapters.redis import RedisGuard
-from tests.servers import RedisServer
 
+GROUP = "redis-guard"
+
+#: The same Redis calls as a fenced set of an existing key, and the same reply, no logic.
 TRIVIAL_LUA = """
 redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[2], ARGV[7])
-return {1, 1}
+return 1
 """
 
-
-def measure(fn: Callable[[int], None], ops: int) -> float:
-    """Run ``fn`` ``ops`` times; return operations per second."""
-    start = time.perf_counter()
-    for i in range(ops):
-        fn(i)
-    return ops / (time.perf_counter() - start)
+TOKEN = 1_780_000_000_000_000
 
 
-def interleaved(variants: dict[str, Callable[[int], None]], ops: int) -> dict[str, float]:
-    """Run the variants one call each in turn, ``ops`` rounds; return each one's ops/s.
+def client_pack_usec(client: redis.Redis, guard: RedisGuard, sha: str, calls: int) -> dict:
+    """redis-py's own microseconds to turn each command into bytes (no I/O)."""
+    from fence.adapters._redis_lua import WRITE, encode, op_set
+    from fence.adapters.redis import WRITE_LUA  # noqa: F401 - the script the guard sends
 
-    On a shared machine the load changes from second to second; interleaving call by call
-    gives every variant the same conditions, so the ratios hold even when the absolute
-    numbers move.
-    """
-    clock = time.perf_counter_ns
-    spent = dict.fromkeys(variants, 0)
-    items = list(variants.items())
-    for i in range(ops):
-        shift = i % len(items)
-        for name, fn in items[shift:] + items[:shift]:
-            start = clock()
-            fn(i)
-            spent[name] += clock() - start
-    return {name: ops * 1e9 / ns for name, ns in spent.items()}
+    keys, argv = encode(
+        guard.layout,
+        TOKEN,
+        (op_set("bench:fenced", "v", None, False),),
+        issuer=False,
+        one_slot=False,
+    )
+    connection = client.connection_pool.get_connection()
+    try:
+        commands = {
+            "SET": ("SET", "bench:plain", "v"),
+            "fenced set": ("EVALSHA", WRITE.sha, len(keys), *keys, *argv),
+        }
+        out = {}
+        for name, args in commands.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                connection.pack_command(*args)
+            out[name] = (time.perf_counter() - start) / calls * 1e6
+        out["fenced set arguments"] = len(commands["fenced set"])
+        return out
+    finally:
+        client.connection_pool.release(connection)
 
 
-def main() -> int:
-    """Run the benchmark and print a table."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", type=int, default=3000, help="writes per repetition")
-    parser.add_argument("--repeat", type=int, default=15, help="repetitions per variant")
-    args = parser.parse_args()
-
-    server = RedisServer().start()
-    client = redis.Redis(port=server.port)
+def collect(ctx: Context) -> list[Row]:
+    """Fenced vs plain writes; see the module docstring."""
+    client = redis.Redis.from_url(ctx.servers.redis.url)
     try:
         guard = RedisGuard(client)
         trivial = client.script_load(TRIVIAL_LUA)
-        token = 1_780_000_000_000_000
-        guard.set("bench:fenced", "v", token=token)  # loads the script, sets the fence
+        guard.set("bench:fenced", "v", token=TOKEN)  # loads the script, sets the fence
         trivial_keys = ("fence:{bench:raw}:key:bench:raw", "bench:raw")
-        trivial_args = (str(token), "1", "2", "set", "0", "2", "v", "")
+        trivial_args = (str(TOKEN), "1", "2", "set", "0", "2", "v", "")
 
-        def plain_set(i: int) -> None:
+        def plain_set() -> None:
             client.set("bench:plain", "v")
 
-        def raw_evalsha(i: int) -> None:
+        def raw_evalsha() -> None:
             client.evalsha(trivial, 2, *trivial_keys, *trivial_args)
 
-        def fenced_set(i: int) -> None:
-            guard.set("bench:fenced", "v", token=token)
+        def fenced_set() -> None:
+            guard.set("bench:fenced", "v", token=TOKEN)
 
-        batch = 100
-
-        def plain_pipeline(i: int) -> None:
-            pipe = client.pipeline(transaction=False)
-            for _ in range(batch):
-                pipe.set("bench:plain", "v")
-            pipe.execute()
-
-        def fenced_pipeline(i: int) -> None:
-            pipe = guard.pipeline()
-            for _ in range(batch):
-                pipe.set("bench:fenced", "v", token=token)
-            pipe.execute()
-
-        singles = {"SET": plain_set, "EVALSHA trivial": raw_evalsha, "fenced set": fenced_set}
-        pipes = {"pipelined SET x100": plain_pipeline, "fenced pipeline x100": fenced_pipeline}
-        results: dict[str, list[float]] = {name: [] for name in (*singles, *pipes)}
-        for fn in (*singles.values(), *pipes.values()):  # warm up
-            measure(fn, 200 if fn in singles.values() else 5)
-        for _ in range(args.repeat):
-            for name, rate in interleaved(singles, args.ops).items():
-                results[name].append(rate)
-            for name, fn in pipes.items():
-                results[name].append(measure(fn, max(1, args.ops // batch)) * batch)
-
-        print(
-            f"redis-server {client.info('server')['redis_version']}, redis-py {redis.__version__}"
+        singles = _harness.interleaved(
+            {"SET": plain_set, "raw EVALSHA": raw_evalsha, "fenced set": fenced_set},
+            calls=ctx.n(3000, 200),
+            repeats=ctx.repeats,
+            warmup=ctx.n(200, 20),
         )
-        print(f"{args.ops} sequential writes per repetition, median of {args.repeat}\n")
-        print(f"{'variant':<22} {'writes/s':>10} {'vs SET':>8} {'vs EVALSHA':>11}")
-        base = statistics.median(results["SET"])
-        floor = statistics.median(results["EVALSHA trivial"])
-        pipe_base = statistics.median(results["pipelined SET x100"])
-        for name, samples in results.items():
-            median = statistics.median(samples)
-            ref = pipe_base if name in pipes else base
-            print(f"{name:<22} {median:>10,.0f} {median / ref:>7.2f}x {median / floor:>10.2f}x")
+
+        keys10 = [f"{{bench:b}}:k{i}" for i in range(10)]
+
+        def batch_of_10() -> None:
+            batch = guard.batch(TOKEN)
+            for key in keys10:
+                batch.set(key, "v")
+            batch.execute()
+
+        def singles_10() -> None:
+            for key in keys10:
+                guard.set(key, "v", token=TOKEN)
+
+        def fenced_pipeline_10() -> None:
+            pipe = guard.pipeline()
+            for key in keys10:
+                pipe.set(key, "v", token=TOKEN)
+            pipe.execute()
+
+        def plain_pipeline_10() -> None:
+            pipe = client.pipeline(transaction=False)
+            for key in keys10:
+                pipe.set(key, "v")
+            pipe.execute()
+
+        tens = _harness.interleaved(
+            {
+                "10 single fenced sets": singles_10,
+                "fenced batch of 10 (one script)": batch_of_10,
+                "pipelined SET x10": plain_pipeline_10,
+                "fenced pipeline x10": fenced_pipeline_10,
+            },
+            calls=ctx.n(300, 30),
+            repeats=ctx.repeats,
+            warmup=ctx.n(20, 3),
+            per_call=10,
+        )
+
+        calls = ctx.n(5000, 300)
+        # The top-level command's time includes the calls a script makes.
+        server = {
+            name: _harness.redis_server_usec(client, fn, calls // 3)[command]
+            for name, fn, command in (
+                ("SET", plain_set, "set"),
+                ("raw EVALSHA", raw_evalsha, "evalsha"),
+                ("fenced set", fenced_set, "evalsha"),
+            )
+        }
+        packing = client_pack_usec(client, guard, trivial, calls)
     finally:
         client.close()
-        server.stop()
-    return 0
+
+    rows = _harness.rate_rows(
+        GROUP,
+        singles,
+        "SET",
+        ["fenced set", "raw EVALSHA"],
+        unit="writes/s",
+        prefix="redis: ",
+        targets={"fenced set": 0.9},
+        notes={
+            "raw EVALSHA": "a script with the fenced set's two calls (GET, SET) and no logic: "
+            "the floor of any fence done in Lua",
+        },
+    )
+    rows[0].extra["server_usec_per_call"] = server
+    rows[0].extra["client_pack_usec_per_call"] = packing
+    rows += _harness.rate_rows(
+        GROUP, singles, "raw EVALSHA", ["fenced set"], unit="writes/s", prefix="redis: "
+    )
+    rows += _harness.rate_rows(
+        GROUP,
+        tens,
+        "10 single fenced sets",
+        ["fenced batch of 10 (one script)"],
+        unit="writes/s",
+        prefix="redis: ",
+    )
+    rows += _harness.rate_rows(
+        GROUP, tens, "pipelined SET x10", ["fenced pipeline x10"], unit="writes/s", prefix="redis: "
+    )
+    return rows
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_harness.standalone(collect, __doc__))

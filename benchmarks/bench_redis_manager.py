@@ -1,204 +1,313 @@
 #!/usr/bin/env python3
-"""Benchmark the Redis lock manager against redis-py's ``Lock`` and python-redis-lock.
+"""The lock managers against redis-py's ``Lock``, python-redis-lock and pottery's ``Redlock``.
+
+    python benchmarks/bench_redis_manager.py [--quick] [--repeats 7]
 
 Starts its own throwaway ``redis-server`` on loopback and measures, in one run:
 
-1. Uncontended acquire+release pairs per second (one process, one resource), for the
-   fencing manager, redis-py ``Lock`` and python-redis-lock, in interleaved rounds; the
-   report gives each library's best round and the ratios.
-2. Contended hand-off latency: four processes loop on one lock for a fixed time. A hand-off
-   is the lock passing to a *different* process; its latency runs from the moment the
-   previous holder starts its release to the moment the next holder has the lease. Reported
-   as p50/p99. For the fencing manager with and without FIFO, and for python-redis-lock
-   (which also wakes waiters with BLPOP). redis-py's ``Lock`` polls (``sleep=0.1`` by
-   default), so its hand-off is measured with ``sleep=0.001``.
-
-    python benchmarks/bench_redis_manager.py [--pairs 2000] [--rounds 5] [--seconds 2]
-
-Needs ``redis-server`` on PATH and ``pip install python-redis-lock`` (dependency group
-``bench``). Numbers depend on the machine; only the ratios within one run mean anything.
+1. **Uncontended acquire+release pairs per second** (one process, one resource per
+   library), interleaved in batches: the in-memory manager, the Redis manager (plain and
+   FIFO), redis-py ``Lock``, python-redis-lock and pottery ``Redlock`` on the same single
+   node. The baseline is redis-py ``Lock``.
+2. **Contended hand-off**: four processes loop on one lock (hold it 0.2 ms, then 0.2 ms of
+   work outside it). A hand-off is the lock passing to a *different* process; its latency
+   runs from the moment the previous holder starts its release to the moment the next one
+   has the lock. Reported: hand-offs per second, hand-off latency p50/p99 and the time a
+   caller spends waiting inside ``acquire`` (p99), for the Redis manager (plain and
+   FIFO), python-redis-lock (the baseline: it also wakes waiters with ``BLPOP``) and redis-py
+   ``Lock`` with its default ``sleep=0.1`` polling. The same four worker processes run every
+   library in turn, in a rotating order per repetition.
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import multiprocessing
 import os
+import queue
 import statistics
-import sys
 import time
-from pathlib import Path
+from itertools import pairwise
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import _harness
+import redis
+import redis_lock
+from _harness import Context, Row
+from pottery import Redlock
 
-import redis  # noqa: E402
-import redis_lock  # noqa: E402
+from fence import MemoryLockManager
+from fence._sync.redis import RedisLockManager
 
-from fence._sync.redis import RedisLockManager  # noqa: E402
-from tests.servers import RedisServer  # noqa: E402
+GROUP_PAIRS = "managers"
+GROUP_HANDOFF = "handoff"
 
-KINDS = ("iofence", "redis-py Lock", "python-redis-lock")
+#: Libraries in the contended run; the first is the baseline.
+HANDOFF_KINDS = ("python-redis-lock", "iofence Redis", "iofence Redis FIFO", "redis-py Lock")
+
+#: Time inside the lock and outside it, per iteration of a contending worker.
+HOLD = 0.0002
+OUTSIDE = 0.0002
 
 
-# -- uncontended --------------------------------------------------------------------------
+# -- uncontended ----------------------------------------------------------------------------
 
 
-def pairs_per_second(kind: str, url: str, pairs: int) -> float:
-    """Acquire+release pairs per second for one library, one process, one resource."""
-    name = f"bench:{kind}"
-    if kind == "iofence":
-        manager = RedisLockManager(url, ttl=30)
-        try:
-            start = time.perf_counter()
-            for _ in range(pairs):
-                lease = manager.acquire(name, timeout=0)
-                lease.release()
-            return pairs / (time.perf_counter() - start)
-        finally:
-            manager.close()
+def pair_rates(ctx: Context) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Acquire+release pairs per second of each library, per repetition; and Redis's own
+    microseconds per pair, by command, of redis-py ``Lock``, ours and python-redis-lock."""
+    url = ctx.servers.redis.url
     client = redis.Redis.from_url(url)
+    memory = MemoryLockManager(ttl=30)
+    manager = RedisLockManager(url, ttl=30)
+    fifo = RedisLockManager(url, ttl=30, fifo=True)
+    redlock = Redlock(key="bench:pottery", masters={client}, auto_release_time=30)
     try:
-        if kind == "redis-py Lock":
-            start = time.perf_counter()
-            for _ in range(pairs):
-                lock = client.lock(name, timeout=30)
-                lock.acquire(blocking=False)
-                lock.release()
-        else:
-            start = time.perf_counter()
-            for _ in range(pairs):
-                lock = redis_lock.Lock(client, name, expire=30)
-                lock.acquire(blocking=False)
-                lock.release()
-        return pairs / (time.perf_counter() - start)
+
+        def ours_memory() -> None:
+            memory.acquire("bench:memory", timeout=0).release()
+
+        def ours_redis() -> None:
+            manager.acquire("bench:iofence", timeout=0).release()
+
+        def ours_fifo() -> None:
+            fifo.acquire("bench:iofence-fifo", timeout=0).release()
+
+        def redis_py() -> None:
+            lock = client.lock("bench:redis-py", timeout=30)
+            lock.acquire(blocking=False)
+            lock.release()
+
+        def python_redis_lock() -> None:
+            lock = redis_lock.Lock(client, "bench:python-redis-lock", expire=30)
+            lock.acquire(blocking=False)
+            lock.release()
+
+        def pottery() -> None:
+            if not redlock.acquire(blocking=False):
+                raise RuntimeError("pottery Redlock did not take an uncontended lock")
+            redlock.release()
+
+        rates = _harness.interleaved(
+            {
+                "redis-py Lock": redis_py,
+                "iofence Redis": ours_redis,
+                "iofence Redis FIFO": ours_fifo,
+                "iofence memory": ours_memory,
+                "python-redis-lock": python_redis_lock,
+                "pottery Redlock (1 node)": pottery,
+            },
+            calls=ctx.n(1000, 60),
+            batch=20,
+            repeats=ctx.repeats,
+            warmup=ctx.n(100, 10),
+        )
+        calls = ctx.n(2000, 100) // 3
+        server = {
+            name: _harness.redis_server_usec(client, fn, calls)
+            for name, fn in (
+                ("redis-py Lock", redis_py),
+                ("iofence Redis", ours_redis),
+                ("python-redis-lock", python_redis_lock),
+            )
+        }
+        return rates, server
     finally:
+        memory.close()
+        manager.close()
+        fifo.close()
         client.close()
 
 
-# -- contended hand-off -------------------------------------------------------------------
+# -- contended hand-off ---------------------------------------------------------------------
 
 
-def _worker(kind: str, url: str, seconds: float, start_at: float, queue: Any) -> None:
-    """Loop on one lock until ``seconds`` pass; report (acquired_ns, releasing_ns) pairs."""
-    name = "bench:handoff"
-    held: list[tuple[int, int]] = []
+def _contend(kind: str, url: str, seconds: float, start_at: float) -> list[tuple[int, int, int]]:
+    """Loop on one lock until ``seconds`` pass; return (asked, acquired, releasing) in ns."""
+    name = f"bench:handoff:{kind}"
+    held: list[tuple[int, int, int]] = []
     manager: RedisLockManager | None = None
     client: redis.Redis | None = None
     if kind.startswith("iofence"):
-        manager = RedisLockManager(url, ttl=10, fifo=kind.endswith("fifo"))
+        manager = RedisLockManager(url, ttl=10, fifo=kind.endswith("FIFO"))
+        manager.acquire(f"{name}:warm:{os.getpid()}", timeout=0).release()  # connect, load scripts
     else:
         client = redis.Redis.from_url(url)
-    while time.monotonic() < start_at:
-        time.sleep(0.001)
-    end = time.monotonic() + seconds
+        client.ping()
+    clock = time.monotonic_ns
     try:
+        while time.monotonic() < start_at:
+            time.sleep(0.001)
+        end = time.monotonic() + seconds
         while time.monotonic() < end:
+            asked = clock()
             if manager is not None:
                 lease = manager.acquire(name, timeout=10)
-                got = time.monotonic_ns()
-                time.sleep(0.0002)  # a short critical section
-                releasing = time.monotonic_ns()
+                got = clock()
+                time.sleep(HOLD)
+                releasing = clock()
                 lease.release()
             else:
                 assert client is not None
+                lock: Any
                 if kind == "redis-py Lock":
-                    lock: Any = client.lock(name, timeout=10, sleep=0.001)
+                    lock = client.lock(name, timeout=10)  # default sleep=0.1
                     lock.acquire(blocking=True, blocking_timeout=10)
                 else:
                     lock = redis_lock.Lock(client, name, expire=10)
                     lock.acquire(blocking=True, timeout=10)
-                got = time.monotonic_ns()
-                time.sleep(0.0002)
-                releasing = time.monotonic_ns()
+                got = clock()
+                time.sleep(HOLD)
+                releasing = clock()
                 lock.release()
-            held.append((got, releasing))
-            time.sleep(0)  # let the others in
+            held.append((asked, got, releasing))
+            time.sleep(OUTSIDE)
     finally:
         if manager is not None:
             manager.close()
         if client is not None:
             client.close()
-    queue.put((os.getpid(), held))
+    return held
 
 
-def handoff_latency(kind: str, url: str, seconds: float, procs: int = 4) -> dict[str, float]:
-    """Hand-off latencies (ms) between different processes contending for one lock."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    start_at = time.monotonic() + 1.5  # every process connected before the start
-    workers = [
-        ctx.Process(target=_worker, args=(kind, url, seconds, start_at, queue))
-        for _ in range(procs)
-    ]
-    for worker in workers:
-        worker.start()
-    results = [queue.get(timeout=seconds + 60) for _ in workers]
-    for worker in workers:
-        worker.join(30)
-    events = sorted((got, releasing, pid) for pid, held in results for got, releasing in held)
-    latencies = [
-        (nxt[0] - cur[1]) / 1e6 for cur, nxt in itertools.pairwise(events) if nxt[2] != cur[2]
-    ]
-    if not latencies:
-        return {"handoffs": 0, "p50": float("nan"), "p99": float("nan"), "acquisitions": 0}
-    latencies.sort()
+def _worker(commands: Any, results: Any) -> None:
+    """A contending process: run each command it is sent until it gets ``None``."""
+    while True:
+        command = commands.get()
+        if command is None:
+            return
+        try:
+            results.put((os.getpid(), _contend(*command)))
+        except BaseException as exc:
+            results.put((os.getpid(), repr(exc)))
+            raise
+
+
+def handoff_stats(results: list[tuple[int, list[tuple[int, int, int]]]], seconds: float) -> dict:
+    """Hand-offs per second, hand-off latency and acquire wait (ms) from the workers' logs."""
+    events = sorted(
+        (got, releasing, asked, pid) for pid, held in results for asked, got, releasing in held
+    )
+    latencies = [(nxt[0] - cur[1]) / 1e6 for cur, nxt in pairwise(events) if nxt[3] != cur[3]]
+    waits = [(got - asked) / 1e6 for got, _, asked, _ in events]
     return {
         "acquisitions": len(events),
         "handoffs": len(latencies),
-        "p50": statistics.median(latencies),
-        "p99": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        "handoffs_per_s": len(latencies) / seconds,
+        "p50_ms": _harness.percentile(latencies, 0.5),
+        "p99_ms": _harness.percentile(latencies, 0.99),
+        "wait_p50_ms": _harness.percentile(waits, 0.5),
+        "wait_p99_ms": _harness.percentile(waits, 0.99),
     }
 
 
-def main() -> int:
-    """Run both benchmarks and print a report."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=2000, help="pairs per uncontended round")
-    parser.add_argument("--rounds", type=int, default=5, help="uncontended rounds per library")
-    parser.add_argument("--seconds", type=float, default=2.0, help="contended run per library")
-    args = parser.parse_args()
+def _gather(results: Any, workers: list[Any], deadline: float) -> list[Any]:
+    """One report per worker; fail at once if a worker died instead of waiting it out."""
+    got: list[Any] = []
+    while len(got) < len(workers):
+        try:
+            got.append(results.get(timeout=0.5))
+        except queue.Empty:
+            dead = [w.exitcode for w in workers if not w.is_alive()]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"hand-off workers did not report (exit codes of dead ones: {dead})"
+                ) from None
+    return got
 
-    server = RedisServer().start()
+
+def handoffs(ctx: Context, procs: int = 4) -> dict[str, list[dict]]:
+    """Run every kind ``ctx.repeats`` times with the same ``procs`` worker processes."""
+    url = ctx.servers.redis.url
+    seconds = ctx.n(1.5, 0.75)
+    mp = multiprocessing.get_context("spawn")
+    results = mp.Queue()
+    commands = [mp.Queue() for _ in range(procs)]
+    workers = [mp.Process(target=_worker, args=(box, results), daemon=True) for box in commands]
+    for worker in workers:
+        worker.start()
+    stats: dict[str, list[dict]] = {kind: [] for kind in HANDOFF_KINDS}
     try:
-        url = server.url
-        for kind in KINDS:  # warm up connections and script caches
-            pairs_per_second(kind, url, 200)
-        rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
-        for _ in range(args.rounds):
-            for kind in KINDS:
-                rates[kind].append(pairs_per_second(kind, url, args.pairs))
-        best = {kind: max(values) for kind, values in rates.items()}
-        print(f"redis-server {redis.Redis.from_url(url).info()['redis_version']} on {url}")
-        print(f"\nUncontended acquire+release, best of {args.rounds} x {args.pairs} pairs:")
-        for kind in KINDS:
-            print(f"  {kind:<20} {best[kind]:>9.0f} pairs/s")
-        ours = best["iofence"]
-        ratio_redis = ours / best["redis-py Lock"]
-        ratio_prl = ours / best["python-redis-lock"]
-        print(f"  ratio iofence / redis-py Lock      = {ratio_redis:.2f}")
-        print(f"  ratio iofence / python-redis-lock  = {ratio_prl:.2f}")
-
-        print(f"\nContended hand-off between 4 processes, {args.seconds:.1f} s each:")
-        handoffs = {}
-        for kind in ("iofence", "iofence fifo", "python-redis-lock", "redis-py Lock"):
-            stats = handoff_latency(kind, url, args.seconds)
-            handoffs[kind] = stats
-            print(
-                f"  {kind:<20} p50 {stats['p50']:6.3f} ms  p99 {stats['p99']:7.3f} ms  "
-                f"({stats['handoffs']} hand-offs, {stats['acquisitions']} acquisitions)"
-            )
-
-        print("\nTargets:")
-        print(f"  uncontended at least as fast as redis-py Lock: {ratio_redis >= 1.0}")
-        print(f"  hand-off p50 under 1 ms: {handoffs['iofence']['p50'] < 1.0}")
+        repeats = max(1, min(ctx.repeats, ctx.n(5, 1)))
+        for rep in range(repeats):
+            shift = rep % len(HANDOFF_KINDS)
+            for kind in HANDOFF_KINDS[shift:] + HANDOFF_KINDS[:shift]:
+                start_at = time.monotonic() + 0.5  # every worker connected before the start
+                for box in commands:
+                    box.put((kind, url, seconds, start_at))
+                got = _gather(results, workers, deadline=time.monotonic() + seconds + 60)
+                failed = [held for _, held in got if isinstance(held, str)]
+                if failed:
+                    raise RuntimeError(f"a {kind} worker failed: {failed[0]}")
+                stats[kind].append(handoff_stats(got, seconds))
     finally:
-        server.stop()
-    return 0
+        for box in commands:
+            box.put(None)
+        for worker in workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
+    return stats
+
+
+def handoff_rows(stats: dict[str, list[dict]]) -> list[Row]:
+    """Rate, p50 and p99 rows of every kind against python-redis-lock."""
+    base_kind = HANDOFF_KINDS[0]
+    base = stats[base_kind]
+    rows = []
+    for kind in HANDOFF_KINDS[1:]:
+        mine = stats[kind]
+        for metric, unit, label, higher, target in (
+            ("handoffs_per_s", "hand-offs/s", "hand-offs per second", True, None),
+            (
+                "p50_ms",
+                "ms",
+                "hand-off latency p50",
+                False,
+                1.0 if kind == "iofence Redis" else None,
+            ),
+            ("p99_ms", "ms", "hand-off latency p99", False, None),
+            ("wait_p99_ms", "ms", "wait in acquire p99", False, None),
+        ):
+            pairs = [(m[metric], b[metric]) for m, b in zip(mine, base, strict=True)]
+            # Times: baseline / variant, so that above 1 means faster hand-offs.
+            ratios = [m / b if higher else b / m for m, b in pairs if m > 0 and b > 0]
+            rows.append(
+                Row(
+                    group=GROUP_HANDOFF,
+                    name=f"{kind}: {label}",
+                    baseline=base_kind,
+                    ratio=statistics.median(ratios) if ratios else float("nan"),
+                    unit=unit,
+                    value=statistics.median(m for m, _ in pairs),
+                    baseline_value=statistics.median(b for _, b in pairs),
+                    target=target,
+                    repetitions=len(ratios),
+                    extra={"ratios": [round(r, 4) for r in ratios]}
+                    | ({"variant": mine, "baseline": base} if metric == "handoffs_per_s" else {}),
+                )
+            )
+    return rows
+
+
+def collect(ctx: Context) -> list[Row]:
+    """Uncontended pairs and contended hand-offs; see the module docstring."""
+    with _harness.timer(ctx, "uncontended acquire+release"):
+        rates, server = pair_rates(ctx)
+    rows = _harness.rate_rows(
+        GROUP_PAIRS,
+        rates,
+        "redis-py Lock",
+        unit="pairs/s",
+        targets={"iofence Redis": 1.0},
+        notes={
+            "iofence memory": "in-process, no I/O: shows the cost of the manager's own code",
+        },
+    )
+    rows[0].extra["server_usec_per_pair"] = server
+    with _harness.timer(ctx, "contended hand-off (4 processes)"):
+        rows += handoff_rows(handoffs(ctx))
+    return rows
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_harness.standalone(collect, __doc__))

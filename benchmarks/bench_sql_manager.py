@@ -1,216 +1,146 @@
 #!/usr/bin/env python3
-"""Acquire + release on the SQL lock manager, against raw SQL and Redis, in one run.
+"""Acquire + release on the SQL lock manager, against raw SQL and redis-py ``Lock``, in one run.
 
-Starts a throwaway PostgreSQL cluster and redis-server on loopback (tests.servers), then
+    python benchmarks/bench_sql_manager.py [--quick] [--repeats 7]
+
+Starts a throwaway PostgreSQL cluster and redis-server on loopback (``tests.servers``), then
 times sequential acquire+release pairs on one resource (no contention: this measures the
-cost of the calls, not of waiting):
+cost of the calls, not of waiting), interleaved in batches:
 
-- SQLLockManager and AsyncSQLLockManager on PostgreSQL (psycopg 3, SQLAlchemy 2);
-- SQLLockManager on a SQLite file;
-- the floor: two raw single-row UPDATEs through the same SQLAlchemy engine in autocommit
-  (an acquire and a release are one statement each), and the same through bare psycopg;
-- RedisLockManager, and raw redis-py ``SET NX PX`` + a Lua compare-and-delete.
+- ``SQLLockManager`` and ``AsyncSQLLockManager`` on PostgreSQL (psycopg 3, SQLAlchemy 2);
+- ``SQLLockManager`` on a SQLite file in WAL mode;
+- the floor: two raw single-row UPDATEs through a SQLAlchemy engine with the settings the
+  manager gives its own engine (autocommit, no reset on return), since an acquire and a
+  release are one statement each; and the same through bare psycopg;
+- redis-py ``Lock`` (the baseline of the managers table).
 
-    python benchmarks/bench_sql_manager.py [--rounds 2000]
-
-Ratios are taken within this run; absolute numbers depend on the machine.
+Everything runs in one asyncio loop so that the async manager interleaves with the rest; the
+sync variants are plain blocking calls inside it.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import secrets
-import sys
 import tempfile
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import _harness
+import psycopg
+import redis
+from _harness import Context, Row
+from sqlalchemy import create_engine, event, text
 
-import psycopg  # noqa: E402
-import redis  # noqa: E402
-from sqlalchemy import create_engine, event, text  # noqa: E402
+from fence._async.sql import AsyncSQLLockManager
+from fence._sync.sql import SQLLockManager
 
-from fence._async.sql import AsyncSQLLockManager  # noqa: E402
-from fence._sync.sql import SQLLockManager  # noqa: E402
-from tests.servers import PostgresServer, RedisServer  # noqa: E402
-
-_UNLOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+GROUP = "sql-manager"
 
 
-#: Each measurement runs this many times and keeps the best: the machine may be shared.
-REPEATS = 3
+def _sqlite_manager(path: Path) -> SQLLockManager:
+    engine = create_engine(
+        f"sqlite:///{path}", isolation_level="AUTOCOMMIT", pool_reset_on_return=None
+    )
+
+    @event.listens_for(engine, "connect")
+    def pragmas(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.execute("PRAGMA journal_mode=WAL")
+        dbapi_connection.execute("PRAGMA synchronous=NORMAL")
+
+    return SQLLockManager(engine, ttl=30, create_table=True, autocommit=True)
 
 
-def timed(fn: Callable[[], None], rounds: int) -> float:
-    """Microseconds per call of ``fn``: best of :data:`REPEATS` runs, after a warm-up."""
-    for _ in range(min(200, rounds // 5)):
-        fn()
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        for _ in range(rounds):
-            fn()
-        best = min(best, time.perf_counter() - start)
-    return best / rounds * 1e6
-
-
-async def timed_async(fn: Callable[[], Awaitable[None]], rounds: int) -> float:
-    """The asyncio twin of :func:`timed`."""
-    for _ in range(min(200, rounds // 5)):
-        await fn()
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        for _ in range(rounds):
-            await fn()
-        best = min(best, time.perf_counter() - start)
-    return best / rounds * 1e6
-
-
-def bench_postgres(server: PostgresServer, rounds: int) -> dict[str, float]:
-    results: dict[str, float] = {}
-    manager = SQLLockManager(server.url, ttl=30)
+async def _rates(ctx: Context, tmp: Path) -> dict[str, list[float]]:
+    pg = ctx.servers.postgres
+    manager = SQLLockManager(pg.url, ttl=30)
     manager.create_table()
+    amanager = AsyncSQLLockManager(pg.url, ttl=30)
+    sqlite = _sqlite_manager(tmp / "locks.db")
+    engine = create_engine(pg.url, isolation_level="AUTOCOMMIT", pool_reset_on_return=None)
+    bare = psycopg.connect(pg.conninfo, autocommit=True)
+    client = redis.Redis.from_url(ctx.servers.redis.url)
+    try:
+        with engine.connect() as conn:
+            conn.execute(
+                text("CREATE TABLE IF NOT EXISTS bench_raw (id int PRIMARY KEY, owner text)")
+            )
+            conn.execute(text("INSERT INTO bench_raw VALUES (1, NULL) ON CONFLICT DO NOTHING"))
+        update = text("UPDATE bench_raw SET owner = :owner WHERE id = 1")
 
-    def pair() -> None:
-        manager.acquire("bench").release()
+        async def ours_pg() -> None:
+            manager.acquire("bench").release()
 
-    results["SQLLockManager, PostgreSQL"] = timed(pair, rounds)
-    manager.close()
-
-    async def run_async() -> float:
-        amanager = AsyncSQLLockManager(server.url, ttl=30)
-
-        async def apair() -> None:
+        async def ours_pg_async() -> None:
             lease = await amanager.acquire("bench-async")
             await lease.release()
 
-        try:
-            return await timed_async(apair, rounds)
-        finally:
-            await amanager.close()
+        async def ours_sqlite() -> None:
+            sqlite.acquire("bench").release()
 
-    results["AsyncSQLLockManager, PostgreSQL"] = asyncio.run(run_async())
+        async def raw_sqlalchemy() -> None:
+            with engine.connect() as conn:
+                conn.execute(update, {"owner": "x"})
+            with engine.connect() as conn:
+                conn.execute(update, {"owner": None})
 
-    # The same engine settings the manager uses for an engine it creates.
-    engine = create_engine(server.url, isolation_level="AUTOCOMMIT", pool_reset_on_return=None)
-    with engine.connect() as conn:
-        conn.execute(text("CREATE TABLE IF NOT EXISTS bench_raw (id int PRIMARY KEY, owner text)"))
-        conn.execute(text("INSERT INTO bench_raw VALUES (1, NULL) ON CONFLICT DO NOTHING"))
-    update = text("UPDATE bench_raw SET owner = :owner WHERE id = 1")
+        async def raw_psycopg() -> None:
+            bare.execute("UPDATE bench_raw SET owner = %s WHERE id = 1", ("x",))
+            bare.execute("UPDATE bench_raw SET owner = %s WHERE id = 1", (None,))
 
-    def raw_pair() -> None:
-        with engine.connect() as conn:
-            conn.execute(update, {"owner": "x"})
-        with engine.connect() as conn:
-            conn.execute(update, {"owner": None})
+        async def redis_py() -> None:
+            lock = client.lock("bench:redis-py-sql", timeout=30)
+            lock.acquire(blocking=False)
+            lock.release()
 
-    results["raw 2x UPDATE, SQLAlchemy engine"] = timed(raw_pair, rounds)
-    engine.dispose()
-
-    with psycopg.connect(server.conninfo, autocommit=True) as conn:
-
-        def bare_pair() -> None:
-            conn.execute("UPDATE bench_raw SET owner = %s WHERE id = 1", ("x",))
-            conn.execute("UPDATE bench_raw SET owner = %s WHERE id = 1", (None,))
-
-        results["raw 2x UPDATE, bare psycopg"] = timed(bare_pair, rounds)
-    return results
-
-
-def bench_sqlite(rounds: int) -> dict[str, float]:
-    results: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for label, wal in (("rollback journal", False), ("WAL, synchronous=NORMAL", True)):
-            engine = create_engine(
-                f"sqlite:///{tmp}/locks-{int(wal)}.db",
-                isolation_level="AUTOCOMMIT",
-                pool_reset_on_return=None,
-            )
-            if wal:
-
-                @event.listens_for(engine, "connect")
-                def pragmas(dbapi_connection: Any, record: Any) -> None:
-                    dbapi_connection.execute("PRAGMA journal_mode=WAL")
-                    dbapi_connection.execute("PRAGMA synchronous=NORMAL")
-
-            manager = SQLLockManager(engine, ttl=30, create_table=True, autocommit=True)
-
-            def pair(manager: SQLLockManager = manager) -> None:
-                manager.acquire("bench").release()
-
-            try:
-                results[f"SQLLockManager, SQLite {label}"] = timed(pair, rounds)
-            finally:
-                manager.close()
-                engine.dispose()
-    return results
-
-
-def bench_redis(server: RedisServer, rounds: int) -> dict[str, float]:
-    results: dict[str, float] = {}
-    try:
-        from fence._sync.redis import RedisLockManager
-    except ImportError:  # pragma: no cover - the Redis manager is optional here
-        RedisLockManager = None  # type: ignore[assignment,misc]
-    if RedisLockManager is not None:
-        manager: Any = RedisLockManager(server.url, ttl=30)
-
-        def pair() -> None:
-            manager.acquire("bench").release()
-
-        results["RedisLockManager"] = timed(pair, rounds)
-        manager.close()
-
-    client = redis.Redis.from_url(server.url)
-    unlock = client.register_script(_UNLOCK)
-
-    def raw_pair() -> None:
-        secret = secrets.token_hex(8)
-        client.set("raw:bench", secret, nx=True, px=30_000)
-        unlock(keys=["raw:bench"], args=[secret])
-
-    results["raw redis-py SET NX PX + Lua DEL"] = timed(raw_pair, rounds)
-    client.close()
-    return results
-
-
-def main() -> int:
-    """Run every measurement and print one table."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2000, help="acquire+release pairs each")
-    args = parser.parse_args()
-    rounds = max(50, args.rounds)
-
-    pg = PostgresServer().start()
-    rs = RedisServer().start()
-    try:
-        results = {}
-        results.update(bench_postgres(pg, rounds))
-        results.update(bench_sqlite(rounds))
-        results.update(bench_redis(rs, rounds))
+        return await _harness.ainterleaved(
+            {
+                "raw 2x UPDATE (SQLAlchemy)": raw_sqlalchemy,
+                "iofence SQL (PostgreSQL)": ours_pg,
+                "iofence SQL async (PostgreSQL)": ours_pg_async,
+                "raw 2x UPDATE (psycopg)": raw_psycopg,
+                "iofence SQL (SQLite file, WAL)": ours_sqlite,
+                "redis-py Lock": redis_py,
+            },
+            calls=ctx.n(400, 30),
+            batch=10,
+            repeats=ctx.repeats,
+            warmup=ctx.n(50, 5),
+        )
     finally:
-        rs.stop()
-        pg.destroy()
+        manager.close()
+        await amanager.close()
+        sqlite.close()
+        sqlite.engine.dispose()
+        engine.dispose()
+        bare.close()
+        client.close()
 
-    floor = results["raw 2x UPDATE, SQLAlchemy engine"]
-    print(f"acquire + release, {rounds} sequential pairs each, loopback, one run\n")
-    print(f"{'what':<48} {'us/pair':>9} {'pairs/s':>9} {'vs raw 2x UPDATE (SA)':>22}")
-    for name, micros in results.items():
-        print(f"{name:<48} {micros:>9.0f} {1e6 / micros:>9.0f} {micros / floor:>21.2f}x")
-    if "RedisLockManager" in results:
-        ratio = results["SQLLockManager, PostgreSQL"] / results["RedisLockManager"]
-        print(f"\nSQLLockManager (PostgreSQL) / RedisLockManager: {ratio:.2f}x")
-    return 0
+
+def collect(ctx: Context) -> list[Row]:
+    """The SQL manager against its floor and against redis-py ``Lock``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rates = asyncio.run(_rates(ctx, Path(tmp)))
+    floor = "raw 2x UPDATE (SQLAlchemy)"
+    rows = _harness.rate_rows(
+        GROUP,
+        rates,
+        floor,
+        ["iofence SQL (PostgreSQL)", "iofence SQL async (PostgreSQL)", "raw 2x UPDATE (psycopg)"],
+        unit="pairs/s",
+        notes={
+            "iofence SQL (PostgreSQL)": "an acquire and a release are one statement each; the "
+            "floor is two plain UPDATEs through the same kind of engine",
+        },
+    )
+    rows += _harness.rate_rows(
+        GROUP,
+        rates,
+        "redis-py Lock",
+        ["iofence SQL (PostgreSQL)", "iofence SQL (SQLite file, WAL)"],
+        unit="pairs/s",
+    )
+    return rows
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_harness.standalone(collect, __doc__))

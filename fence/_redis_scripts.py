@@ -97,9 +97,13 @@ local function wake(signal, queue, deadlines, wake_prefix)
     if not head then return end
     key = wake_prefix .. head
   end
-  redis.call('RPUSH', key, '1')
-  redis.call('LTRIM', key, -1, -1)
-  redis.call('PEXPIRE', key, SIGNAL_TTL_MS)
+  -- Leave exactly one pending wake-up that lives SIGNAL_TTL_MS. A list that exists already
+  -- holds one, which nobody has taken: refresh its ttl (one call, the common case when no
+  -- one waits) instead of pushing and trimming.
+  if redis.call('PEXPIRE', key, SIGNAL_TTL_MS) == 0 then
+    redis.call('RPUSH', key, '1')
+    redis.call('PEXPIRE', key, SIGNAL_TTL_MS)
+  end
 end
 """
 
@@ -113,8 +117,8 @@ ACQUIRE = (
 -- ARGV[4] 'hybrid' or 'counter'
 -- ARGV[5] waiter id      ARGV[6] queue entry lifetime in ms (FIFO only; their presence
 --                                                            turns FIFO on)
--- Returns {token, wait_ms, queued}:
---   token   the granted token (the same one for a reentrant acquire), or 0 if not granted;
+-- Returns the granted token as a bare number (the same one for a reentrant acquire; a
+-- table reply costs the server a microsecond more), else {0, wait_ms, queued}:
 --   wait_ms when not granted, ms until the lock may change without a wake-up (the holder's
 --           PTTL, or the deadline of the FIFO queue's head), -1 if unknown;
 --   queued  1 if the caller has a place in the FIFO queue.
@@ -122,7 +126,7 @@ ACQUIRE = (
 local held = redis.call('HMGET', KEYS[1], 'secret', 'token')
 if held[1] == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {tonumber(held[2]), 0, 0}
+  return tonumber(held[2])
 end
 local fifo = ARGV[5] ~= nil
 local queued = 0
@@ -159,7 +163,7 @@ local text = string.format('%d', token)
 redis.call('SET', KEYS[2], text)
 redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {token, 0, 0}
+return token
 """
 )
 

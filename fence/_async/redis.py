@@ -165,6 +165,7 @@ class AsyncRedisDriver:
             cap = min(cap, self.queue_ttl / 3)
         self._block_cap = cap
         self._mode = self.token_mode.value
+        self._mode_bytes = self._mode.encode()
         self._queue_ms = milliseconds(self.queue_ttl)
         client_ = self.client
         self._acquire = client_.register_script(ACQUIRE)
@@ -250,7 +251,8 @@ class AsyncRedisDriver:
             await self._check_config()
         keys = self.keys(resource)
         script_keys = [keys.lock, keys.token]
-        args: list[Any] = [secret, milliseconds(ttl), holder, self._mode]
+        # Numbers and fixed words as bytes: redis-py encodes every str and int it is given.
+        args: list[Any] = [secret, b"%d" % milliseconds(ttl), holder, self._mode_bytes]
         wid = ""
         if self.fifo:
             wid = waiter_id(secret)
@@ -260,9 +262,9 @@ class AsyncRedisDriver:
             reply = await self._acquire_replicated(resource, script_keys, args)
         else:
             reply = await self._run(self._acquire, script_keys, args, "acquire")
-        token, wait_ms, queued = int(reply[0]), int(reply[1]), int(reply[2])
-        if token:
-            return AcquireReply(token)
+        if not isinstance(reply, list):  # granted: the bare token
+            return AcquireReply(int(reply))
+        wait_ms, queued = int(reply[1]), int(reply[2])
         # PTTL is truncated to whole ms: add one so the wait does not end just before expiry.
         holder_ttl = (wait_ms + 1) / 1000 if wait_ms >= 0 else None
         return AcquireReply(None, holder_ttl, (wid, bool(queued)))
@@ -285,7 +287,7 @@ class AsyncRedisDriver:
         reply = results[0]
         if isinstance(reply, Exception):
             raise self._error(reply, "acquire") from reply
-        if not int(reply[0]):
+        if isinstance(reply, list):  # not granted: nothing to wait for
             return reply
         problem: Exception | None = None
         aof = results[2] if self.wait_aof else None
