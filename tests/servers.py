@@ -12,6 +12,7 @@ import contextlib
 import glob
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -66,17 +67,46 @@ def reap_orphans() -> list[str]:
     return reaped
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now.
+
+    It is picked below the kernel's ephemeral range: a server restarted on its old port
+    must not find it taken by some client's outgoing connection.
+    """
+    low, high = _ephemeral_ports()
+    span = (10000, low - 1) if low > 12000 else (high + 1, 65535)
+    for _ in range(100):
+        port = random.randint(*span)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def wait_for_port(port: int, timeout: float = 20.0) -> None:
-    """Wait until something accepts connections on 127.0.0.1:``port``."""
+def wait_for_port(
+    port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Wait until something accepts connections on 127.0.0.1:``port``.
+
+    With ``proc``, fail at once if that process exits instead (it could not bind, say).
+    """
     end = time.monotonic() + timeout
     while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server for port {port} exited with {proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
@@ -120,7 +150,13 @@ class RedisServer:
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         claim_dir(self.dir)
         (self.dir / "redis.pid").write_text(str(self.proc.pid))
-        wait_for_port(self.port)
+        try:
+            wait_for_port(self.port, proc=self.proc)
+        except RuntimeError:
+            log = self.dir / "redis.log"
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            self.proc = None
+            raise RuntimeError(f"redis-server did not start on {self.port}:\n{tail}") from None
         return self
 
     def kill(self) -> None:

@@ -22,6 +22,7 @@ import contextlib
 import glob
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -33,8 +34,30 @@ from pathlib import Path
 __all__ = ["PostgresServer", "RedisServer", "free_port", "wait_for_port"]
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now.
+
+    It is picked below the kernel's ephemeral range: a server restarted on its old port
+    must not find it taken by some client's outgoing connection.
+    """
+    low, high = _ephemeral_ports()
+    span = (10000, low - 1) if low > 12000 else (high + 1, 65535)
+    for _ in range(100):
+        port = random.randint(*span)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
