@@ -38,6 +38,7 @@ from fence import (
 
 from .._redis_lua import (
     READ,
+    SET,
     WRITE,
     CrossSlotError,
     FenceScope,
@@ -221,7 +222,25 @@ class AsyncRedisGuard:
             BackendError: Redis failed (``code="CONNECTION"``, ``retryable=True`` for a lost
                 connection); :class:`fence.RetryableError` on a timeout.
         """
-        await self._write(token, (op_set(key, value, ttl, must_exist),))
+        op = op_set(key, value, ttl, must_exist)
+        if must_exist or self.check_issuer:
+            await self._write(token, (op,))
+            return
+        # The hottest path has a script of its own, with half the arguments to pack.
+        token = validate_token(token)
+        px = op.args[1]
+        argv = [b"%d" % token, value, px] if px else [b"%d" % token, value]
+        reply = await self._eval(SET, [self.layout.fence_key(key), key], argv, key)
+        if reply != 1:
+            outcome = decode(token, (op,), reply)
+            if isinstance(outcome, StaleTokenError):
+                if self.events.active:
+                    self.events.emit(
+                        EventKind.WRITE_REJECTED, _SOURCE, key, token, reason=outcome.reason
+                    )
+                raise outcome
+        if self.events.active:
+            self.events.emit(EventKind.WRITE_ACCEPTED, _SOURCE, key, token, op="set")
 
     async def hset(
         self, key: str, mapping: Mapping[Any, Any], *, token: int, must_exist: bool = False
