@@ -9,17 +9,15 @@ PostgreSQL never runs as root: when the suite runs as root it runs the cluster a
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import pwd
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
+
+from fence._chaos.servers import free_port, pg_bindir, wait_for_port
 
 OWNER_FILE = "owner.pid"
 
@@ -65,55 +63,6 @@ def reap_orphans() -> list[str]:
         shutil.rmtree(path, ignore_errors=True)
         reaped.append(str(path))
     return reaped
-
-
-def _ephemeral_ports() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now.
-
-    It is picked below the kernel's ephemeral range: a server restarted on its old port
-    must not find it taken by some client's outgoing connection.
-    """
-    low, high = _ephemeral_ports()
-    span = (10000, low - 1) if low > 12000 else (high + 1, 65535)
-    for _ in range(100):
-        port = random.randint(*span)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_for_port(
-    port: int, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None
-) -> None:
-    """Wait until something accepts connections on 127.0.0.1:``port``.
-
-    With ``proc``, fail at once if that process exits instead (it could not bind, say).
-    """
-    end = time.monotonic() + timeout
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server for port {port} exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            if time.monotonic() > end:
-                raise TimeoutError(f"nothing listens on 127.0.0.1:{port}") from None
-            time.sleep(0.02)
 
 
 class RedisServer:
@@ -189,24 +138,13 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _pg_bindir() -> Path:
-    for name in ("pg_ctl", "initdb"):
-        found = shutil.which(name)
-        if found:
-            return Path(os.path.realpath(found)).parent
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if not candidates:
-        raise RuntimeError("PostgreSQL is not installed; run scripts/test to install it")
-    return Path(candidates[-1]).parent
-
-
 class PostgresServer:
     """A throwaway PostgreSQL cluster on loopback, never run as root."""
 
     user = "postgres"
 
     def __init__(self) -> None:
-        self.bindir = _pg_bindir()
+        self.bindir = pg_bindir()
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="iofence-pg-"))
         self.data = self.dir / "data"

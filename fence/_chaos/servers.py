@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["PostgresServer", "RedisServer", "free_port", "wait_for_port"]
+__all__ = ["PostgresServer", "RedisServer", "free_port", "pg_bindir", "wait_for_port"]
 
 
 def _ephemeral_ports() -> tuple[int, int]:
@@ -63,14 +63,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for_port(port: int, timeout: float = 30.0) -> None:
+def wait_for_port(
+    port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     """Wait until something accepts connections on 127.0.0.1:``port``.
 
     Raises:
         TimeoutError: nothing listened within ``timeout`` seconds.
+        RuntimeError: ``proc`` (the server, if given) exited instead, e.g. it could not bind.
     """
     end = time.monotonic() + timeout
     while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server for port {port} exited with {proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
@@ -142,7 +147,8 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _pg_bindir() -> Path:
+def pg_bindir() -> Path:
+    """The folder of PostgreSQL's server programs (``initdb``, ``pg_ctl``)."""
     for name in ("pg_ctl", "initdb"):
         found = shutil.which(name)
         if found:
@@ -164,7 +170,7 @@ class PostgresServer:
     name = "postgres"
 
     def __init__(self) -> None:
-        self.bindir = _pg_bindir()
+        self.bindir = pg_bindir()
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="iofence-chaos-pg-"))
         self.data = self.dir / "data"
