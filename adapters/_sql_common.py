@@ -6,7 +6,7 @@ The SQLAlchemy Core guard (``fence.adapters.sql``) and the psycopg guard
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,3 +278,29 @@ def report_rejected(bus: EventBus, source: str, err: StaleTokenError) -> None:
             reason=str(item.reason),
             fence=item.fence,
         )
+
+
+def key_values(table: str, key_names: Sequence[str], key: Any) -> tuple[Any, ...]:
+    """Normalise a row key (scalar, tuple or mapping) to values in key-column order.
+
+    Raises:
+        ConfigurationError: the key does not match the key columns, or holds ``None``.
+    """
+    if isinstance(key, Mapping):
+        try:
+            values = tuple(key[name] for name in key_names)
+        except KeyError as exc:
+            raise ConfigurationError(
+                f"key {dict(key)!r} of {table} lacks column {exc.args[0]!r}"
+            ) from None
+        if len(key) != len(values):
+            raise ConfigurationError(
+                f"key {dict(key)!r} of {table} has columns beyond {tuple(key_names)}"
+            )
+        return values
+    values = key if isinstance(key, tuple) else (key,)
+    if len(values) != len(key_names):
+        raise ConfigurationError(f"{table} is keyed by {tuple(key_names)}; got key {key!r}")
+    if any(v is None for v in values):
+        raise ConfigurationError(f"key {key!r} of {table} contains None")
+    return values

@@ -42,6 +42,7 @@ from ._sql_common import (
     DEFAULT_FENCE_COLUMN,
     DEFAULT_REGISTER_TABLE,
     DEFAULT_TOMBSTONE_COLUMN,
+    key_values,
     row_scope,
 )
 
@@ -247,24 +248,7 @@ class RowStatements:
         Raises:
             ConfigurationError: the key does not match the key columns.
         """
-        if isinstance(key, Mapping):
-            try:
-                values = tuple(key[name] for name in self.key_names)
-            except KeyError as exc:
-                raise ConfigurationError(
-                    f"key {dict(key)!r} of {self.name} lacks column {exc.args[0]!r}"
-                ) from None
-            if len(key) != len(values):
-                raise ConfigurationError(
-                    f"key {dict(key)!r} of {self.name} has columns beyond {self.key_names}"
-                )
-            return values
-        values = key if isinstance(key, tuple) else (key,)
-        if len(values) != len(self.key):
-            raise ConfigurationError(f"{self.name} is keyed by {self.key_names}; got key {key!r}")
-        if any(v is None for v in values):
-            raise ConfigurationError(f"key {key!r} of {self.name} contains None")
-        return values
+        return key_values(self.name, self.key_names, key)
 
     def scope(self, keyvals: Sequence[Any]) -> str:
         """The scope name of a row, e.g. ``accounts(42)``."""
