@@ -55,12 +55,15 @@ def validate_token(token: object) -> int:
             f"a fencing token must be an int, got {type(token).__name__} {token!r}",
             value=token,
         )
-    if not 1 <= token <= MAX_TOKEN:
+    # The int's own value, read by int's slot: a subclass may override __int__, __index__
+    # and the comparisons, and the storage must get the number that was checked.
+    value = int.__index__(token)
+    if not 1 <= value <= MAX_TOKEN:
         raise InvalidTokenError(
-            f"a fencing token must be in 1..2**53-1, got {token}",
+            f"a fencing token must be in 1..2**53-1, got {value}",
             value=token,
         )
-    return int(token)
+    return value
 
 
 def validate_resource(resource: object, *, what: str = "resource") -> str:

@@ -79,6 +79,48 @@ def test_c1_int_subclass_is_normalised() -> None:
     assert type(validate_token(MyInt(7))) is int
 
 
+class _Liar(int):
+    """An int whose conversions and comparisons lie about its value."""
+
+    def __int__(self) -> int:
+        return 10**20
+
+    def __index__(self) -> int:
+        return 10**20
+
+    def __le__(self, other: object) -> bool:
+        return True
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return False
+
+    def __format__(self, spec: str) -> str:
+        return "100000000000000000000"
+
+    def __str__(self) -> str:
+        return "100000000000000000000"
+
+
+def test_c1_by_conversion_an_int_subclass_cannot_lie_about_its_value() -> None:
+    """C1 holds for the value stored, not for what the object says of itself."""
+    token = validate_token(_Liar(5))
+    assert type(token) is int
+    assert token == 5
+    assert b"%d" % token == b"5"
+
+
+@pytest.mark.parametrize("true_value", [0, -1, MAX_TOKEN + 1, 10**20])
+def test_c1_by_conversion_the_range_check_uses_the_true_value(true_value: int) -> None:
+    with pytest.raises(InvalidTokenError):
+        validate_token(_Liar(true_value))
+
+
 @pytest.mark.parametrize("bad", BAD_TOKENS, ids=repr)
 def test_c1_bad_tokens_are_refused_before_any_io(bad: Any) -> None:
     """A guard checks the token before it touches storage: nothing is written."""
