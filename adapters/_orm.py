@@ -3,17 +3,20 @@
 ``AsyncSession`` runs its ``sync_session`` inside a greenlet, so the same listeners serve
 both. The hook works at three points:
 
-- ``SessionEvents``: ``before_flush`` refuses writes without a token (C9) before any I/O,
-  ``after_begin`` claims the bound scope in a fence register (C8) before the first read,
-  ``before_commit`` checks the lease, ``do_orm_execute`` fences ORM-enabled
-  ``update()`` / ``delete()`` and refuses bulk paths, and the transaction events mark the
-  span of each flush.
+- ``SessionEvents``: ``before_flush`` refuses writes without a token, and writes of
+  unfenced models in a bound session (C9), before any I/O; ``after_begin`` claims the
+  bound scope in a fence register (C8) before the first read; ``before_commit`` checks the
+  lease; ``do_orm_execute`` fences ORM-enabled ``update()`` / ``delete()`` and refuses
+  bulk paths; the transaction events mark the span of each flush.
 - Mapper events (``before_insert`` / ``before_update``) set the fence attribute to the
   token, so the ORM writes it and keeps it in the identity map.
-- ``ConnectionEvents`` (``before_execute`` / ``after_execute``) rewrite the statements a
-  flush emits for a fenced table, inside that span only: ``fence <= :token`` on UPDATE, a
-  soft delete for DELETE, ``ON CONFLICT ... WHERE fence <= excluded.fence`` for INSERT; and
-  check the row count of each before the ORM looks at it.
+- The gate's engine hook (``_sql_gate``) hands this module every insert, update and delete
+  of a session: inside a flush it rewrites them for a fenced table (``fence <= :token`` on
+  UPDATE, a soft delete for DELETE, ``ON CONFLICT ... WHERE fence <= excluded.fence`` for
+  INSERT) and for the other tables of a fenced class (an ``EXISTS`` on the fence row);
+  outside a flush it fences a Core ``update()`` / ``delete()`` of a bound session. Each is
+  judged by its row count before the ORM looks at it; a statement shape it does not know
+  is refused. What the hook cannot fence (raw SQL, Core inserts) the gate refuses.
 
 The statements and the verdicts come from the SQL row guard (``_sql_statements``,
 ``_sql_common``).
@@ -38,14 +41,19 @@ from sqlalchemy import (
     Insert,
     Table,
     Update,
+    and_,
     bindparam,
     event,
+    exists,
     false,
     func,
+    or_,
     select,
     true,
+    tuple_,
     update,
 )
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Result
 from sqlalchemy.orm import (
@@ -56,8 +64,10 @@ from sqlalchemy.orm import (
     with_loader_criteria,
 )
 from sqlalchemy.orm import exc as orm_exc
-from sqlalchemy.orm.attributes import instance_state
+from sqlalchemy.orm.attributes import flag_modified, instance_state
 from sqlalchemy.sql import operators
+from sqlalchemy.sql.dml import UpdateBase
+from sqlalchemy.sql.elements import BooleanClauseList
 from sqlalchemy.sql.visitors import replacement_traverse
 
 from fence._core import validate_resource, validate_token
@@ -67,10 +77,12 @@ from fence._errors import (
     LeaseLostError,
     Reason,
     TokenRequiredError,
+    UnfencedWriteError,
 )
 from fence._errors import StaleTokenError as _FenceStale
 from fence._events import EventBus, EventKind, default_bus
 
+from . import _sql_gate as gate
 from ._sql_common import (
     ABSENT,
     Probe,
@@ -78,9 +90,12 @@ from ._sql_common import (
     probe_passes,
     probe_rejection,
 )
+from ._sql_gate import OWN_OPTIONS, Kind
+from ._sql_lex import Target
 from ._sql_statements import (
     DEFAULT_REGISTER,
     FENCE_INFO,
+    OPTIONAL_INFO,
     RowStatements,
     row_statements,
 )
@@ -110,10 +125,6 @@ SOURCE = "orm"
 
 #: ``Session.info`` key of the :class:`SessionBinding`.
 BINDING_KEY = "iofence.binding"
-
-#: ``Column.info`` key set by :func:`fenced_version`: without a token the model keeps plain
-#: optimistic concurrency instead of raising :class:`fence.TokenRequiredError`.
-OPTIONAL_INFO = "iofence.optional"
 
 _TOKEN = "_token"  # noqa: S105 - the bind parameter of the token, as in the row guard's statements
 
@@ -221,56 +232,111 @@ class _TableInfo:
 
 
 @dataclass(eq=False)
+class _Dependent:
+    """A table of a fenced class other than the one holding the fence (joined inheritance).
+
+    Attributes:
+        table: the table.
+        link: pairs of (fence-table key column, this table's column of equal value).
+        rewrites: its rewritten flush statements.
+    """
+
+    table: Table
+    link: tuple[tuple[Column[Any], Column[Any]], ...]
+    rewrites: weakref.WeakKeyDictionary[Any, Any] = field(default_factory=weakref.WeakKeyDictionary)
+
+    def joins(self) -> ColumnElement[bool]:
+        return and_(*(f == d for f, d in self.link))
+
+
+@dataclass(eq=False)
 class _MapperInfo:
-    table: _TableInfo
+    table: _TableInfo  # the table that holds the fence
     attr: str  # the mapped attribute of the fence column
     required: bool  # no token -> TokenRequiredError (else plain optimistic concurrency)
+    dependents: dict[Table, _Dependent]  # the class's other tables
 
 
 _TABLES: weakref.WeakKeyDictionary[Table, _TableInfo | None] = weakref.WeakKeyDictionary()
 _MAPPERS: weakref.WeakKeyDictionary[Mapper[Any], _MapperInfo | None] = weakref.WeakKeyDictionary()
 
 
-def _fence_of(table: Table) -> Column[Any] | None:
-    found = [c for c in table.columns if c.info.get(FENCE_INFO)]
-    return found[0] if len(found) == 1 else None
-
-
 def table_info(table: Any) -> _TableInfo | None:
-    """The fencing of ``table``: ``None`` unless it has a marked fence column."""
+    """The fencing of ``table``: ``None`` unless it has a fence column (:func:`fence_of`)."""
     try:
         return _TABLES[table]
     except KeyError:
         pass
     except TypeError:  # not weak-referenceable: not a Table
         return None
+    guarded = gate.classify(table)
     info = None
-    if isinstance(table, Table):
-        fence = _fence_of(table)
-        if fence is not None:
-            info = _TableInfo(
-                row_statements(table, fence.key, None, None),
-                optional=bool(fence.info.get(OPTIONAL_INFO)),
-            )
+    if guarded is not None and guarded.kind is Kind.FENCED:
+        statements = row_statements(table, None, None, None)
+        info = _TableInfo(statements, optional=bool(statements.fence.info.get(OPTIONAL_INFO)))
     _TABLES[table] = info
     return info
 
 
+def _tables(mapper: Mapper[Any]) -> list[Table]:
+    return [t for t in mapper.tables if isinstance(t, Table)]
+
+
 def mapper_info(mapper: Mapper[Any]) -> _MapperInfo | None:
-    """The fencing of a mapped class: ``None`` unless one of its tables is fenced."""
+    """The fencing of a mapped class: ``None`` unless one of its tables is fenced.
+
+    Raises:
+        ConfigurationError: two of its tables hold a fence, or a table of the class cannot
+            be linked to the fence row (no column of equal value).
+    """
     try:
         return _MAPPERS[mapper]
     except KeyError:
         pass
+    fenced = [t for t in _tables(mapper) if table_info(t) is not None]
     info = None
-    for table in mapper.tables:
-        tinfo = table_info(table)
-        if tinfo is not None:
-            prop = mapper.get_property_by_column(tinfo.fence)
-            info = _MapperInfo(tinfo, prop.key, required=not tinfo.optional)
-            break
+    if len(fenced) > 1:
+        raise ConfigurationError(
+            f"{mapper.class_.__name__} has fence columns in {len(fenced)} tables "
+            f"({', '.join(t.name for t in fenced)}); a row has one fence: keep it in the "
+            "base table"
+        )
+    if fenced:
+        tinfo = table_info(fenced[0])
+        assert tinfo is not None
+        prop = mapper.get_property_by_column(tinfo.fence)
+        dependents = {}
+        for table in _tables(mapper):
+            if table is not tinfo.table:
+                dependents[table] = _dependent(mapper, tinfo, table)
+        info = _MapperInfo(tinfo, prop.key, not tinfo.optional, dependents)
     _MAPPERS[mapper] = info
     return info
+
+
+def _dependent(mapper: Mapper[Any], tinfo: _TableInfo, table: Table) -> _Dependent:
+    link = []
+    for key_col in tinfo.statements.key:
+        prop = mapper.get_property_by_column(key_col)
+        same = [c for c in getattr(prop, "columns", ()) if getattr(c, "table", None) is table]
+        if not same:
+            raise ConfigurationError(
+                f"{mapper.class_.__name__}: table {table.name} has no column mapped with "
+                f"{tinfo.table.name}.{key_col.name}, so its rows cannot be tied to their fence"
+            )
+        link.append((key_col, same[0]))
+    gate.mark_dependent(table, mapper.class_.__name__)
+    return _Dependent(table, tuple(link))
+
+
+def _mapper_constructed(mapper: Mapper[Any], class_: type) -> None:
+    # Tell the gate about the other tables of a fenced class as soon as it is mapped, so
+    # raw SQL on them is refused before the class is first used.
+    tables = _tables(mapper)
+    if len(tables) > 1 and any(table_info(t) is not None for t in tables):
+        for table in tables:
+            if table_info(table) is None:
+                gate.mark_dependent(table, class_.__name__)
 
 
 # -- the binding -----------------------------------------------------------------------
@@ -288,6 +354,7 @@ class SessionBinding:
         register: the fence register table.
         check_lease: whether ``commit()`` checks the lease first.
         events: the event bus for ``WRITE_ACCEPTED`` / ``WRITE_REJECTED``.
+        unfenced: the tables the session may write without a fence (``bind(unfenced=)``).
     """
 
     token: int
@@ -297,6 +364,19 @@ class SessionBinding:
     register: Table
     check_lease: bool
     events: EventBus
+    unfenced: frozenset[Table] = frozenset()
+
+    def allows(self, table: Table | None) -> bool:
+        """Whether the session may write ``table`` although it has no fence."""
+        return table is not None and table in self.unfenced
+
+    def allows_name(self, target: Target) -> bool:
+        """:meth:`allows` for a table named in raw SQL."""
+        return any(
+            t.name.lower() == target.name
+            and (target.schema is None or t.schema is None or t.schema.lower() == target.schema)
+            for t in self.unfenced
+        )
 
 
 def _sync_session(session: Any) -> Session:
@@ -306,6 +386,29 @@ def _sync_session(session: Any) -> Session:
             f"bind() needs a Session or an AsyncSession, got {type(session).__name__}"
         )
     return sync
+
+
+def _unfenced_tables(items: Iterable[Any]) -> frozenset[Table]:
+    tables: set[Table] = set()
+    for item in items:
+        if isinstance(item, Table):
+            found = [item]
+        else:
+            try:
+                found = list(sa_inspect(item).tables)
+            except Exception:  # anything not a mapped class is the caller's mistake
+                raise ConfigurationError(
+                    f"unfenced= takes mapped classes and tables, got {item!r}"
+                ) from None
+        for table in found:
+            guarded = gate.classify(table)
+            if guarded is not None:
+                raise ConfigurationError(
+                    f"unfenced= names {guarded.describe()}: it is fenced, it cannot be "
+                    "written unfenced"
+                )
+            tables.add(table)
+    return frozenset(tables)
 
 
 def bind(
@@ -318,21 +421,30 @@ def bind(
     register: Table | None = None,
     check_lease: bool = True,
     events: EventBus | None = None,
+    unfenced: Iterable[Any] = (),
 ) -> SessionBinding:
-    """Bind a session to a lease: every flush of a fenced class now carries its token.
+    """Bind a session to a lease: every write of the session is fenced, or refused.
 
-    From now on, for mapped classes with a fence column (:func:`fence_column` or
-    :func:`fenced_version`):
+    From now on, for mapped classes with a fence column (``fence_column()``,
+    ``fenced_version()``, or a column named ``fence``):
 
     - a flushed UPDATE adds ``fence <= :token`` (and ``NOT deleted``) and sets
-      ``fence = :token``;
+      ``fence = :token``; the other tables of a joined-inheritance class get an
+      ``EXISTS`` on their fence row;
     - a flushed DELETE becomes a soft delete that keeps the row as a tombstone (C7) with
       a :func:`tombstone_column`, else a fenced hard delete, allowed only with a register
       claim (the register row is then the tombstone);
     - a flushed INSERT becomes a fenced upsert: a row with the same key is replaced (a
       tombstone revived) iff the token passes, else :class:`StaleTokenError`;
-    - ``session.execute(update(...))`` / ``delete(...)`` on a fenced class get the same
-      predicate, gated so that every matched row passes or none is written (C6).
+    - ``session.execute(update(...))`` / ``delete(...)``, and a Core ``update()`` /
+      ``delete()`` on ``session.connection()``, get the same predicate, gated so that
+      every matched row passes or none is written (C6).
+
+    Everything else that would write is refused before any I/O with
+    :class:`fence.UnfencedWriteError`: a write of a class or table without a fence (name
+    it in ``unfenced`` to allow it), raw SQL (``text()``, ``exec_driver_sql``) that writes,
+    Core inserts and the bulk paths. A statement marked
+    ``.execution_options(unfenced=True)`` is the explicit, unfenced way out.
 
     With ``claim=True`` (the default) every transaction of the session starts by claiming
     ``scope`` in the fence register (``INSERT ... ON CONFLICT ... WHERE fence <= :token``)
@@ -356,6 +468,8 @@ def bind(
         check_lease: raise :class:`fence.LeaseLostError` from ``commit()`` when the lease
             is lost or expired, before anything commits.
         events: the event bus (default: :data:`fence.default_bus`).
+        unfenced: mapped classes or tables without a fence that the session may write
+            (an audit log, say); their writes are not fenced.
 
     Returns:
         The :class:`SessionBinding`.
@@ -364,7 +478,8 @@ def bind(
         InvalidTokenError: the token is not valid (C1).
         InvalidResourceError: the scope is not a valid name.
         ConfigurationError: neither or both of ``lease`` and ``token``; no scope to claim;
-            or the session already runs a transaction (the claim would come after a read).
+            the session already runs a transaction (the claim would come after a read);
+            or ``unfenced`` names something that is fenced or not mapped.
 
     Example::
 
@@ -400,7 +515,10 @@ def bind(
         register=register if register is not None else DEFAULT_REGISTER,
         check_lease=check_lease and lease is not None,
         events=events or default_bus,
+        unfenced=_unfenced_tables(unfenced),
     )
+    if register is not None:
+        gate.mark_register(register)
     sync.info[BINDING_KEY] = found
     return found
 
@@ -419,6 +537,33 @@ def binding(session: Any) -> SessionBinding | None:
     """The session's :class:`SessionBinding`, or ``None``."""
     found: SessionBinding | None = _sync_session(session).info.get(BINDING_KEY)
     return found
+
+
+# Which session a connection serves, recorded when the session's transaction begins on it.
+_SESSION_OF: weakref.WeakKeyDictionary[Connection, weakref.ref[Session]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _session_of(conn: Connection) -> Session | None:
+    ref = _SESSION_OF.get(conn)
+    session = ref() if ref is not None else None
+    if session is None or not session.in_transaction():
+        return None
+    return session
+
+
+def _bound(conn: Connection) -> SessionBinding | None:
+    session = _session_of(conn)
+    if session is None:
+        return None
+    found: SessionBinding | None = session.info.get(BINDING_KEY)
+    return found
+
+
+def _allows_of(conn: Connection) -> Any:
+    found = _bound(conn)
+    return found.allows_name if found is not None else None
 
 
 def fenced_version(column: Any, **mapper_args: Any) -> dict[str, Any]:
@@ -497,14 +642,18 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
 
 def _before_flush(session: Session, flush_context: Any, instances: Any) -> None:
     found: SessionBinding | None = session.info.get(BINDING_KEY)
-    if found is not None and found.claim:
-        return  # every write carries the token; a hard delete has the register row
-    for obj in _touched(session) if found is None else session.deleted:
-        info = mapper_info(instance_state(obj).mapper)
+    seen: dict[Mapper[Any], _MapperInfo | None] = {}
+    for obj, touched in _changes(session):
+        mapper = instance_state(obj).mapper
+        if mapper in seen:
+            info = seen[mapper]
+        else:
+            info = seen[mapper] = mapper_info(mapper)
         if info is None:
+            _check_unfenced_model(mapper, obj, touched(), found)
             continue
         if found is None:
-            if info.required:
+            if info.required and touched():
                 raise TokenRequiredError(
                     f"flush of {type(obj).__name__} (table {info.table.table.name}) without "
                     "a fencing token: bind the session to a lease first "
@@ -519,12 +668,34 @@ def _before_flush(session: Session, flush_context: Any, instances: Any) -> None:
             )
 
 
-def _touched(session: Session) -> Iterable[Any]:
-    yield from session.new
-    yield from session.deleted
+def _changes(session: Session) -> Iterable[tuple[Any, Any]]:
+    """Each object the flush may write, with a check of whether it really writes it."""
+
+    def always() -> bool:
+        return True
+
+    for obj in session.new:
+        yield obj, always
+    for obj in session.deleted:
+        yield obj, always
     for obj in session.dirty:
-        if session.is_modified(obj, include_collections=False):
-            yield obj
+        yield obj, lambda obj=obj: session.is_modified(obj, include_collections=False)
+
+
+def _check_unfenced_model(
+    mapper: Mapper[Any], obj: Any, touched: bool, found: SessionBinding | None
+) -> None:
+    if not touched:
+        return
+    tables = _tables(mapper)
+    guarded = [g for g in map(gate.classify, tables) if g is not None]
+    if guarded:  # a register or a table of a fenced class, mapped on its own
+        raise gate.unbound_refusal(guarded[0], f"flush of {type(obj).__name__}")
+    if found is not None and not all(found.allows(t) for t in tables):
+        raise gate.unfenced_table_refusal(
+            f"{type(obj).__name__} (table {', '.join(t.name for t in tables)})",
+            "a flush",
+        )
 
 
 def _set_fence(mapper: Mapper[Any], connection: Connection, target: Any) -> None:
@@ -541,6 +712,10 @@ def _set_fence(mapper: Mapper[Any], connection: Connection, target: Any) -> None
     if state.key is not None and not current.session.is_modified(target, include_collections=False):
         return  # no net change: no UPDATE, and none should be caused
     setattr(target, info.attr, current.binding.token)
+    if info.dependents and mapper.version_id_col is None:
+        # A change to another table of the class still writes the fence row, even when
+        # the fence already holds this token, so every change raises and checks it.
+        flag_modified(target, info.attr)
 
 
 def _mark_flushing(mapper: Mapper[Any], connection: Connection, target: Any) -> None:
@@ -554,15 +729,26 @@ def _mark_flushing(mapper: Mapper[Any], connection: Connection, target: Any) -> 
 
 @dataclass(eq=False)
 class _Rewrite:
-    """How a rewritten flush statement is judged after it ran."""
+    """How a rewritten statement is judged after it ran.
+
+    Attributes:
+        info: the fenced table (for a dependent table: the table of its fence).
+        kind: ``update``, ``delete`` or ``insert`` of a flush; ``criteria`` for a Core
+            statement of a bound session, judged by the rows that block it.
+        key_params: names of the fence-table key values in the ORM's parameters.
+        criteria: the criteria of a ``criteria`` statement.
+        need_live: whether a tombstone blocks the statement (an update).
+    """
 
     info: _TableInfo
-    kind: str  # "update", "delete", "insert"
-    key_params: tuple[str, ...]  # names of the key values in the ORM's parameters
-    mapper: Mapper[Any] | None = None
+    kind: str
+    key_params: tuple[str, ...]
+    criteria: Any = None
+    need_live: bool = True
 
 
 _JUDGE: weakref.WeakKeyDictionary[Any, _Rewrite] = weakref.WeakKeyDictionary()
+_DONE: weakref.WeakSet[Any] = weakref.WeakSet()  # rewritten, nothing to judge
 
 
 def _replace_version(stmt: Any, info: _TableInfo, token: BindParameter[Any]) -> tuple[Any, bool]:
@@ -611,11 +797,17 @@ def _dialect_insert(dialect: str) -> type[Any]:
     )
 
 
-def _rewrite_insert(stmt: Insert, info: _TableInfo, dialect: str) -> Executable:
-    """The ORM's INSERT as a fenced upsert, keeping its RETURNING and defaults settings."""
+def _as_upsert(stmt: Insert, dialect: str) -> Any:
+    """The ORM's INSERT as a dialect insert, keeping its RETURNING and defaults settings."""
     cls = _dialect_insert(dialect)
     base = object.__new__(cls)
     base.__dict__ = stmt._generate().__dict__  # the ORM's state, without memoized keys
+    return base
+
+
+def _rewrite_insert(stmt: Insert, info: _TableInfo, dialect: str) -> Executable:
+    """The ORM's INSERT as a fenced upsert."""
+    base = _as_upsert(stmt, dialect)
     s = info.statements
     excluded = base.excluded
     return base.on_conflict_do_update(  # type: ignore[no-any-return]
@@ -625,34 +817,110 @@ def _rewrite_insert(stmt: Insert, info: _TableInfo, dialect: str) -> Executable:
     )
 
 
-def _before_execute(
+def _rewrite_dependent(stmt: Any, dep: _Dependent, info: _TableInfo, dialect: str) -> Any:
+    """A flush statement on another table of a fenced class, tied to the fence row.
+
+    An UPDATE or DELETE runs only where the fence row passes (``EXISTS``), and is judged
+    by its row count. An INSERT replaces the row (as the fence table's upsert does); the
+    fence row's own upsert in the same flush judges the token, and a refusal rolls the
+    whole flush back.
+    """
+    if isinstance(stmt, Insert):
+        base = _as_upsert(stmt, dialect)
+        keys = list(dep.table.primary_key.columns)
+        others = [c for c in dep.table.columns if c not in keys]
+        if not others:
+            return base.on_conflict_do_nothing(index_elements=keys)
+        return base.on_conflict_do_update(
+            index_elements=keys, set_={c.key: base.excluded[c.key] for c in others}
+        )
+    token = bindparam(_TOKEN, type_=info.fence.type)
+    passing = exists().where(dep.joins(), info.fence <= token)
+    if isinstance(stmt, Update):
+        passing = passing.where(info.live())
+    return stmt.where(passing)
+
+
+def _key_eq_params(stmt: Any, table: Table) -> dict[str, str] | None:
+    """The bind parameter of each key column in ``stmt``'s ``WHERE key = :p AND ...``.
+
+    ``None`` when the criteria are not that shape: the hook judges a flush statement by
+    the keys in its parameters, so it must know where they are.
+    """
+    where = getattr(stmt, "whereclause", None)
+    if where is None:
+        return None
+    terms = list(where.clauses) if isinstance(where, BooleanClauseList) else [where]
+    found: dict[str, str] = {}
+    for term in terms:
+        if (
+            isinstance(term, BinaryExpression)
+            and term.operator is operators.eq
+            and isinstance(term.left, Column)
+            and term.left.table is table
+            and isinstance(term.right, BindParameter)
+        ):
+            found[term.left.key] = term.right.key
+    if not all(c.key in found for c in table.primary_key.columns):
+        return None
+    return found
+
+
+def _unknown_shape(stmt: Any, table: Table) -> UnfencedWriteError:
+    return UnfencedWriteError(
+        f"the flush sent a {type(stmt).__name__.upper()} on {table.name} in a shape the "
+        "fencing hook does not recognise (this SQLAlchemy version may build flush "
+        "statements differently), so it cannot be fenced and was refused; nothing was "
+        "written",
+        scope=table.name,
+    )
+
+
+def _flush_statement(
     conn: Connection,
+    current: _Flush,
     elem: Any,
     multiparams: list[dict[str, Any]],
     params: dict[str, Any],
-    execution_options: Mapping[str, Any],
-) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
-    current = _CURRENT.get()
-    if current is None or not getattr(elem, "is_dml", False):
+) -> tuple[Any, list[dict[str, Any]], dict[str, Any]] | None:
+    """Rewrite an insert, update or delete sent by a flush (or refuse it)."""
+    if elem in _JUDGE or elem in _DONE:
         return elem, multiparams, params
-    info = table_info(getattr(elem, "table", None))
-    if info is None or elem in _JUDGE:
-        return elem, multiparams, params
+    table = gate.target_table(elem)
+    guarded = gate.classify(table) if table is not None else None
     found = current.binding
-    if found is None and info.optional:
-        return elem, multiparams, params  # a fenced_version() model without a lease
+    if guarded is None:
+        if found is not None and not found.allows(table):
+            name = table.name if table is not None else type(elem).__name__
+            raise gate.unfenced_table_refusal(f"table {name}", "a flush")
+        return elem, multiparams, params
+    assert table is not None
+    if guarded.kind is Kind.REGISTER:
+        raise gate.unbound_refusal(guarded, "a flush")
+    if found is None:
+        if guarded.optional:
+            return elem, multiparams, params  # a fenced_version() model without a lease
+        if not current.flushing:
+            raise _bulk_refusal(guarded, "Session.bulk_save_objects / bulk_*_mappings")
+        raise gate.unbound_refusal(guarded, "a flush")
     if not current.flushing:
-        raise _bulk_refusal(info, "Session.bulk_save_objects / bulk_*_mappings")
-    assert found is not None  # an unbound flush of a required class failed in before_flush
+        raise _bulk_refusal(guarded, "Session.bulk_save_objects / bulk_*_mappings")
     token = found.token
     rows = multiparams or [params]
+    if guarded.kind is Kind.DEPENDENT:
+        return _flush_dependent(conn, current, elem, table, rows, token)
+    info = table_info(table)
+    assert info is not None
     s = info.statements
     fence_key = info.fence.key
     if isinstance(elem, Update):
         new = info.rewrites.get(elem)
         if new is None:
+            where = _key_eq_params(elem, table)
+            if where is None:
+                raise _unknown_shape(elem, table)
             new = info.rewrites[elem] = _rewrite_update(elem, info)
-            _JUDGE[new] = _Rewrite(info, "update", tuple(str(c._label) for c in s.key))
+            _JUDGE[new] = _Rewrite(info, "update", tuple(where[c.key] for c in s.key))
         rows = [{**p, fence_key: token, _TOKEN: token} for p in rows]
     elif isinstance(elem, Delete):
         if info.tombstone is not None:
@@ -662,26 +930,80 @@ def _before_execute(
                 new = s.raise_fence(delete=True, returning=False).execution_options()
                 info.rewrites[Delete] = new
                 _JUDGE[new] = _Rewrite(info, "delete", tuple(f"_key_{c.key}" for c in s.key))
-            rows = [s.params([p[c.key] for c in s.key], token, {}) for p in rows]
+            where = _key_eq_params(elem, table)
+            if where is None:
+                raise _unknown_shape(elem, table)
+            rows = [s.params([p[where[c.key]] for c in s.key], token, {}) for p in rows]
         else:
             new = info.rewrites.get(elem)
             if new is None:
+                where = _key_eq_params(elem, table)
+                if where is None:
+                    raise _unknown_shape(elem, table)
                 new = info.rewrites[elem] = _rewrite_hard_delete(elem, info)
-                _JUDGE[new] = _Rewrite(info, "delete", tuple(c.key for c in s.key))
+                _JUDGE[new] = _Rewrite(info, "delete", tuple(where[c.key] for c in s.key))
             rows = [{**p, _TOKEN: token} for p in rows]
     elif isinstance(elem, Insert):
-        dialect = conn.dialect.name
+        if elem.select is not None:
+            raise _unknown_shape(elem, table)
         new = info.rewrites.get(elem)
         if new is None:
-            new = info.rewrites[elem] = _rewrite_insert(elem, info, dialect)
+            new = info.rewrites[elem] = _rewrite_insert(elem, info, conn.dialect.name)
             _JUDGE[new] = _Rewrite(info, "insert", tuple(c.key for c in s.key))
         rows = [{**p, fence_key: token} for p in rows]
-    else:  # pragma: no cover - is_dml covers only these three
-        return elem, multiparams, params
+    else:
+        raise _unknown_shape(elem, table)
     current.rowcount = 0
     if len(rows) == 1:
         return new, [], rows[0]
     return new, rows, {}
+
+
+def _flush_dependent(
+    conn: Connection,
+    current: _Flush,
+    elem: Any,
+    table: Table,
+    rows: list[dict[str, Any]],
+    token: int,
+) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+    owner = _owner(current.session, table)
+    if owner is None:
+        raise _unknown_shape(elem, table)
+    info, dep = owner
+    new = dep.rewrites.get(elem)
+    if new is None:
+        if isinstance(elem, Insert):
+            if elem.select is not None:
+                raise _unknown_shape(elem, table)
+            new = _rewrite_dependent(elem, dep, info, conn.dialect.name)
+            _DONE.add(new)
+        elif isinstance(elem, Update | Delete):
+            where = _key_eq_params(elem, table)
+            if where is None:
+                raise _unknown_shape(elem, table)
+            by_column = {d.key: where[d.key] for _, d in dep.link}
+            new = _rewrite_dependent(elem, dep, info, conn.dialect.name)
+            kind = "update" if isinstance(elem, Update) else "delete"
+            _JUDGE[new] = _Rewrite(info, kind, tuple(by_column[d.key] for _, d in dep.link))
+        else:
+            raise _unknown_shape(elem, table)
+        dep.rewrites[elem] = new
+    if new in _JUDGE:
+        current.rowcount = 0
+        rows = [{**p, _TOKEN: token} for p in rows]
+    if len(rows) == 1:
+        return new, [], rows[0]
+    return new, rows, {}
+
+
+def _owner(session: Session, table: Table) -> tuple[_TableInfo, _Dependent] | None:
+    """The fence of a dependent table: from the fenced class it belongs to."""
+    for mapper in list(_MAPPERS):
+        info = _MAPPERS.get(mapper)
+        if info is not None and table in info.dependents:
+            return info.table, info.dependents[table]
+    return None
 
 
 def _after_cursor_execute(
@@ -704,11 +1026,14 @@ def _after_execute(
     execution_options: Mapping[str, Any],
     result: Any,
 ) -> None:
-    current = _CURRENT.get()
-    if current is None:
-        return
     judge = _JUDGE.get(elem)
     if judge is None:
+        return
+    if judge.kind == "criteria":
+        _judge_criteria(conn, judge, result)
+        return
+    current = _CURRENT.get()
+    if current is None:
         return
     assert current.binding is not None
     rows = multiparams or [params]
@@ -791,22 +1116,120 @@ def _reject(
     return StaleTokenError.from_guard(batch_rejection(table, token, items), mapper, None)
 
 
-def _mapper_of(session: Session, info: _TableInfo) -> Mapper[Any] | None:
+def _mapper_of(session: Session | None, info: _TableInfo) -> Mapper[Any] | None:
     for mapper, found in list(_MAPPERS.items()):
         if found is not None and found.table is info:
             return mapper
     return None
 
 
-def _bulk_refusal(info: _TableInfo, path: str) -> TokenRequiredError:
-    return TokenRequiredError(
-        f"{path} on the fenced table {info.table.name} is refused: these bulk paths bypass "
-        "the flush events, so the fence cannot be set and the row counts of a batch cannot "
-        "be judged row by row (C9). Use session.add_all() and flush, "
-        "RowGuard.update_many / upsert_many (all or nothing), or a criteria "
-        "session.execute(update(...).where(...))",
-        scope=info.table.name,
+def _bulk_refusal(guarded: gate.Guarded, path: str) -> UnfencedWriteError:
+    return UnfencedWriteError(
+        f"{path} on {guarded.describe()} is refused: these bulk paths bypass the flush "
+        "events, so the fence cannot be set and the row counts of a batch cannot be judged "
+        "row by row (C9). Use session.add_all() and flush, RowGuard.update_many / "
+        "upsert_many (all or nothing), or a criteria session.execute(update(...).where(...))",
+        scope=guarded.table.name,
     )
+
+
+# -- Core statements on a bound session's connection --------------------------------------
+
+
+def _session_statement(
+    conn: Connection,
+    elem: Any,
+    multiparams: list[dict[str, Any]],
+    params: dict[str, Any],
+    options: Mapping[str, Any],
+) -> tuple[Any, list[dict[str, Any]], dict[str, Any]] | None:
+    """The gate's hook: a flush statement, or a Core write of a session bound to a lease."""
+    if not isinstance(elem, UpdateBase):
+        return None
+    current = _CURRENT.get()
+    if current is not None and _session_of(conn) is current.session:
+        return _flush_statement(conn, current, elem, multiparams, params)
+    found = _bound(conn)
+    if found is None:
+        return None  # the gate's rules for a write without a token
+    table = gate.target_table(elem)
+    guarded = gate.classify(table) if table is not None else None
+    path = f"a Core {type(elem).__name__.lower()}() in a session bound to a lease"
+    if guarded is None:
+        if found.allows(table):
+            return elem, multiparams, params
+        name = table.name if table is not None else type(elem).__name__
+        raise gate.unfenced_table_refusal(f"table {name}", path)
+    if guarded.kind is not Kind.FENCED:
+        raise UnfencedWriteError(
+            f"{path} writes {guarded.describe()}, which a Core statement cannot fence: "
+            + (
+                "use FenceRegister"
+                if guarded.kind is Kind.REGISTER
+                else f"write it through the ORM class {guarded.owner}"
+            ),
+            scope=guarded.table.name,
+        )
+    if isinstance(elem, Insert):
+        raise UnfencedWriteError(
+            f"{path} inserts into {guarded.describe()}: a Core insert cannot be fenced. Use "
+            "session.add() (a fenced upsert) or RowGuard.upsert / upsert_many",
+            scope=guarded.table.name,
+        )
+    if multiparams:
+        raise _bulk_refusal(guarded, f"{path} with a list of parameter sets")
+    info = table_info(table)
+    assert info is not None
+    _refuse_managed_values(elem, info)
+    new, need_live = _fenced_criteria(elem, info, found.token, found, None)
+    criteria = getattr(elem, "whereclause", None)
+    _JUDGE[new] = _Rewrite(info, "criteria", (), criteria=criteria, need_live=need_live)
+    return new, multiparams, params
+
+
+def _refuse_managed_values(stmt: Any, info: _TableInfo) -> None:
+    values = getattr(stmt, "_values", None) or {}
+    names = {getattr(k, "key", k) for k in values}
+    managed = {info.fence.key} | ({info.tombstone.key} if info.tombstone is not None else set())
+    if names & managed:
+        raise ConfigurationError(
+            f"{sorted(names & managed)} of {info.table.name} are set by the hook from the "
+            "token; leave them out of values()"
+        )
+
+
+def _judge_criteria(conn: Connection, judge: _Rewrite, result: Any) -> None:
+    found = _bound(conn)
+    if found is None:  # pragma: no cover - the statement was rewritten for a binding
+        return
+    info = judge.info
+    count = getattr(result, "rowcount", -1)
+    if count is None or count < 0:
+        raise StaleTokenError(
+            info.table.name,
+            found.token,
+            None,
+            Reason.UNVERIFIABLE,
+            message=f"{info.table.name}: the driver did not report the row count of a fenced "
+            "update or delete, so it cannot be verified; roll back",
+        )
+    if count == 0:
+        blockers = _blockers(conn, info, judge.criteria, found.token)
+        if blockers:
+            errors = [
+                (
+                    key,
+                    probe_rejection(
+                        info.statements.scope(key), found.token, probe, need_live=judge.need_live
+                    ),
+                )
+                for key, probe in blockers
+            ]
+            raise _reject(found.events, None, found.token, errors, info.table.name, batch=True)
+    elif found.events.active:
+        found.events.emit(
+            EventKind.WRITE_ACCEPTED, SOURCE, info.table.name, found.token, rows=count
+        )
 
 
 # -- ORM-enabled update() and delete() ----------------------------------------------------
@@ -844,23 +1267,23 @@ def _do_orm_execute(state: ORMExecuteState) -> Result[Any] | None:
     if not (state.is_update or state.is_delete or state.is_insert):
         return None
     stmt: Any = state.statement
-    description = getattr(stmt, "entity_description", None) or {}
-    info = table_info(description.get("table"))
-    if info is None:
-        return None
+    mapper = state.bind_mapper
+    minfo = mapper_info(mapper) if mapper is not None else None
+    table = gate.target_table(stmt)
+    guarded = gate.classify(table) if table is not None else None
     found: SessionBinding | None = state.session.info.get(BINDING_KEY)
     if found is None:
-        if info.optional:
+        if guarded is None or (guarded.kind is Kind.FENCED and guarded.optional):
             return None
-        raise TokenRequiredError(
-            f"session.execute() of a write to the fenced table {info.table.name} without a "
-            "fencing token: bind the session to a lease first",
-            scope=info.table.name,
-        )
+        raise gate.unbound_refusal(guarded, "session.execute()")
+    if guarded is None:
+        return None  # the engine hook refuses it unless the binding names it unfenced
+    if guarded.kind is Kind.REGISTER:
+        raise gate.unbound_refusal(guarded, "session.execute()")
     if state.is_insert:
-        raise _bulk_refusal(info, "session.execute(insert(...))")
+        raise _bulk_refusal(guarded, "session.execute(insert(...))")
     if state.is_executemany:
-        raise _bulk_refusal(info, "session.execute(update(...), [rows])")
+        raise _bulk_refusal(guarded, "session.execute(update(...), [rows])")
     sync = state.execution_options.get("synchronize_session", "auto")
     if sync == "evaluate":
         raise ConfigurationError(
@@ -868,10 +1291,36 @@ def _do_orm_execute(state: ORMExecuteState) -> Result[Any] | None:
             "gate (every matched row passes or none is written) runs in the database. Use "
             "'auto', 'fetch' or False"
         )
+    if guarded.kind is Kind.DEPENDENT:
+        if minfo is None or table not in minfo.dependents:
+            raise UnfencedWriteError(
+                f"session.execute() writes {guarded.describe()}: write it through the ORM "
+                f"class {guarded.owner}",
+                scope=guarded.table.name,
+            )
+        return _dependent_criteria(state, stmt, minfo, minfo.dependents[table], found)
+    info = table_info(table)
+    assert info is not None
     token = found.token
-    mapper = state.bind_mapper
+    _refuse_managed_values(stmt, info)
     fenced, judge_live = _fenced_criteria(stmt, info, token, found, mapper)
-    result = state.invoke_statement(statement=fenced)
+    result = state.invoke_statement(statement=fenced.execution_options(**OWN_OPTIONS))
+    _judge_orm(state, info, stmt.whereclause, result, found, mapper, judge_live)
+    return result
+
+
+def _judge_orm(
+    state: ORMExecuteState,
+    info: _TableInfo,
+    criteria: Any,
+    result: Any,
+    found: SessionBinding,
+    mapper: Any,
+    need_live: bool,
+    *,
+    keys: Any = None,
+) -> None:
+    token = found.token
     count = getattr(result, "rowcount", -1)
     if count is None or count < 0:
         raise StaleTokenError(
@@ -884,19 +1333,19 @@ def _do_orm_execute(state: ORMExecuteState) -> Result[Any] | None:
             "update or delete, so it cannot be verified; roll back",
         )
     if count == 0:
-        blockers = _blockers(state, info, stmt.whereclause, token)
+        conn = state.session.connection(bind_arguments=state.bind_arguments)
+        blockers = _blockers(conn, info, criteria, token, keys=keys)
         if blockers:
             errors = [
                 (
                     key,
-                    probe_rejection(info.statements.scope(key), token, probe, need_live=judge_live),
+                    probe_rejection(info.statements.scope(key), token, probe, need_live=need_live),
                 )
                 for key, probe in blockers
             ]
             raise _reject(found.events, mapper, token, errors, info.table.name, batch=True)
     elif found.events.active:
         found.events.emit(EventKind.WRITE_ACCEPTED, SOURCE, info.table.name, token, rows=count)
-    return result
 
 
 def _fenced_criteria(
@@ -913,7 +1362,7 @@ def _fenced_criteria(
     blocking = (
         select(func.count()).select_from(locked_sub).where(locked_sub.c.f > token).scalar_subquery()
     )
-    gate = (fence <= token, blocking == 0)
+    gate_terms = (fence <= token, blocking == 0)
     if isinstance(stmt, Delete):
         if info.tombstone is None:
             if not found.claim:
@@ -921,24 +1370,80 @@ def _fenced_criteria(
                     f"a fenced delete on {s.name} needs a tombstone column or a register "
                     "claim (bind(..., claim=True))"
                 )
-            return stmt.where(*gate), False
+            return stmt.where(*gate_terms), False
         soft = update(mapper.class_ if mapper is not None else s.table)
         if criteria is not None:
             soft = soft.where(criteria)
-        soft = soft.where(*gate).values({fence: token, info.tombstone: True})
+        soft = soft.where(*gate_terms).values({fence: token, info.tombstone: True})
         return soft.execution_options(**stmt.get_execution_options()), False
-    return stmt.where(*gate, info.live()).values({fence: token}), True
+    return stmt.where(*gate_terms, info.live()).values({fence: token}), True
+
+
+def _matched_keys(mapper: Mapper[Any], info: _TableInfo, criteria: Any) -> Any:
+    """The fence-table keys of the rows of ``mapper`` that ``criteria`` match."""
+    attrs = [mapper.get_property_by_column(c).class_attribute for c in info.statements.key]
+    query = select(*attrs)
+    return query.where(criteria) if criteria is not None else query
+
+
+def _keys_in(info: _TableInfo, keys: Any) -> ColumnElement[bool]:
+    key = info.statements.key
+    return key[0].in_(keys) if len(key) == 1 else tuple_(*key).in_(keys)
+
+
+def _dependent_criteria(
+    state: ORMExecuteState, stmt: Any, minfo: _MapperInfo, dep: _Dependent, found: SessionBinding
+) -> Result[Any]:
+    """An ORM update or delete of a class whose fence is in another of its tables.
+
+    Two statements: first the fence rows of every matched row are raised to the token
+    (and made tombstones for a delete), all or none (the same gate as a single table);
+    then the statement runs on the rows whose fence now holds the token.
+    """
+    info = minfo.table
+    token = found.token
+    mapper = state.bind_mapper
+    assert mapper is not None
+    is_delete = isinstance(stmt, Delete)
+    keys = _matched_keys(mapper, info, stmt.whereclause)
+    fence = info.fence
+    live = info.tombstone if info.tombstone is not None else false()
+    locked = (
+        select(fence.label("f"), live.label("dead"))
+        .where(_keys_in(info, keys))
+        .order_by(*info.statements.key)
+        .with_for_update()
+        .subquery("fence_locked")
+    )
+    blocked = locked.c.f > token if is_delete else or_(locked.c.f > token, locked.c.dead)
+    blocking = select(func.count()).select_from(locked).where(blocked).scalar_subquery()
+    values: dict[Any, Any] = {fence: token}
+    if is_delete and info.tombstone is not None:
+        values[info.tombstone] = True
+    raise_fences = (
+        update(info.table)
+        .where(_keys_in(info, keys), blocking == 0)
+        .values(values)
+        .execution_options(**OWN_OPTIONS)
+    )
+    conn = state.session.connection(bind_arguments=state.bind_arguments)
+    raised = conn.execute(raise_fences)
+    if raised.rowcount == 0:
+        _judge_orm(state, info, None, raised, found, mapper, not is_delete, keys=keys)
+    passing = exists().where(dep.joins(), fence == token)
+    return state.invoke_statement(statement=stmt.where(passing).execution_options(**OWN_OPTIONS))
 
 
 def _blockers(
-    state: ORMExecuteState, info: _TableInfo, criteria: Any, token: int
+    conn: Connection, info: _TableInfo, criteria: Any, token: int, *, keys: Any = None
 ) -> list[tuple[tuple[Any, ...], Probe]]:
     s = info.statements
     live = info.tombstone if info.tombstone is not None else false()
     query = select(*s.key, info.fence, live).where(info.fence > token)
+    if keys is not None:
+        query = query.where(_keys_in(info, keys))
     if criteria is not None:
         query = query.where(criteria)
-    conn = state.session.connection(bind_arguments=state.bind_arguments)
     width = len(s.key)
     return [
         (tuple(row[:width]), Probe(True, row[width], not row[width + 1]))
@@ -969,11 +1474,12 @@ def _claim_statement(register: Table, dialect: str) -> Any:
             index_elements=[register.c.scope],
             set_={"fence": ins.excluded.fence},
             where=register.c.fence <= ins.excluded.fence,
-        ).execution_options(preserve_rowcount=True)
+        ).execution_options(preserve_rowcount=True, **OWN_OPTIONS)
     return found
 
 
 def _after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
+    _SESSION_OF[connection] = weakref.ref(session)
     found: SessionBinding | None = session.info.get(BINDING_KEY)
     if found is None or not found.claim or transaction.nested:
         return
@@ -1028,14 +1534,16 @@ def install() -> None:
     """Install the listeners (once per process; importing ``fence.adapters.orm`` does it).
 
     They are class-level listeners on :class:`~sqlalchemy.orm.Session` (and so on every
-    ``AsyncSession.sync_session``), on :class:`~sqlalchemy.orm.Mapper` and on
-    :class:`~sqlalchemy.Engine`. Statements outside a flush of a session pass through
-    untouched, so Core code and the other guards are not affected.
+    ``AsyncSession.sync_session``), on :class:`~sqlalchemy.orm.Mapper` and, through the
+    gate (``_sql_gate``), on :class:`~sqlalchemy.Engine`. Writes to tables without a
+    fence, outside a session bound to a lease, pass untouched.
     """
     global _INSTALLED
     if _INSTALLED:
         return
     _INSTALLED = True
+    gate.install()
+    gate.set_hooks(_session_statement, _allows_of)
     event.listen(Session, "before_flush", _before_flush)
     event.listen(Session, "after_transaction_create", _after_transaction_create)
     event.listen(Session, "after_transaction_end", _after_transaction_end)
@@ -1045,6 +1553,17 @@ def install() -> None:
     event.listen(Mapper, "before_insert", _set_fence)
     event.listen(Mapper, "before_update", _set_fence)
     event.listen(Mapper, "before_delete", _mark_flushing)
-    event.listen(Engine, "before_execute", _before_execute, retval=True)
+    event.listen(Mapper, "after_mapper_constructed", _mapper_constructed)
     event.listen(Engine, "after_cursor_execute", _after_cursor_execute)
     event.listen(Engine, "after_execute", _after_execute)
+    for mapper in _all_mappers():
+        _mapper_constructed(mapper, mapper.class_)
+
+
+def _all_mappers() -> list[Mapper[Any]]:
+    from sqlalchemy.orm import mapperlib
+
+    found: list[Mapper[Any]] = []
+    for registry in list(mapperlib._mapper_registries):
+        found.extend(registry.mappers)
+    return found

@@ -49,20 +49,29 @@ from ._sql_common import (
 __all__ = [
     "DEFAULT_REGISTER",
     "FENCE_INFO",
+    "OPTIONAL_INFO",
+    "REGISTER_INFO",
     "TOMBSTONE_INFO",
     "RegisterStatements",
     "RowStatements",
     "fence_column",
+    "fence_of",
     "fence_register_table",
     "register_statements",
     "row_statements",
     "tombstone_column",
 ]
 
-#: ``Column.info`` key that marks the fence column made by :func:`fence_column`.
+#: ``Column.info`` key that marks the fence column made by :func:`fence_column`. ``True``
+#: marks a fence; ``False`` says that a column named ``fence`` is not one.
 FENCE_INFO = "iofence.fence"
 #: ``Column.info`` key that marks the tombstone flag made by :func:`tombstone_column`.
 TOMBSTONE_INFO = "iofence.tombstone"
+#: ``Table.info`` key that marks a fence register table (:func:`fence_register_table`).
+REGISTER_INFO = "iofence.register"
+#: ``Column.info`` key set by ``fenced_version()``: without a token the model keeps plain
+#: optimistic concurrency instead of raising :class:`fence.TokenRequiredError`.
+OPTIONAL_INFO = "iofence.optional"
 
 _UPSERT_DIALECTS = ("postgresql", "sqlite")
 
@@ -105,6 +114,32 @@ def fence_column(name: str = DEFAULT_FENCE_COLUMN, **kwargs: Any) -> Column[int]
     )
 
 
+def fence_of(table: Table) -> Column[Any] | None:
+    """The fence column of ``table``, or ``None``: the one rule of the row guard and the hook.
+
+    A column marked as a fence (:func:`fence_column`, ``mapped_fence_column()``,
+    :func:`fence.adapters.orm.fenced_version`, or ``info={FENCE_INFO: True}``) is the
+    fence. Without one, a column named ``fence`` is adopted as the fence: a column that
+    looks like a fence is never ignored. Mark it ``info={FENCE_INFO: False}`` if it is
+    not one.
+
+    Raises:
+        ConfigurationError: more than one column is marked as the fence.
+    """
+    marked = [c for c in table.columns if c.info.get(FENCE_INFO) is True]
+    if len(marked) > 1:
+        raise ConfigurationError(
+            f"table {table.name} marks {len(marked)} columns as its fence "
+            f"({', '.join(c.name for c in marked)}); a row has one fence"
+        )
+    if marked:
+        return marked[0]
+    for col in table.columns:
+        if DEFAULT_FENCE_COLUMN in (col.key, col.name) and col.info.get(FENCE_INFO) is not False:
+            return col
+    return None
+
+
 def tombstone_column(name: str = DEFAULT_TOMBSTONE_COLUMN, **kwargs: Any) -> Column[bool]:
     """A soft-delete flag: ``BOOLEAN NOT NULL DEFAULT FALSE`` (C7).
 
@@ -143,6 +178,7 @@ def fence_register_table(
         metadata if metadata is not None else MetaData(),
         Column("scope", String(512), primary_key=True),
         Column("fence", BigInteger, nullable=False),
+        info={REGISTER_INFO: True},
     )
 
 
@@ -195,7 +231,17 @@ class RowStatements:
     ) -> None:
         self.table = table
         self.name = table.name
-        found = self._column(fence, FENCE_INFO, DEFAULT_FENCE_COLUMN, "fence")
+        if table.info.get(REGISTER_INFO):
+            raise ConfigurationError(
+                f"table {table.name} is a fence register; use FenceRegister, not a row guard"
+            )
+        if fence is None:
+            found = fence_of(table)
+        else:
+            found = self._need(fence, "fence")
+            # Named here, it is the fence everywhere: the session hook and the gate that
+            # refuses unfenced writes find it by the same rule.
+            found.info[FENCE_INFO] = True
         if found is None:
             raise ConfigurationError(f"table {table.name} has no fence column; add fence_column()")
         self.fence: Column[Any] = found
@@ -519,6 +565,8 @@ class RegisterStatements:
         for name in ("scope", "fence"):
             if name not in table.c:
                 raise ConfigurationError(f"fence register {table.name} has no column {name!r}")
+        # Written only through the register from now on (the gate refuses other writes).
+        table.info[REGISTER_INFO] = True
         self.table = table
         self.name = table.name
         self.scope = table.c.scope

@@ -32,21 +32,34 @@ from ._sql_common import (
     REGISTER_TABLE_DDL,
     TOMBSTONE_COLUMN_DDL,
 )
-from ._sql_statements import fence_column, fence_register_table, tombstone_column
+from ._sql_gate import UNFENCED
+from ._sql_gate import install as _install_gate
+from ._sql_statements import (
+    FENCE_INFO,
+    fence_column,
+    fence_of,
+    fence_register_table,
+    tombstone_column,
+)
 from ._sync.sql import FenceRegister, RowGuard
 
 __all__ = [
     "FENCE_COLUMN_DDL",
+    "FENCE_INFO",
     "REGISTER_TABLE_DDL",
     "TOMBSTONE_COLUMN_DDL",
+    "UNFENCED",
     "AsyncFenceRegister",
     "AsyncRowGuard",
     "FenceRegister",
     "RowGuard",
     "fence_column",
+    "fence_of",
     "fence_register_table",
     "tombstone_column",
 ]
+
+_install_gate()  # every write SQLAlchemy sends to a fenced table is fenced or refused
 
 for _cls in (AsyncFenceRegister, AsyncRowGuard, FenceRegister, RowGuard):
     _cls.__module__ = __name__

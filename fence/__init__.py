@@ -49,6 +49,7 @@ from fence._errors import (
     RetryableError,
     StaleTokenError,
     TokenRequiredError,
+    UnfencedWriteError,
 )
 from fence._events import Event, EventBus, EventKind, default_bus, log_events
 from fence._memory import MemoryBackend
@@ -132,6 +133,7 @@ __all__ = [
     "SystemClock",
     "TokenMode",
     "TokenRequiredError",
+    "UnfencedWriteError",
     "accepts",
     "client_deadline",
     "connect",

@@ -98,7 +98,9 @@ def _worker(
                     return
                 say(f"writes balance = {after} with token {lease.token} -> accepted")
             else:
-                conn.execute(sa.update(accounts).where(accounts.c.id == 42).values(balance=after))
+                # The baseline: a plain UPDATE that says it means to bypass the fence.
+                plain = sa.update(accounts).where(accounts.c.id == 42).values(balance=after)
+                conn.execute(plain.execution_options(unfenced=True))
                 say(f"writes balance = {after} (plain UPDATE, no token) -> accepted")
         try:
             lease.release()
@@ -120,7 +122,8 @@ def _setup(db: str) -> None:
     accounts = _tables(metadata)
     metadata.create_all(engine)
     with engine.begin() as conn:
-        conn.execute(sa.insert(accounts).values(id=42, balance=START_BALANCE))
+        seed = sa.insert(accounts).values(id=42, balance=START_BALANCE)
+        conn.execute(seed.execution_options(unfenced=True))  # the opening balance, no holder
     engine.dispose()
     manager = SQLLockManager(f"sqlite:///{db}")
     manager.create_table()

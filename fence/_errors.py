@@ -24,6 +24,7 @@ __all__ = [
     "RetryableError",
     "StaleTokenError",
     "TokenRequiredError",
+    "UnfencedWriteError",
 ]
 
 
@@ -162,6 +163,20 @@ class TokenRequiredError(FenceError):
         self.scope = scope
 
 
+class UnfencedWriteError(TokenRequiredError):
+    """A write that cannot carry its token to the storage was refused before any I/O (C9).
+
+    Raised for raw SQL that writes a fenced table (the hook cannot read it), for a write
+    to a table without a fence in a session bound to a lease, for bulk paths that bypass
+    the flush, and for Core writes the hook cannot fence. The message names the fenced
+    way to do the same, and the explicit opt-out where one exists. A subclass of
+    :class:`TokenRequiredError`, so code that handles a missing token handles it too.
+
+    Attributes:
+        scope: the table (or key) the write targeted.
+    """
+
+
 class LeaseExpiredError(FenceError):
     """The lease has less time left than the caller asked for, or none (C10).
 
@@ -268,6 +283,7 @@ for _cls in (
     ConfigurationError,
     StaleTokenError,
     TokenRequiredError,
+    UnfencedWriteError,
     LeaseExpiredError,
     LeaseLostError,
     NotOwnerError,

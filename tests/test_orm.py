@@ -103,10 +103,12 @@ def test_legacy_bulk_paths_are_refused(engine: Engine, env: Env) -> None:
         assert s.get(env.Dropin, 7).v == 7
 
 
-def test_core_statements_and_the_row_guard_are_left_alone(engine: Engine, env: Env) -> None:
+def test_core_writes_need_a_token_and_the_row_guard_is_left_alone(engine: Engine, env: Env) -> None:
     table = env.Item.__table__
     with engine.begin() as conn:
-        conn.execute(table.insert().values(id=9, v=9))  # Core, outside any session
+        with pytest.raises(TokenRequiredError):  # Core, outside any session: no token
+            conn.execute(table.insert().values(id=9, v=9))
+        conn.execute(table.insert().values(id=9, v=9).execution_options(unfenced=True))
         guard = RowGuard(conn, table)
         guard.update(9, 50, {"v": 10})
         with pytest.raises(StaleTokenError.__mro__[1]):  # fence.StaleTokenError

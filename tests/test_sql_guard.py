@@ -92,7 +92,8 @@ def accounts(engine: Engine, metadata: MetaData) -> Table:
     )
     with engine.begin() as conn:
         table.create(conn)
-        conn.execute(insert(table), [{"id": 1, "balance": 10}, {"id": 2, "balance": 20}])
+        seed = insert(table).execution_options(unfenced=True)  # fixture rows, no token
+        conn.execute(seed, [{"id": 1, "balance": 10}, {"id": 2, "balance": 20}])
     return table
 
 
@@ -183,7 +184,7 @@ def test_null_fence_is_unverifiable_never_accepted(engine: Engine, metadata: Met
     )
     with engine.begin() as conn:
         table.create(conn)
-        conn.execute(insert(table).values(id=1, v=1, fence=None))
+        conn.execute(insert(table).values(id=1, v=1, fence=None).execution_options(unfenced=True))
     with engine.begin() as conn:
         guard = RowGuard(conn, table)
         for write in (
@@ -337,7 +338,7 @@ def test_delete_without_tombstone_column_is_refused(engine: Engine, metadata: Me
     )
     with engine.begin() as conn:
         table.create(conn)
-        conn.execute(insert(table).values(id=1))
+        conn.execute(insert(table).values(id=1).execution_options(unfenced=True))
         with pytest.raises(ConfigurationError, match="tombstone"):
             RowGuard(conn, table).delete(1, 5)
         # Without tombstones an absent row cannot be claimed: MISSING, not a silent pass.
@@ -358,7 +359,7 @@ def test_absent_row_claim_needs_an_insertable_tombstone(engine: Engine, metadata
     )
     with engine.begin() as conn:
         table.create(conn)
-        conn.execute(insert(table).values(id=1, owner="a"))
+        conn.execute(insert(table).values(id=1, owner="a").execution_options(unfenced=True))
     with engine.begin() as conn:
         guard = RowGuard(conn, table)
         assert guard.claim(1, 5) == 5
@@ -518,15 +519,25 @@ def test_register_claim_many_is_all_or_nothing(engine: Engine, register_table: T
 
 
 def test_register_fences_a_unit_of_work_across_tables(
-    engine: Engine, register_table: Table, accounts: Table
+    engine: Engine, register_table: Table, metadata: MetaData
 ) -> None:
-    # C6/C7 with a register: claim the scope, then write and hard-delete rows by hand.
+    # C6/C7 with a register: claim the scope, then write and hard-delete rows of tables
+    # that have no fence column of their own by hand.
+    lines = Table(
+        _name("lines"),
+        metadata,
+        Column("id", Integer, primary_key=True, autoincrement=False),
+        Column("qty", Integer),
+    )
+    with engine.begin() as conn:
+        lines.create(conn)
+        conn.execute(insert(lines), [{"id": 1, "qty": 10}, {"id": 2, "qty": 20}])
     with engine.begin() as conn:
         FenceRegister(conn, register_table).claim("acct", 7)
-        conn.execute(accounts.update().where(accounts.c.id == 1).values(balance=0))
-        conn.execute(accounts.delete().where(accounts.c.id == 2))
+        conn.execute(lines.update().where(lines.c.id == 1).values(qty=0))
+        conn.execute(lines.delete().where(lines.c.id == 2))
     # The old holder claims first and is refused before it writes anything.
     with engine.begin() as conn, pytest.raises(StaleTokenError):
         FenceRegister(conn, register_table).claim("acct", 6)
-    assert _row(engine, accounts, 2) is None
-    assert _row(engine, accounts, 1).balance == 0
+    assert _row(engine, lines, 2) is None
+    assert _row(engine, lines, 1).qty == 0

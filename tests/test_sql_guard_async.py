@@ -57,7 +57,8 @@ async def tables(engine: AsyncEngine) -> tuple[Table, Table]:
     register = fence_register_table(md, f"register_{secrets.token_hex(4)}")
     async with engine.begin() as conn:
         await conn.run_sync(md.create_all)
-        await conn.execute(items.insert(), [{"id": 1, "v": 1}, {"id": 2, "v": 2}])
+        seed = items.insert().execution_options(unfenced=True)  # fixture rows, no token
+        await conn.execute(seed, [{"id": 1, "v": 1}, {"id": 2, "v": 2}])
     return items, register
 
 

@@ -36,6 +36,7 @@ from .._sql_common import (
     report_rejected,
     translate_error,
 )
+from .._sql_gate import OWN_OPTIONS
 from .._sql_statements import (
     DEFAULT_REGISTER,
     Key,
@@ -91,7 +92,7 @@ class _Base:
         if self.conn.closed:
             raise closed_connection_error()
         try:
-            return await self.conn.execute(stmt, params)
+            return await self.conn.execute(stmt, params, execution_options=OWN_OPTIONS)
         except SQLAlchemyError as exc:
             raise translate_error(exc, action, str(scope)) from exc
 
@@ -104,7 +105,7 @@ class _Base:
         try:
             savepoint = await self.conn.begin_nested()
             try:
-                result = await self.conn.execute(stmt)
+                result = await self.conn.execute(stmt, execution_options=OWN_OPTIONS)
                 count, _ = _changed(result, returning)
             except BaseException:
                 # Undo the batch; an error here (a dead connection) must not hide the first.

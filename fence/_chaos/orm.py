@@ -110,6 +110,7 @@ def setup(endpoints: Endpoints, namespace: str, records: Sequence[str]) -> None:
             register.create(conn, checkfirst=True)
             table.drop(conn, checkfirst=True)
             table.create(conn)
-            conn.execute(sa.insert(table), [{"id": record, "value": 0} for record in records])
+            seed = sa.insert(table).execution_options(unfenced=True)  # before any holder
+            conn.execute(seed, [{"id": record, "value": 0} for record in records])
     finally:
         engine.dispose()

@@ -531,7 +531,8 @@ def _setup_sql_counters(endpoints: Endpoints, namespace: str, records: Sequence[
         metadata.drop_all(engine)
         metadata.create_all(engine)
         with engine.begin() as conn:
-            conn.execute(sa.insert(table), [{"id": record, "value": 0} for record in records])
+            seed = sa.insert(table).execution_options(unfenced=True)  # before any holder
+            conn.execute(seed, [{"id": record, "value": 0} for record in records])
     finally:
         engine.dispose()
 

@@ -25,6 +25,7 @@ from fence.adapters.orm import (
     fence_column,
     fence_register_table,
 )
+from fence.adapters.sql import AsyncFenceRegister
 
 SQLITE = "sqlite+aiosqlite"  # unasync: SQLITE = "sqlite"
 
@@ -71,7 +72,8 @@ async def env(engine: AsyncEngine) -> Env:
     async with engine.begin() as conn:
         md = found.base.metadata
         await conn.run_sync(md.create_all)  # unasync: md.create_all(conn)
-        await conn.execute(found.Account.__table__.insert().values(id=1, balance=0, fence=0))
+        seed = found.Account.__table__.insert().values(id=1, balance=0, fence=0)
+        await conn.execute(seed.execution_options(unfenced=True))  # a fixture row, no token
     return found
 
 
@@ -130,7 +132,7 @@ async def test_a_stale_unit_of_work_is_refused_at_the_claim(engine: AsyncEngine,
             pass
         # A newer holder, elsewhere, claimed the scope with a token above every one issued.
         async with engine.begin() as conn:
-            await conn.execute(env.register.update().values(fence=2**53 - 1))
+            await AsyncFenceRegister(conn, env.register).claim("account:1", 2**53 - 1)
         ran = []
 
         async def stale() -> None:

@@ -25,6 +25,7 @@ from fence.adapters.orm import (
     fence_column,
     fence_register_table,
 )
+from fence.adapters.sql import FenceRegister
 
 SQLITE = "sqlite"
 
@@ -71,7 +72,8 @@ def env(engine: Engine) -> Env:
     with engine.begin() as conn:
         md = found.base.metadata
         md.create_all(conn)
-        conn.execute(found.Account.__table__.insert().values(id=1, balance=0, fence=0))
+        seed = found.Account.__table__.insert().values(id=1, balance=0, fence=0)
+        conn.execute(seed.execution_options(unfenced=True))  # a fixture row, no token
     return found
 
 
@@ -130,7 +132,7 @@ def test_a_stale_unit_of_work_is_refused_at_the_claim(engine: Engine, env: Env) 
             pass
         # A newer holder, elsewhere, claimed the scope with a token above every one issued.
         with engine.begin() as conn:
-            conn.execute(env.register.update().values(fence=2**53 - 1))
+            FenceRegister(conn, env.register).claim("account:1", 2**53 - 1)
         ran = []
 
         def stale() -> None:

@@ -1,0 +1,370 @@
+"""The gate: every write SQLAlchemy sends to fenced storage is fenced or refused (C9).
+
+Fenced storage is every table with a fence column (:func:`fence_of`), every fence register
+and every other table of a mapped class whose fence lives in one of them (the subclass
+table of joined inheritance). The gate sits on the engine events of every
+:class:`~sqlalchemy.Engine`, in two places:
+
+1. ``before_execute`` sees each statement object. Inserts, updates and deletes of fenced
+   tables go to the session hook when one is installed (it fences what a session bound to
+   a lease sends, see ``_orm``); without a binding they are refused with
+   :class:`fence.TokenRequiredError` before any I/O.
+2. ``before_cursor_execute`` sees the SQL text about to be sent, also for
+   ``exec_driver_sql`` (which has no statement object) and for statements whose writes
+   hide in a common table expression. It reads the text (``_sql_lex``) and refuses a
+   write to fenced storage that step 1 did not judge.
+
+Two execution options pass the gate: :data:`UNFENCED`, the documented opt-out for a
+deliberate unfenced write, and :data:`OWN`, which marks the guards' and the hook's own
+statements. Installing the gate is idempotent; importing ``fence.adapters.sql`` or
+``fence.adapters.orm`` does it.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Column, Engine, Table, event
+from sqlalchemy.engine import Connection
+from sqlalchemy.sql.dml import UpdateBase
+from sqlalchemy.sql.selectable import Alias
+
+from fence._errors import TokenRequiredError, UnfencedWriteError
+
+from ._sql_lex import Target, write_targets
+from ._sql_statements import DEFAULT_REGISTER, OPTIONAL_INFO, REGISTER_INFO, fence_of
+
+__all__ = [
+    "OWN",
+    "UNFENCED",
+    "Guarded",
+    "Kind",
+    "classify",
+    "install",
+    "mark_dependent",
+    "mark_register",
+    "target_table",
+]
+
+#: Execution option for a deliberate unfenced write: ``stmt.execution_options(unfenced=True)``
+#: or ``session.execute(stmt, execution_options={"unfenced": True})``. The gate lets it
+#: through; nothing fences it.
+UNFENCED = "unfenced"
+
+#: Execution option on the statements of the guards and the session hook themselves.
+OWN = "iofence"
+
+#: ``{OWN: True}``, passed to ``execute()`` by the guards.
+OWN_OPTIONS: Mapping[str, Any] = {OWN: True}
+
+
+class Kind(enum.Enum):
+    """How a table is fenced.
+
+    Attributes:
+        FENCED: it has a fence column; each row is its own fence scope.
+        REGISTER: a fence register; only the register and the hook's claim write it.
+        DEPENDENT: a table of a mapped class whose fence lives in another of its tables
+            (joined inheritance); only a flush or an ORM statement of that class can
+            fence its rows.
+    """
+
+    FENCED = "fenced"
+    REGISTER = "register"
+    DEPENDENT = "dependent"
+
+
+@dataclass(frozen=True, slots=True)
+class Guarded:
+    """A table the gate guards.
+
+    Attributes:
+        table: the table.
+        kind: a :class:`Kind`.
+        optional: a :func:`fence.adapters.orm.fenced_version` table: without a token it
+            keeps plain optimistic concurrency, so unbound writes pass.
+        owner: for a dependent table, the mapped class whose fence covers it.
+    """
+
+    table: Table
+    kind: Kind
+    optional: bool = False
+    owner: str | None = None
+
+    def describe(self) -> str:
+        """A few words naming the table and why it is fenced, for error messages."""
+        name = _display(self.table)
+        if self.kind is Kind.REGISTER:
+            return f"the fence register {name}"
+        if self.kind is Kind.DEPENDENT:
+            return f"{name}, a table of the fenced class {self.owner}"
+        return f"the fenced table {name}"
+
+
+# -- what is fenced -------------------------------------------------------------------------
+
+_CLASSIFIED: weakref.WeakKeyDictionary[Table, Guarded | None] = weakref.WeakKeyDictionary()
+_DEPENDENT: weakref.WeakKeyDictionary[Table, str] = weakref.WeakKeyDictionary()
+# Lower-cased table name -> the tables of that name that may be guarded, for raw SQL.
+_BY_NAME: dict[str, weakref.WeakSet[Table]] = {}
+
+
+def _display(table: Table) -> str:
+    return f"{table.schema}.{table.name}" if table.schema else table.name
+
+
+def _remember(table: Table) -> None:
+    _BY_NAME.setdefault(table.name.lower(), weakref.WeakSet()).add(table)
+
+
+def classify(table: Any) -> Guarded | None:
+    """How ``table`` is fenced, or ``None`` for a table the gate leaves alone.
+
+    Raises:
+        ConfigurationError: the table marks more than one fence column.
+    """
+    try:
+        return _CLASSIFIED[table]
+    except KeyError:
+        pass
+    except TypeError:  # not weak-referenceable: not a Table
+        return None
+    found: Guarded | None = None
+    if isinstance(table, Table):
+        if table.info.get(REGISTER_INFO):
+            found = Guarded(table, Kind.REGISTER)
+        else:
+            fence = fence_of(table)
+            if fence is not None:
+                found = Guarded(table, Kind.FENCED, optional=bool(fence.info.get(OPTIONAL_INFO)))
+            elif table in _DEPENDENT:
+                found = Guarded(table, Kind.DEPENDENT, owner=_DEPENDENT[table])
+        if found is not None:
+            _remember(table)
+    _CLASSIFIED[table] = found
+    return found
+
+
+def forget(table: Table) -> None:
+    """Classify ``table`` again at its next use (a column was added, a mark changed)."""
+    _CLASSIFIED.pop(table, None)
+
+
+def mark_dependent(table: Table, owner: str) -> None:
+    """Record that ``table`` belongs to the fenced mapped class ``owner`` (joined inheritance)."""
+    if table not in _DEPENDENT:
+        _DEPENDENT[table] = owner
+        forget(table)
+        classify(table)
+
+
+def mark_register(table: Table) -> None:
+    """Record that ``table`` is a fence register, written only by the register and claims."""
+    if not table.info.get(REGISTER_INFO):
+        table.info[REGISTER_INFO] = True
+        forget(table)
+    classify(table)
+
+
+def target_table(elem: Any) -> Table | None:
+    """The table an insert, update or delete writes, through aliases."""
+    table = getattr(elem, "table", None)
+    while isinstance(table, Alias):
+        table = table.element
+    return table if isinstance(table, Table) else None
+
+
+def _lookup(target: Target) -> Guarded | None:
+    for table in list(_BY_NAME.get(target.name, ())):
+        if target.schema is not None and table.schema and table.schema.lower() != target.schema:
+            continue
+        found = classify(table)
+        if found is not None:
+            return found
+    return None
+
+
+# -- the session hook's part -------------------------------------------------------------
+
+#: The session hook (``_orm``) when installed: ``(conn, elem, multiparams, params,
+#: options)`` -> the statement to run instead (a triple, as ``before_execute`` returns), or
+#: ``None`` to leave the statement to the gate.
+Hook = Callable[
+    [Connection, Any, list[dict[str, Any]], dict[str, Any], Mapping[str, Any]],
+    tuple[Any, list[dict[str, Any]], dict[str, Any]] | None,
+]
+
+#: The session hook's answer to "is this connection a session bound to a lease, and may
+#: that session write this table?": ``None`` if unbound, else a callable taking a table
+#: name (lower case) that says whether the binding names it as unfenced.
+BindingOf = Callable[[Connection], Callable[[Target], bool] | None]
+
+_hooks: dict[str, Any] = {"execute": None, "binding": None}
+
+
+def set_hooks(execute: Hook, binding: BindingOf) -> None:
+    """Install the session hook's parts of the gate (``_orm.install`` calls it)."""
+    _hooks["execute"] = execute
+    _hooks["binding"] = binding
+
+
+def _binding(conn: Connection) -> Callable[[Target], bool] | None:
+    found: BindingOf | None = _hooks["binding"]
+    return found(conn) if found is not None else None
+
+
+# -- refusals -----------------------------------------------------------------------------
+
+_HOW = (
+    "Write it through a RowGuard (fence.adapters.sql), in a session bound to a lease "
+    "(fence.adapters.orm.bind), or mark a deliberate unfenced write with "
+    ".execution_options(unfenced=True)"
+)
+
+
+def unbound_refusal(guarded: Guarded, path: str) -> TokenRequiredError:
+    """The error for a write to fenced storage that carries no token."""
+    if guarded.kind is Kind.REGISTER:
+        return UnfencedWriteError(
+            f"{path} writes {guarded.describe()}: fence registers are written only by "
+            "FenceRegister.claim and the session hook's claim, so that no write can lower "
+            "a fence. Use FenceRegister, or .execution_options(unfenced=True) for a "
+            "deliberate repair",
+            scope=guarded.table.name,
+        )
+    return TokenRequiredError(
+        f"{path} writes {guarded.describe()} without a fencing token. {_HOW}",
+        scope=guarded.table.name,
+    )
+
+
+def raw_refusal(guarded: Guarded | None, target: str, path: str) -> UnfencedWriteError:
+    """The error for raw SQL that writes fenced storage in a bound session."""
+    what = guarded.describe() if guarded is not None else f"table {target}"
+    return UnfencedWriteError(
+        f"{path} writes {what}, and the session is bound to a lease, but raw SQL cannot "
+        "carry the fence: the hook cannot read it. Use the ORM or a Core update()/delete() "
+        "(fenced by the hook), a RowGuard, or .execution_options(unfenced=True) for a "
+        "deliberate unfenced write",
+        scope=target,
+    )
+
+
+def unfenced_table_refusal(target: str, path: str) -> UnfencedWriteError:
+    """The error for a bound session writing a table that has no fence."""
+    return UnfencedWriteError(
+        f"{path} writes {target}, which has no fence column, in a session bound to a "
+        "lease: the write would not be fenced. Add a fence column (fence_column()), or "
+        "name the table as unfenced: bind(session, lease, unfenced=[...])",
+        scope=target,
+    )
+
+
+# -- the two listeners --------------------------------------------------------------------
+
+
+def _passes(options: Mapping[str, Any]) -> bool:
+    return bool(options.get(OWN) or options.get(UNFENCED))
+
+
+def _before_execute(
+    conn: Connection,
+    elem: Any,
+    multiparams: list[dict[str, Any]],
+    params: dict[str, Any],
+    execution_options: Mapping[str, Any],
+) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+    if _passes(execution_options):
+        return elem, multiparams, params
+    hook: Hook | None = _hooks["execute"]
+    if hook is not None:
+        handled = hook(conn, elem, multiparams, params, execution_options)
+        if handled is not None:
+            return handled
+    if not isinstance(elem, UpdateBase):
+        return elem, multiparams, params
+    table = target_table(elem)
+    guarded = classify(table) if table is not None else None
+    if guarded is None or (guarded.kind is Kind.FENCED and guarded.optional):
+        return elem, multiparams, params
+    raise unbound_refusal(guarded, f"a Core {type(elem).__name__.lower()}()")
+
+
+def _before_cursor_execute(
+    conn: Connection,
+    cursor: Any,
+    statement: str,
+    parameters: Any,
+    context: Any,
+    executemany: bool,
+) -> None:
+    elem = None
+    if context is not None:
+        if _passes(context.execution_options):
+            return
+        compiled = context.compiled
+        elem = compiled.statement if compiled is not None else None
+    writes = write_targets(statement)
+    if not writes.writes:
+        return
+    # The table of an insert, update or delete statement was judged by _before_execute; a
+    # second table written by the same text (a data-modifying CTE) was not.
+    judged = target_table(elem) if isinstance(elem, UpdateBase) else None
+    path = "raw SQL" if elem is None or not isinstance(elem, UpdateBase) else "a statement"
+    allows = _binding(conn)
+    for target in writes.targets:
+        if judged is not None and target.name == judged.name.lower():
+            continue
+        guarded = _lookup(target)
+        if allows is None:
+            if guarded is not None and not (guarded.kind is Kind.FENCED and guarded.optional):
+                raise unbound_refusal(guarded, path)
+        elif guarded is not None:
+            raise raw_refusal(guarded, target.name, path)
+        elif not allows(target):
+            raise unfenced_table_refusal(target.name, path)
+    if writes.unknown:
+        if allows is not None:
+            raise raw_refusal(None, "an unknown table", f"{path} whose writes cannot be read")
+        for name in writes.names:
+            guarded = _lookup(Target(None, name))
+            if guarded is not None and not (guarded.kind is Kind.FENCED and guarded.optional):
+                raise unbound_refusal(guarded, f"{path} whose writes cannot be read")
+
+
+def _column_attached(column: Column[Any], table: Any) -> None:
+    if isinstance(table, Table):
+        forget(table)
+        if classify(table) is not None:
+            _remember(table)
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Install the gate's listeners (once per process).
+
+    They are class-level listeners on :class:`~sqlalchemy.Engine` (every engine, also
+    under an ``AsyncEngine``) and on :class:`~sqlalchemy.Column` (to learn of fence
+    columns as tables are defined). Tables defined before the gate was installed are found
+    once, here.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    event.listen(Engine, "before_execute", _before_execute, retval=True)
+    event.listen(Engine, "before_cursor_execute", _before_cursor_execute)
+    event.listen(Column, "after_parent_attach", _column_attached)
+    classify(DEFAULT_REGISTER)
+    # Tables defined before this module was imported: a one-time look at live objects, so
+    # that import order cannot leave a fenced table unknown to the raw-SQL check.
+    for obj in gc.get_objects():
+        if isinstance(obj, Table):
+            classify(obj)
