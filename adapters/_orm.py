@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
+    BigInteger,
     BinaryExpression,
     BindParameter,
+    Boolean,
     Column,
     ColumnElement,
     Delete,
@@ -41,14 +43,14 @@ from sqlalchemy import (
     Insert,
     Table,
     Update,
-    and_,
     bindparam,
     event,
-    exists,
     false,
     func,
+    literal,
     or_,
     select,
+    text,
     true,
     tuple_,
     update,
@@ -57,10 +59,12 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Result
 from sqlalchemy.orm import (
+    MappedColumn,
     Mapper,
     ORMExecuteState,
     Session,
     SessionTransaction,
+    mapped_column,
     with_loader_criteria,
 )
 from sqlalchemy.orm import exc as orm_exc
@@ -96,6 +100,7 @@ from ._sql_statements import (
     DEFAULT_REGISTER,
     FENCE_INFO,
     OPTIONAL_INFO,
+    TOMBSTONE_INFO,
     RowStatements,
     row_statements,
 )
@@ -114,10 +119,12 @@ __all__ = [
     "bind",
     "binding",
     "check_lease",
+    "fence_column",
     "fenced_version",
     "install",
     "mapper_info",
     "table_info",
+    "tombstone_column",
     "unbind",
 ]
 
@@ -245,8 +252,15 @@ class _Dependent:
     link: tuple[tuple[Column[Any], Column[Any]], ...]
     rewrites: weakref.WeakKeyDictionary[Any, Any] = field(default_factory=weakref.WeakKeyDictionary)
 
-    def joins(self) -> ColumnElement[bool]:
-        return and_(*(f == d for f, d in self.link))
+    def exists(self, fenced: _TableInfo, *where: ColumnElement[bool]) -> ColumnElement[bool]:
+        """``EXISTS`` a fence row of this table's row where ``where`` holds.
+
+        The fence table is always the subquery's own FROM, also when the statement
+        around it joins that table already (an ``UPDATE ... FROM``).
+        """
+        link = (f == d for f, d in self.link)
+        query = select(literal(1)).select_from(fenced.table).where(*link, *where)
+        return query.correlate_except(fenced.table).exists()
 
 
 @dataclass(eq=False)
@@ -337,6 +351,57 @@ def _mapper_constructed(mapper: Mapper[Any], class_: type) -> None:
         for table in tables:
             if table_info(table) is None:
                 gate.mark_dependent(table, class_.__name__)
+
+
+# -- declaring the columns, typed -------------------------------------------------------
+
+
+def fence_column(name: str | None = None, **kwargs: Any) -> MappedColumn[int]:
+    """The fence column of a mapped class: ``BIGINT NOT NULL DEFAULT 0`` (C4, C9).
+
+    The typed twin of :func:`fence.adapters.sql.fence_column`, for SQLAlchemy 2's
+    annotated declarative style; it passes ``mypy --strict``::
+
+        class Account(Base):
+            __tablename__ = "accounts"
+            id: Mapped[int] = mapped_column(primary_key=True)
+            balance: Mapped[int]
+            fence: Mapped[int] = fence_column()
+
+    A column named ``fence`` is a fence even unmarked (:func:`fence_of`); this marks it
+    under any name. The plain DDL, for migrations, is
+    ``ALTER TABLE t ADD COLUMN fence BIGINT NOT NULL DEFAULT 0``.
+
+    Args:
+        name: the column name in the database (default: the attribute's name).
+        kwargs: passed on to :func:`~sqlalchemy.orm.mapped_column` (``comment=...``).
+    """
+    kwargs["info"] = {**kwargs.get("info", {}), FENCE_INFO: True}
+    kwargs.update(nullable=False, default=0, server_default=text("0"))
+    if name is None:
+        return mapped_column(BigInteger, **kwargs)
+    return mapped_column(name, BigInteger, **kwargs)
+
+
+def tombstone_column(name: str | None = None, **kwargs: Any) -> MappedColumn[bool]:
+    """A soft-delete flag of a mapped class: ``BOOLEAN NOT NULL DEFAULT FALSE`` (C7).
+
+    The typed twin of :func:`fence.adapters.sql.tombstone_column`::
+
+        deleted: Mapped[bool] = tombstone_column()
+
+    With it a fenced delete keeps the row, and its fence, as a tombstone; ORM queries
+    skip tombstones (see :data:`INCLUDE_TOMBSTONES`).
+
+    Args:
+        name: the column name in the database (default: the attribute's name).
+        kwargs: passed on to :func:`~sqlalchemy.orm.mapped_column`.
+    """
+    kwargs["info"] = {**kwargs.get("info", {}), TOMBSTONE_INFO: True}
+    kwargs.update(nullable=False, default=False, server_default=false())
+    if name is None:
+        return mapped_column(Boolean, **kwargs)
+    return mapped_column(name, Boolean, **kwargs)
 
 
 # -- the binding -----------------------------------------------------------------------
@@ -835,7 +900,7 @@ def _rewrite_dependent(stmt: Any, dep: _Dependent, info: _TableInfo, dialect: st
             index_elements=keys, set_={c.key: base.excluded[c.key] for c in others}
         )
     token = bindparam(_TOKEN, type_=info.fence.type)
-    passing = exists().where(dep.joins(), info.fence <= token)
+    passing = dep.exists(info, info.fence <= token)
     if isinstance(stmt, Update):
         passing = passing.where(info.live())
     return stmt.where(passing)
@@ -1430,7 +1495,7 @@ def _dependent_criteria(
     raised = conn.execute(raise_fences)
     if raised.rowcount == 0:
         _judge_orm(state, info, None, raised, found, mapper, not is_delete, keys=keys)
-    passing = exists().where(dep.joins(), fence == token)
+    passing = dep.exists(info, fence == token)
     return state.invoke_statement(statement=stmt.where(passing).execution_options(**OWN_OPTIONS))
 
 

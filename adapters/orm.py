@@ -31,16 +31,21 @@ from ._orm import (
     bind,
     binding,
     check_lease,
+    fence_column,
     fenced_version,
     install,
+    tombstone_column,
     unbind,
 )
-from ._sql_statements import fence_column, fence_register_table, tombstone_column
+from ._sql_gate import UNFENCED
+from ._sql_statements import FENCE_INFO, fence_of, fence_register_table
 from ._sync.repository import UnitOfWork
 
 __all__ = [
     "BINDING_KEY",
+    "FENCE_INFO",
     "INCLUDE_TOMBSTONES",
+    "UNFENCED",
     "AsyncUnitOfWork",
     "SessionBinding",
     "StaleTokenError",
@@ -49,6 +54,7 @@ __all__ = [
     "binding",
     "check_lease",
     "fence_column",
+    "fence_of",
     "fence_register_table",
     "fenced_version",
     "tombstone_column",
@@ -64,7 +70,9 @@ for _name in (
     "bind",
     "binding",
     "check_lease",
+    "fence_column",
     "fenced_version",
+    "tombstone_column",
     "unbind",
 ):
     globals()[_name].__module__ = __name__

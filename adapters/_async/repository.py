@@ -10,7 +10,7 @@ import functools
 import inspect
 import logging
 import string
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -56,6 +56,8 @@ class AsyncUnitOfWork:
         claim: claim the resource in the fence register at the start (C8).
         register: the register table (default ``fence_register``).
         events: the event bus for the session hook's events.
+        unfenced: mapped classes or tables without a fence that the work may write
+            (see :func:`fence.adapters.orm.bind`).
 
     Example::
 
@@ -83,6 +85,7 @@ class AsyncUnitOfWork:
         claim: bool = True,
         register: Table | None = None,
         events: EventBus | None = None,
+        unfenced: Iterable[Any] = (),
     ) -> None:
         self.manager = manager
         self.sessions = sessions
@@ -92,6 +95,7 @@ class AsyncUnitOfWork:
         self.claim = claim
         self.register = register
         self.events = events
+        self.unfenced = tuple(unfenced)
 
     @asynccontextmanager
     async def __call__(self, resource: str) -> AsyncIterator[AsyncSession]:
@@ -114,7 +118,14 @@ class AsyncUnitOfWork:
         try:
             session = self.sessions()
             try:
-                bind(session, lease, claim=self.claim, register=self.register, events=self.events)
+                bind(
+                    session,
+                    lease,
+                    claim=self.claim,
+                    register=self.register,
+                    events=self.events,
+                    unfenced=self.unfenced,
+                )
                 await session.connection()  # begins the transaction: the claim runs here
                 yield session
                 await watch.stop()  # unasync: remove

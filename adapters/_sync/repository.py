@@ -11,7 +11,7 @@ import functools
 import inspect
 import logging
 import string
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -56,6 +56,8 @@ class UnitOfWork:
         claim: claim the resource in the fence register at the start (C8).
         register: the register table (default ``fence_register``).
         events: the event bus for the session hook's events.
+        unfenced: mapped classes or tables without a fence that the work may write
+            (see :func:`fence.adapters.orm.bind`).
 
     Example::
 
@@ -83,6 +85,7 @@ class UnitOfWork:
         claim: bool = True,
         register: Table | None = None,
         events: EventBus | None = None,
+        unfenced: Iterable[Any] = (),
     ) -> None:
         self.manager = manager
         self.sessions = sessions
@@ -92,6 +95,7 @@ class UnitOfWork:
         self.claim = claim
         self.register = register
         self.events = events
+        self.unfenced = tuple(unfenced)
 
     @contextmanager
     def __call__(self, resource: str) -> Iterator[Session]:
@@ -113,7 +117,14 @@ class UnitOfWork:
         try:
             session = self.sessions()
             try:
-                bind(session, lease, claim=self.claim, register=self.register, events=self.events)
+                bind(
+                    session,
+                    lease,
+                    claim=self.claim,
+                    register=self.register,
+                    events=self.events,
+                    unfenced=self.unfenced,
+                )
                 session.connection()  # begins the transaction: the claim runs here
                 yield session
                 check_lease(lease)

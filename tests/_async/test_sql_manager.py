@@ -416,7 +416,7 @@ async def test_restored_table_hybrid_survives_counter_does_not(
     managers.extend([hybrid, counter])
     lease = await hybrid.acquire(resource)
     await lease.release()
-    restore = f"UPDATE {table} SET token = 1"  # noqa: S608 - the test's own table name
+    restore = f"UPDATE {table} SET token = 1"
     run(restore)  # the backup from long ago
     newer = await hybrid.acquire(resource)
     assert newer.token > lease.token
@@ -441,7 +441,7 @@ async def test_row_keeps_the_last_token_after_release_and_revoke(
     lease = await manager.acquire(resource)
     await lease.release()
     assert await manager.inspect(resource) is None
-    select = f"SELECT token, owner, holder FROM {table} WHERE resource = %s"  # noqa: S608
+    select = f"SELECT token, owner, holder FROM {table} WHERE resource = %s"
     assert run(select, resource) == [(lease.token, None, None)]
     revoked = await manager.revoke(resource)
     assert run(select, resource) == [(revoked, None, None)]

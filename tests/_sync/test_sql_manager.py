@@ -413,7 +413,7 @@ def test_restored_table_hybrid_survives_counter_does_not(
     managers.extend([hybrid, counter])
     lease = hybrid.acquire(resource)
     lease.release()
-    restore = f"UPDATE {table} SET token = 1"  # noqa: S608 - the test's own table name
+    restore = f"UPDATE {table} SET token = 1"
     run(restore)  # the backup from long ago
     newer = hybrid.acquire(resource)
     assert newer.token > lease.token
@@ -438,7 +438,7 @@ def test_row_keeps_the_last_token_after_release_and_revoke(
     lease = manager.acquire(resource)
     lease.release()
     assert manager.inspect(resource) is None
-    select = f"SELECT token, owner, holder FROM {table} WHERE resource = %s"  # noqa: S608
+    select = f"SELECT token, owner, holder FROM {table} WHERE resource = %s"
     assert run(select, resource) == [(lease.token, None, None)]
     revoked = manager.revoke(resource)
     assert run(select, resource) == [(revoked, None, None)]

@@ -1,0 +1,298 @@
+"""Regression tests: the paths by which a stale or unbound write reached a fenced table.
+
+Each test is one case found by trying the session hook as an adversary would; each write
+must now be fenced or refused before any I/O (C9). ``tests/test_write_paths_sql.py``
+covers every path for every caller; these pin the exact reproductions.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Engine,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    event,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from fence import (
+    ConfigurationError,
+    StaleTokenError,
+    TokenRequiredError,
+    UnfencedWriteError,
+)
+from fence._sync.memory import MemoryLockManager
+from fence.adapters.orm import (
+    FENCE_INFO,
+    UnitOfWork,
+    bind,
+    fence_column,
+    fence_of,
+    fence_register_table,
+    tombstone_column,
+)
+from fence.adapters.sql import RowGuard
+
+
+class Env:
+    """A database with a joined-inheritance pair, a typed model and an unfenced model."""
+
+    def __init__(self, engine: Engine) -> None:
+        suffix = secrets.token_hex(3)
+
+        class Base(DeclarativeBase):
+            pass
+
+        class Animal(Base):
+            __tablename__ = f"fc_animal_{suffix}"
+            id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+            kind: Mapped[str] = mapped_column(String(20))
+            name: Mapped[str] = mapped_column(String(20), default="")
+            fence: Mapped[int] = fence_column()
+            deleted: Mapped[bool] = tombstone_column()
+            __mapper_args__ = {"polymorphic_on": "kind", "polymorphic_identity": "animal"}  # noqa: RUF012
+
+        class Dog(Animal):
+            __tablename__ = f"fc_dog_{suffix}"
+            id: Mapped[int] = mapped_column(ForeignKey(Animal.id), primary_key=True)
+            bark: Mapped[str] = mapped_column(String(20), default="")
+            __mapper_args__ = {"polymorphic_identity": "dog"}  # noqa: RUF012
+
+        class Typed(Base):  # the obvious typed rewrite of fence_column()
+            __tablename__ = f"fc_typed_{suffix}"
+            id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+            v: Mapped[int] = mapped_column(Integer, default=0)
+            fence: Mapped[int] = mapped_column(BigInteger, default=0)
+
+        class Audit(Base):  # no fence column
+            __tablename__ = f"fc_audit_{suffix}"
+            id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+            msg: Mapped[str] = mapped_column(String(40), default="")
+
+        self.Animal, self.Dog, self.Typed, self.Audit = Animal, Dog, Typed, Audit
+        self.register = fence_register_table(Base.metadata, f"fc_register_{suffix}")
+        self.engine = engine
+        Base.metadata.create_all(engine)
+        with Session(engine) as s:
+            bind(s, token=10, scope="seed", register=self.register)
+            s.add_all([Dog(id=1, name="rex", bark="woof"), Typed(id=1, v=1)])
+            s.commit()
+
+    def dog(self) -> tuple[Any, ...]:
+        with self.engine.connect() as conn:
+            animal = self.Animal.__table__
+            dog = self.Dog.__table__
+            row = conn.execute(
+                select(animal.c.fence, animal.c.name, dog.c.bark).join_from(animal, dog)
+            ).one()
+            return tuple(row)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'fc.db'}"
+    else:
+        url = request.getfixturevalue("postgres_url")
+    engine = create_engine(url)
+    yield Env(engine)
+    engine.dispose()
+
+
+# -- 1. joined-table inheritance --------------------------------------------------------
+
+
+def test_joined_subclass_only_flush_with_an_equal_in_memory_fence_is_refused(env: Env) -> None:
+    """The stale holder's fence attribute already equals its token: no base UPDATE would
+    run, and the subclass UPDATE carried no fence check."""
+    with Session(env.engine) as stale:
+        bind(stale, token=10, claim=False)
+        dog = stale.get(env.Dog, 1)
+        assert dog is not None
+        assert dog.fence == 10  # its own earlier write
+        with Session(env.engine) as newer:  # the lease moved on; the newer holder writes
+            bind(newer, token=20, claim=False)
+            found = newer.get(env.Dog, 1)
+            assert found is not None
+            found.name = "max"
+            newer.commit()
+        dog.bark = "stale"  # a subclass column only
+        with pytest.raises(StaleTokenError):
+            stale.commit()
+    assert env.dog() == (20, "max", "woof")
+
+
+def test_joined_orm_update_is_fenced(env: Env) -> None:
+    stmt = update(env.Dog).where(env.Dog.id == 1).values(bark="bulk")
+    with Session(env.engine) as s, pytest.raises(TokenRequiredError):
+        s.execute(stmt)
+    with Session(env.engine) as s:
+        bind(s, token=5, claim=False)
+        with pytest.raises(StaleTokenError):
+            s.execute(stmt)
+    assert env.dog() == (10, "rex", "woof")
+    with Session(env.engine) as s:
+        bind(s, token=20, claim=False)
+        s.execute(stmt)
+        s.commit()
+    assert env.dog() == (20, "rex", "bulk")
+
+
+# -- 3. Core and text() on a session -------------------------------------------------------
+
+
+def test_core_update_on_the_session_connection_is_fenced(env: Env) -> None:
+    typed = env.Typed.__table__
+    stmt = update(typed).where(typed.c.id == 1).values(v=2)
+    with Session(env.engine) as s, pytest.raises(TokenRequiredError):
+        s.connection().execute(stmt)
+    with Session(env.engine) as s:
+        bind(s, token=5, claim=False)
+        with pytest.raises(StaleTokenError):
+            s.connection().execute(stmt)
+    with Session(env.engine) as s:
+        bind(s, token=20, claim=False)
+        s.connection().execute(stmt)
+        s.commit()
+    with env.engine.connect() as conn:
+        # The current holder's write raised the fence: it used to stay at 0 (C4).
+        assert tuple(conn.execute(select(typed.c.v, typed.c.fence)).one()) == (2, 20)
+
+
+@pytest.mark.parametrize("via", ["session", "connection", "driver"])
+def test_raw_sql_writes_are_refused(env: Env, via: str) -> None:
+    name = env.Typed.__table__.name
+    sql = f"UPDATE {name} SET v = 99"
+
+    def run(s: Session) -> None:
+        if via == "session":
+            s.execute(text(sql))
+        elif via == "connection":
+            s.connection().execute(text(sql))
+        else:
+            s.connection().exec_driver_sql(sql)
+
+    with Session(env.engine) as s, pytest.raises(TokenRequiredError):
+        run(s)
+    for token in (5, 20):
+        with Session(env.engine) as s:
+            bind(s, token=token, claim=False)
+            with pytest.raises(UnfencedWriteError, match="raw SQL"):
+                run(s)
+    with Session(env.engine) as s:  # reads pass
+        bind(s, token=20, claim=False)
+        assert s.execute(text(f"SELECT v FROM {name}")).scalar() == 1
+    with Session(env.engine) as s:  # the documented opt-out
+        s.execute(text(sql).execution_options(unfenced=True))
+        s.commit()
+    with env.engine.connect() as conn:
+        assert conn.execute(text(f"SELECT v FROM {name}")).scalar() == 99
+
+
+# -- 4. typed models and one fence rule ------------------------------------------------------
+
+
+def test_an_unmarked_column_named_fence_is_adopted_by_the_hook_and_the_guard(env: Env) -> None:
+    typed = env.Typed.__table__
+    assert fence_of(typed) is typed.c.fence
+    with Session(env.engine) as s:
+        s.add(env.Typed(id=2, v=2))
+        with pytest.raises(TokenRequiredError):
+            s.commit()  # an unbound insert used to be accepted
+    with env.engine.begin() as conn:
+        assert RowGuard(conn, typed).statements.fence is typed.c.fence
+
+
+def test_a_column_named_fence_can_say_it_is_not_one() -> None:
+    table = Table(
+        "fencing_jobs",
+        MetaData(),
+        Column("id", Integer, primary_key=True),
+        Column("fence", String(20), info={FENCE_INFO: False}),  # a garden fence
+    )
+    assert fence_of(table) is None
+
+
+def test_two_marked_fences_are_refused_where_the_table_is_defined() -> None:
+    with pytest.raises(ConfigurationError, match="2 columns"):
+        Table(
+            "two",
+            MetaData(),
+            Column("id", Integer, primary_key=True),
+            Column("a", BigInteger, info={FENCE_INFO: True}),
+            Column("b", BigInteger, info={FENCE_INFO: True}),
+        )
+
+
+# -- 5. a bound session writing a model without a fence ----------------------------------------
+
+
+def test_a_bound_session_refuses_a_model_without_a_fence(env: Env) -> None:
+    with Session(env.engine) as s:
+        bind(s, token=20, claim=False)
+        s.add(env.Audit(id=1, msg="x"))
+        with pytest.raises(UnfencedWriteError, match="unfenced="):
+            s.commit()
+    with Session(env.engine) as s:
+        bind(s, token=20, claim=False, unfenced=[env.Audit])
+        s.add(env.Audit(id=1, msg="x"))
+        s.commit()
+    with pytest.raises(ConfigurationError, match="it is fenced"):
+        bind(Session(env.engine), token=20, claim=False, unfenced=[env.Typed])
+
+
+def test_the_unit_of_work_passes_unfenced_on(env: Env) -> None:
+    with MemoryLockManager(ttl=5) as manager:
+        uow = UnitOfWork(
+            manager,
+            lambda: Session(env.engine),
+            register=env.register,
+            unfenced=[env.Audit],
+        )
+        with uow("typed:1") as s:
+            s.add(env.Audit(id=7, msg="ok"))
+            found = s.get(env.Typed, 1)
+            assert found is not None
+            found.v = 5
+    with env.engine.connect() as conn:
+        assert conn.execute(select(env.Audit.__table__.c.msg)).scalar() == "ok"
+
+
+# -- an unknown flush statement ---------------------------------------------------------------
+
+
+def test_a_flush_statement_of_an_unknown_shape_is_refused(env: Env) -> None:
+    typed = env.Typed.__table__
+
+    def sneak(mapper: Any, connection: Any, target: Any) -> None:
+        # Runs inside the flush: a statement the hook did not build and cannot judge.
+        connection.execute(update(typed).values(v=0))
+
+    event.listen(env.Typed, "before_update", sneak)
+    try:
+        with Session(env.engine) as s:
+            bind(s, token=20, claim=False)
+            found = s.get(env.Typed, 1)
+            assert found is not None
+            found.v = 3
+            with pytest.raises(UnfencedWriteError, match="does not recognise"):
+                s.commit()
+    finally:
+        event.remove(env.Typed, "before_update", sneak)
+    with env.engine.connect() as conn:
+        assert conn.execute(select(typed.c.v)).scalar() == 1
