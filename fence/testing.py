@@ -20,13 +20,14 @@ patching ``time``::
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fence._clock import ManualClock
 from fence._core import accepts, rejection, validate_resource, validate_token
+from fence._errors import StaleTokenError
 from fence._events import Event, EventBus, EventKind, default_bus
 from fence._memory import MemoryBackend
 
@@ -130,6 +131,43 @@ class MemoryGuard:
         with self._checked(scope, token, must_exist=True) as cell:
             cell.value = fn(cell.value)
             return cell.value
+
+    def write_many(self, token: int, values: Mapping[str, Any]) -> None:
+        """Create or replace several values with one token, all or nothing (C6).
+
+        Every fence is checked before the first write; if any is above ``token``, nothing
+        is written and the error lists every rejected scope in ``rejected``.
+
+        Raises:
+            StaleTokenError: one or more scopes hold a newer fence.
+        """
+        token = validate_token(token)
+        scopes = [validate_resource(scope, what="scope") for scope in values]
+        with self._lock:
+            errors = []
+            for scope in scopes:
+                cell = self._cells.get(scope)
+                fence = cell.fence if cell else None
+                if not accepts(token, fence):
+                    errors.append(rejection(scope, token, fence))
+            if errors:
+                for err in errors:
+                    self.events.emit(
+                        EventKind.WRITE_REJECTED, self.source, err.scope, token, reason=err.reason
+                    )
+                if len(errors) == 1 and len(scopes) == 1:
+                    raise errors[0]
+                first = errors[0]
+                raise StaleTokenError(
+                    first.scope, token, first.fence, first.reason, rejected=tuple(errors)
+                )
+            for scope in scopes:
+                cell = self._cells.get(scope)
+                if cell is None:
+                    cell = self._cells[scope] = _Cell(token, None, False)
+                cell.fence, cell.value, cell.exists = token, values[scope], True
+        for scope in scopes:
+            self.events.emit(EventKind.WRITE_ACCEPTED, self.source, scope, token)
 
     def delete(self, scope: str, token: int) -> None:
         """Delete the value and keep the fence as a tombstone (C7)."""
