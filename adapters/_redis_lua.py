@@ -23,7 +23,14 @@ from typing import Any, NamedTuple
 
 from redis.crc import key_slot
 
-from fence import ConfigurationError, Reason, StaleTokenError, validate_resource, validate_ttl
+from fence import (
+    ConfigurationError,
+    InvalidResourceError,
+    Reason,
+    StaleTokenError,
+    validate_resource,
+    validate_ttl,
+)
 
 __all__ = [
     "READ",
@@ -391,16 +398,18 @@ class KeyLayout:
       issuer check, never written by the guard).
 
     Fence keys are plain integer strings without a TTL; a value's expiry never touches
-    them.
+    them. Every key that starts with the prefix is reserved for fences and the lock
+    managers' keys: the layout refuses such a data key, and, in the resource scope, a data
+    key without a hash tag (its register would not be its resource's).
 
     Args:
-        prefix: the key prefix; must match the lock manager's. No braces.
+        prefix: the key prefix; must match the lock manager's. Not empty, no braces.
         scope: a :class:`FenceScope`.
         cluster: whether the client is a cluster client (keys whose resource contains
             ``}`` cannot share a slot with their fence there).
 
     Raises:
-        ConfigurationError: a prefix with braces or an unknown scope.
+        ConfigurationError: an empty prefix, a prefix with braces or an unknown scope.
     """
 
     __slots__ = ("_fence_keys", "cluster", "per_resource", "prefix", "scope")
@@ -411,6 +420,12 @@ class KeyLayout:
     def __init__(self, prefix: str, scope: FenceScope | str, *, cluster: bool) -> None:
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ConfigurationError(f"prefix must be a str without braces, got {prefix!r}")
+        if not prefix:
+            raise ConfigurationError(
+                "prefix must not be empty: every key starting with it is reserved for fences"
+                " and lock state, and an empty prefix would reserve every key; use the lock"
+                " manager's prefix (the default is 'fence:')"
+            )
         try:
             self.scope = FenceScope(scope)
         except ValueError:
@@ -426,10 +441,19 @@ class KeyLayout:
         """The resource of ``key``; on a cluster, refuse one whose fence cannot share its slot.
 
         Raises:
-            InvalidResourceError: ``key`` is not a usable name.
+            InvalidResourceError: ``key`` is not a usable name, or it lies in the fence
+                namespace (it starts with the prefix).
             CrossSlotError: on a cluster, the key has no hash tag but contains ``}``.
         """
         validate_resource(key, what="key")
+        if key.startswith(self.prefix):
+            raise InvalidResourceError(
+                f"key {key!r} lies in the fence namespace: every key starting with the"
+                f" prefix {self.prefix!r} is reserved for fences, token counters and lock"
+                " state, and a write there could reset a fence. Keep data keys outside it,"
+                " or give the guard and the lock managers another prefix.",
+                value=key,
+            )
         resource = resource_of(key)
         if self.cluster and "}" in resource:
             raise CrossSlotError(
@@ -440,28 +464,53 @@ class KeyLayout:
             )
         return resource
 
-    def fence_key(self, key: str) -> str:
+    def fence_key(self, key: str, *, data: bool = True) -> str:
         """The key that holds the fence protecting ``key``.
 
+        Args:
+            key: a data key; or, with ``data=False`` (claim, fence), a scope, which in the
+                resource scope may also be a bare resource name.
+            data: whether ``key`` is a data key.
+
         Raises:
-            InvalidResourceError, CrossSlotError: as :meth:`resource`.
+            InvalidResourceError: as :meth:`resource`; or, in the resource scope, a data
+                key without a hash tag.
+            CrossSlotError: as :meth:`resource`.
         """
         found = self._fence_keys.get(key) if type(key) is str else None
         if found is not None:
             return found
         resource = self.resource(key)
         if self.per_resource:
+            if data and hash_tag(key) is None:
+                raise InvalidResourceError(
+                    f"key {key!r} has no hash tag, so in the resource scope it would be"
+                    " fenced only by a register of its own, outside its lock's claim and"
+                    " revoke. Put the resource in braces, e.g."
+                    f" {_tagged_example(key)!r} under lock({_tagged_example(key, bare=True)!r});"
+                    " claim() and fence() take the bare resource name.",
+                    value=key,
+                )
             found = f"{self.prefix}{{{resource}}}:fence"
         else:
             found = f"{self.prefix}{{{resource}}}:key:{key}"
-        if len(self._fence_keys) >= self.CACHE_SIZE:
-            self._fence_keys.clear()
-        self._fence_keys[key] = found
+        if data:
+            if len(self._fence_keys) >= self.CACHE_SIZE:
+                self._fence_keys.clear()
+            self._fence_keys[key] = found
         return found
 
     def issuer_key(self, key: str) -> str:
         """The lock manager's issued-token counter for the resource of ``key``."""
         return f"{self.prefix}{{{self.resource(key)}}}:token"
+
+
+def _tagged_example(key: str, *, bare: bool = False) -> str:
+    """``order:9:status`` -> ``{order:9}:status`` (or ``order:9`` with ``bare``)."""
+    resource, sep, rest = key.rpartition(":")
+    if not resource:
+        return key if bare else f"{{{key}}}"
+    return resource if bare else f"{{{resource}}}{sep}{rest}"
 
 
 # -- operations -------------------------------------------------------------------------
@@ -568,7 +617,7 @@ def encode(
     # str and int on each call, which is most of the client's cost of a fenced write.
     argv: list[Any] = [b"%d" % token, b"%d" % len(ops), b"3" if issuer else b"2"]
     for op in ops:
-        keys.append(layout.fence_key(op.key))
+        keys.append(layout.fence_key(op.key, data=op.code != "claim"))
         keys.append(op.key)
         if issuer:
             keys.append(layout.issuer_key(op.key))

@@ -356,7 +356,7 @@ class AsyncRedisGuard:
             StaleTokenError: ``UNVERIFIABLE``, the fence key holds no integer.
             BackendError: Redis failed.
         """
-        fence_key = self.layout.fence_key(scope)
+        fence_key = self.layout.fence_key(scope, data=False)
         try:
             raw = await self.client.get(fence_key)
         except RedisError as err:
@@ -601,7 +601,7 @@ class AsyncFencedPipeline:
     def _add(self, token: int, op: Op) -> AsyncFencedPipeline:
         # Validate now: a bad token or key is the caller's bug and must not cost I/O.
         token = validate_token(token)
-        self.guard.layout.fence_key(op.key)
+        self.guard.layout.fence_key(op.key, data=op.code != "claim")
         self._queued.append((token, op))
         return self
 

@@ -358,7 +358,7 @@ class RedisGuard:
             StaleTokenError: ``UNVERIFIABLE``, the fence key holds no integer.
             BackendError: Redis failed.
         """
-        fence_key = self.layout.fence_key(scope)
+        fence_key = self.layout.fence_key(scope, data=False)
         try:
             raw = self.client.get(fence_key)
         except RedisError as err:
@@ -601,7 +601,7 @@ class FencedPipeline:
     def _add(self, token: int, op: Op) -> FencedPipeline:
         # Validate now: a bad token or key is the caller's bug and must not cost I/O.
         token = validate_token(token)
-        self.guard.layout.fence_key(op.key)
+        self.guard.layout.fence_key(op.key, data=op.code != "claim")
         self._queued.append((token, op))
         return self
 
