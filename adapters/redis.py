@@ -21,20 +21,30 @@ from __future__ import annotations
 
 from ._async.redis import AsyncFencedPipeline, AsyncRedisBatch, AsyncRedisGuard
 from ._redis_lua import (
+    MAX_TTL_MS,
+    MAX_XADD_FIELDS,
     READ_LUA,
+    SET_LUA,
     WRITE_LUA,
     CrossSlotError,
     FenceScope,
     KeyLayout,
+    PartialWriteError,
+    RefusedWrite,
     UnissuedTokenError,
+    WriteRefusedError,
     hash_tag,
     resource_of,
     slot_of,
+    stream_id,
 )
 from ._sync.redis import FencedPipeline, RedisBatch, RedisGuard
 
 __all__ = [
+    "MAX_TTL_MS",
+    "MAX_XADD_FIELDS",
     "READ_LUA",
+    "SET_LUA",
     "WRITE_LUA",
     "AsyncFencedPipeline",
     "AsyncRedisBatch",
@@ -43,12 +53,16 @@ __all__ = [
     "FenceScope",
     "FencedPipeline",
     "KeyLayout",
+    "PartialWriteError",
     "RedisBatch",
     "RedisGuard",
+    "RefusedWrite",
     "UnissuedTokenError",
+    "WriteRefusedError",
     "hash_tag",
     "resource_of",
     "slot_of",
+    "stream_id",
 ]
 
 for _cls in (

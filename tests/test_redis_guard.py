@@ -34,6 +34,7 @@ from fence.adapters.redis import (
     FenceScope,
     RedisGuard,
     UnissuedTokenError,
+    WriteRefusedError,
     hash_tag,
     resource_of,
 )
@@ -260,10 +261,10 @@ def test_update_semantics_report_missing(client: redis.Redis, guard: RedisGuard)
 
 def test_wrong_types_fail_before_any_write(client: redis.Redis, guard: RedisGuard) -> None:
     client.set("{r}s", "text")
-    with pytest.raises(BackendError) as caught:
+    with pytest.raises(WriteRefusedError) as caught:
         guard.batch(5).set("{r}a", 1).hset("{r}s", {"f": 1}).execute()
     assert "WRONGTYPE" in str(caught.value)
-    with pytest.raises(BackendError):
+    with pytest.raises(WriteRefusedError):
         guard.batch(5).set("{r}a", "x").incr("{r}a").execute()
     assert client.get("{r}a") is None
     assert guard.fence("{r}a") is None
@@ -403,8 +404,10 @@ def test_pipeline_gives_one_result_per_write(client: redis.Redis, guard: RedisGu
 def test_pipeline_reports_per_write_failures(client: redis.Redis, guard: RedisGuard) -> None:
     client.set("text", "x")
     results = guard.pipeline().incr("text", token=1).set("ok", 1, token=1).execute()
-    assert isinstance(results[0], BackendError)
+    assert isinstance(results[0], WriteRefusedError)
+    assert results[0].refused[0].reason == "NOT_INTEGER"
     assert results[1] == 1
+    assert guard.fence("text") is None
 
 
 # -- issuer check ------------------------------------------------------------------------

@@ -12,11 +12,17 @@ from typing import Any
 import redis.asyncio
 import redis.asyncio.cluster
 from redis.exceptions import (
+    BusyLoadingError,
     ClusterCrossSlotError,
+    ClusterDownError,
+    NoPermissionError,
     NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
     RedisClusterException,
     RedisError,
     ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import (
     ConnectionError as RedisConnectionError,
@@ -27,6 +33,7 @@ from redis.exceptions import (
 
 from fence import (
     BackendError,
+    ConfigurationError,
     EventBus,
     EventKind,
     FenceError,
@@ -38,6 +45,7 @@ from fence import (
 
 from .._redis_lua import (
     READ,
+    SERVER_STATES,
     SET,
     WRITE,
     CrossSlotError,
@@ -56,6 +64,7 @@ from .._redis_lua import (
     op_set,
     op_xadd,
     parse_fence,
+    server_state,
 )
 
 __all__ = ["AsyncFencedPipeline", "AsyncRedisBatch", "AsyncRedisGuard"]
@@ -63,6 +72,16 @@ __all__ = ["AsyncFencedPipeline", "AsyncRedisBatch", "AsyncRedisGuard"]
 AsyncRedisClient = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
 
 _SOURCE = "redis-guard"
+
+#: redis-py parses these error codes into classes and drops the code from the message.
+_STATE_ERRORS: tuple[tuple[type[RedisError], str], ...] = (
+    (OutOfMemoryError, "OOM"),
+    (ReadOnlyError, "READONLY"),
+    (NoPermissionError, "NOPERM"),
+    (BusyLoadingError, "LOADING"),
+    (ClusterDownError, "CLUSTERDOWN"),
+    (TryAgainError, "TRYAGAIN"),
+)
 
 
 def _translate(err: RedisError, what: str) -> FenceError:
@@ -92,6 +111,18 @@ def _translate(err: RedisError, what: str) -> FenceError:
             " Give every key of a resource the same hash tag, e.g. '{order:42}:status'."
         )
     if isinstance(err, ResponseError):
+        state = next((word for cls, word in _STATE_ERRORS if isinstance(err, cls)), None)
+        state = state or server_state(text)
+        if state is not None:
+            # Redis refuses for its state only a script's first write (a script that wrote
+            # may finish), and the scripts' error replies come from reads before it: a
+            # state error reply means nothing was written.
+            code, retryable, advice = SERVER_STATES[state]
+            return BackendError(
+                f"{what}: Redis refused the call, nothing was written: {text} ({advice})",
+                code=code,
+                retryable=retryable,
+            )
         return BackendError(f"{what}: Redis refused the command: {text}", code="RESPONSE")
     return BackendError(f"{what}: Redis failed: {text}", code="BACKEND")
 
@@ -233,8 +264,8 @@ class AsyncRedisGuard:
         reply = await self._eval(SET, [self.layout.fence_key(key), key], argv, key)
         if reply != 1:
             outcome = decode(token, (op,), reply)
-            if isinstance(outcome, StaleTokenError):
-                if self.events.active:
+            if isinstance(outcome, FenceError):
+                if self.events.active and isinstance(outcome, StaleTokenError):
                     self.events.emit(
                         EventKind.WRITE_REJECTED, _SOURCE, key, token, reason=outcome.reason
                     )
@@ -449,8 +480,8 @@ class AsyncRedisGuard:
         reply = await self._eval(WRITE, keys, argv, ops[0].key)
         outcome = decode(token, ops, reply)
         bus = self.events
-        if isinstance(outcome, StaleTokenError):
-            if bus.active:
+        if isinstance(outcome, FenceError):
+            if bus.active and isinstance(outcome, StaleTokenError):
                 for err in outcome.rejected or (outcome,):
                     bus.emit(EventKind.WRITE_REJECTED, _SOURCE, err.scope, token, reason=err.reason)
             raise outcome
@@ -506,6 +537,8 @@ class AsyncRedisBatch:
         self.guard = guard
         self.token = token
         self.ops: list[Op] = []
+        # Streams that got an automatic id in this batch (and were not replaced since).
+        self._auto_ids: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -515,6 +548,7 @@ class AsyncRedisBatch:
     ) -> AsyncRedisBatch:
         """Add a fenced set; see :meth:`AsyncRedisGuard.set`."""
         self.ops.append(op_set(key, value, ttl, must_exist))
+        self._auto_ids.discard(key)
         return self
 
     def hset(
@@ -527,6 +561,7 @@ class AsyncRedisBatch:
     def delete(self, key: str) -> AsyncRedisBatch:
         """Add a fenced delete that leaves a tombstone; see :meth:`AsyncRedisGuard.delete`."""
         self.ops.append(op_delete(key))
+        self._auto_ids.discard(key)
         return self
 
     def incr(self, key: str, amount: int = 1, *, must_exist: bool = False) -> AsyncRedisBatch:
@@ -548,8 +583,25 @@ class AsyncRedisBatch:
         maxlen: int | None = None,
         must_exist: bool = False,
     ) -> AsyncRedisBatch:
-        """Add a fenced stream append; see :meth:`AsyncRedisGuard.xadd`."""
-        self.ops.append(op_xadd(key, fields, id, maxlen, must_exist))
+        """Add a fenced stream append; see :meth:`AsyncRedisGuard.xadd`.
+
+        Raises:
+            ConfigurationError: as :meth:`AsyncRedisGuard.xadd`; or an explicit id (not
+                ``*``) after an automatic one on the same stream in this batch: the id the
+                server picks from its clock cannot be predicted, so whether the explicit
+                one lies above it cannot be checked before the first write.
+        """
+        op = op_xadd(key, fields, id, maxlen, must_exist)
+        if op.args[0] != "*" and key in self._auto_ids:
+            raise ConfigurationError(
+                f"xadd {key!r} id={id!r} follows an xadd with id='*' on the same stream in"
+                " this batch: the id the server picks for '*' cannot be predicted, so this"
+                " batch could fail halfway. Use '*' for both, explicit ids for both, or two"
+                " batches."
+            )
+        if op.args[0] == "*":
+            self._auto_ids.add(key)
+        self.ops.append(op)
         return self
 
     def claim(self, key: str) -> AsyncRedisBatch:
@@ -687,8 +739,8 @@ class AsyncFencedPipeline:
                 out.append(failure)
                 continue
             outcome = decode(token, (op,), reply)
-            if isinstance(outcome, StaleTokenError):
-                if bus.active:
+            if isinstance(outcome, FenceError):
+                if bus.active and isinstance(outcome, StaleTokenError):
                     bus.emit(
                         EventKind.WRITE_REJECTED, _SOURCE, op.key, token, reason=outcome.reason
                     )

@@ -14,11 +14,17 @@ from typing import Any
 import redis
 import redis.cluster
 from redis.exceptions import (
+    BusyLoadingError,
     ClusterCrossSlotError,
+    ClusterDownError,
+    NoPermissionError,
     NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
     RedisClusterException,
     RedisError,
     ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import (
     ConnectionError as RedisConnectionError,
@@ -29,6 +35,7 @@ from redis.exceptions import (
 
 from fence import (
     BackendError,
+    ConfigurationError,
     EventBus,
     EventKind,
     FenceError,
@@ -40,6 +47,7 @@ from fence import (
 
 from .._redis_lua import (
     READ,
+    SERVER_STATES,
     SET,
     WRITE,
     CrossSlotError,
@@ -58,6 +66,7 @@ from .._redis_lua import (
     op_set,
     op_xadd,
     parse_fence,
+    server_state,
 )
 
 __all__ = ["FencedPipeline", "RedisBatch", "RedisGuard"]
@@ -65,6 +74,16 @@ __all__ = ["FencedPipeline", "RedisBatch", "RedisGuard"]
 RedisClient = redis.Redis | redis.cluster.RedisCluster
 
 _SOURCE = "redis-guard"
+
+#: redis-py parses these error codes into classes and drops the code from the message.
+_STATE_ERRORS: tuple[tuple[type[RedisError], str], ...] = (
+    (OutOfMemoryError, "OOM"),
+    (ReadOnlyError, "READONLY"),
+    (NoPermissionError, "NOPERM"),
+    (BusyLoadingError, "LOADING"),
+    (ClusterDownError, "CLUSTERDOWN"),
+    (TryAgainError, "TRYAGAIN"),
+)
 
 
 def _translate(err: RedisError, what: str) -> FenceError:
@@ -94,6 +113,18 @@ def _translate(err: RedisError, what: str) -> FenceError:
             " Give every key of a resource the same hash tag, e.g. '{order:42}:status'."
         )
     if isinstance(err, ResponseError):
+        state = next((word for cls, word in _STATE_ERRORS if isinstance(err, cls)), None)
+        state = state or server_state(text)
+        if state is not None:
+            # Redis refuses for its state only a script's first write (a script that wrote
+            # may finish), and the scripts' error replies come from reads before it: a
+            # state error reply means nothing was written.
+            code, retryable, advice = SERVER_STATES[state]
+            return BackendError(
+                f"{what}: Redis refused the call, nothing was written: {text} ({advice})",
+                code=code,
+                retryable=retryable,
+            )
         return BackendError(f"{what}: Redis refused the command: {text}", code="RESPONSE")
     return BackendError(f"{what}: Redis failed: {text}", code="BACKEND")
 
@@ -235,8 +266,8 @@ class RedisGuard:
         reply = self._eval(SET, [self.layout.fence_key(key), key], argv, key)
         if reply != 1:
             outcome = decode(token, (op,), reply)
-            if isinstance(outcome, StaleTokenError):
-                if self.events.active:
+            if isinstance(outcome, FenceError):
+                if self.events.active and isinstance(outcome, StaleTokenError):
                     self.events.emit(
                         EventKind.WRITE_REJECTED, _SOURCE, key, token, reason=outcome.reason
                     )
@@ -451,8 +482,8 @@ class RedisGuard:
         reply = self._eval(WRITE, keys, argv, ops[0].key)
         outcome = decode(token, ops, reply)
         bus = self.events
-        if isinstance(outcome, StaleTokenError):
-            if bus.active:
+        if isinstance(outcome, FenceError):
+            if bus.active and isinstance(outcome, StaleTokenError):
                 for err in outcome.rejected or (outcome,):
                     bus.emit(EventKind.WRITE_REJECTED, _SOURCE, err.scope, token, reason=err.reason)
             raise outcome
@@ -508,6 +539,8 @@ class RedisBatch:
         self.guard = guard
         self.token = token
         self.ops: list[Op] = []
+        # Streams that got an automatic id in this batch (and were not replaced since).
+        self._auto_ids: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -517,6 +550,7 @@ class RedisBatch:
     ) -> RedisBatch:
         """Add a fenced set; see :meth:`RedisGuard.set`."""
         self.ops.append(op_set(key, value, ttl, must_exist))
+        self._auto_ids.discard(key)
         return self
 
     def hset(self, key: str, mapping: Mapping[Any, Any], *, must_exist: bool = False) -> RedisBatch:
@@ -527,6 +561,7 @@ class RedisBatch:
     def delete(self, key: str) -> RedisBatch:
         """Add a fenced delete that leaves a tombstone; see :meth:`RedisGuard.delete`."""
         self.ops.append(op_delete(key))
+        self._auto_ids.discard(key)
         return self
 
     def incr(self, key: str, amount: int = 1, *, must_exist: bool = False) -> RedisBatch:
@@ -548,8 +583,25 @@ class RedisBatch:
         maxlen: int | None = None,
         must_exist: bool = False,
     ) -> RedisBatch:
-        """Add a fenced stream append; see :meth:`RedisGuard.xadd`."""
-        self.ops.append(op_xadd(key, fields, id, maxlen, must_exist))
+        """Add a fenced stream append; see :meth:`RedisGuard.xadd`.
+
+        Raises:
+            ConfigurationError: as :meth:`RedisGuard.xadd`; or an explicit id (not
+                ``*``) after an automatic one on the same stream in this batch: the id the
+                server picks from its clock cannot be predicted, so whether the explicit
+                one lies above it cannot be checked before the first write.
+        """
+        op = op_xadd(key, fields, id, maxlen, must_exist)
+        if op.args[0] != "*" and key in self._auto_ids:
+            raise ConfigurationError(
+                f"xadd {key!r} id={id!r} follows an xadd with id='*' on the same stream in"
+                " this batch: the id the server picks for '*' cannot be predicted, so this"
+                " batch could fail halfway. Use '*' for both, explicit ids for both, or two"
+                " batches."
+            )
+        if op.args[0] == "*":
+            self._auto_ids.add(key)
+        self.ops.append(op)
         return self
 
     def claim(self, key: str) -> RedisBatch:
@@ -685,8 +737,8 @@ class FencedPipeline:
                 out.append(failure)
                 continue
             outcome = decode(token, (op,), reply)
-            if isinstance(outcome, StaleTokenError):
-                if bus.active:
+            if isinstance(outcome, FenceError):
+                if bus.active and isinstance(outcome, StaleTokenError):
                     bus.emit(
                         EventKind.WRITE_REJECTED, _SOURCE, op.key, token, reason=outcome.reason
                     )
