@@ -1043,6 +1043,7 @@ SERVER_STATES: dict[str, tuple[str, bool, str]] = {
 _DATA_ERRORS = (
     ("WRONGTYPE", "WRONGTYPE"),
     ("NOPERM", "NOPERM"),
+    ("ERR The user executing the script can't", "NOPERM"),  # Redis 7.0 inside a script
     ("ERR value is not an integer", "NOT_INTEGER"),
     ("ERR increment or decrement would overflow", "OVERFLOW"),
     ("ERR The ID specified in XADD", "STREAM_ID"),

@@ -20,6 +20,7 @@ the issuer check and the write-only fencing hole.
 from __future__ import annotations
 
 from ._async.redis import AsyncFencedPipeline, AsyncRedisBatch, AsyncRedisGuard
+from ._redis_acl import AclRules, acl_rules
 from ._redis_lua import (
     MAX_TTL_MS,
     MAX_XADD_FIELDS,
@@ -46,6 +47,7 @@ __all__ = [
     "READ_LUA",
     "SET_LUA",
     "WRITE_LUA",
+    "AclRules",
     "AsyncFencedPipeline",
     "AsyncRedisBatch",
     "AsyncRedisGuard",
@@ -59,6 +61,7 @@ __all__ = [
     "RefusedWrite",
     "UnissuedTokenError",
     "WriteRefusedError",
+    "acl_rules",
     "hash_tag",
     "resource_of",
     "slot_of",
@@ -74,6 +77,7 @@ for _cls in (
     RedisGuard,
     FenceScope,
     KeyLayout,
+    AclRules,
 ):
     _cls.__module__ = __name__
 del _cls
