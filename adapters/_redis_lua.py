@@ -72,7 +72,7 @@ _U64_MAX = 2**64 - 1
 WRITE_LUA = """
 -- KEYS: for each operation i, a group of STRIDE keys:
 --   KEYS[g+1]  the fence key (per-key fence, or the resource's fence register)
---   KEYS[g+2]  the data key
+--   KEYS[g+2]  the data key (for a claim, the fence key again)
 --   KEYS[g+3]  the resource's issued-token counter (only when STRIDE is 3)
 -- ARGV[1]  the token, a decimal string (validated by the client: 1 <= t <= 2^53-1)
 -- ARGV[2]  N, the number of operations
@@ -975,8 +975,11 @@ def encode(
     # str and int on each call, which is most of the client's cost of a fenced write.
     argv: list[Any] = [b"%d" % token, b"%d" % len(ops), b"3" if issuer else b"2"]
     for op in ops:
-        keys.append(layout.fence_key(op.key, data=op.code != "claim"))
-        keys.append(op.key)
+        fence = layout.fence_key(op.key, data=op.code != "claim")
+        keys.append(fence)
+        # A claim touches no data; its scope may be a bare resource name, which is no key
+        # the guard's ACL user may have (KEYS must be accessible). Its fence key stands in.
+        keys.append(fence if op.code == "claim" else op.key)
         if issuer:
             keys.append(layout.issuer_key(op.key))
         argv += (

@@ -280,6 +280,8 @@ KEY_KINDS = [
     KeyKind("tagged in resource scope", "resource", "{wp:1}:k"),
     KeyKind("untagged", "key", "wp:1:k", untagged=True),
     KeyKind("untagged in resource scope", "resource", "wp:1:k", untagged=True),
+    # A bare resource name, outside the data key patterns: claim takes it, data paths don't.
+    KeyKind("resource name", "resource", "wpr:1", untagged=True),
     KeyKind("fence key", "key", "fence:{wp:1}:key:{wp:1}:k", reserved=True),
     KeyKind("fence register", "resource", "fence:{wp:1}:fence", reserved=True),
     KeyKind("manager counter", "key", "fence:{wp:1}:token", reserved=True),
