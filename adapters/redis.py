@@ -13,8 +13,13 @@ write with the new fence atomically; a stale token changes nothing and raises
         guard.set("{order:42}:status", "paid", token=lease.token)
 
 The asyncio twin is :class:`AsyncRedisGuard` (``redis.asyncio.Redis`` or
-``redis.asyncio.cluster.RedisCluster``). See ``docs/redis-guard.md`` for the key layout,
-the issuer check and the write-only fencing hole.
+``redis.asyncio.cluster.RedisCluster``). Every write path is fenced or refused before any
+I/O (C9): keys in the fence namespace and, in the resource scope, data keys without a hash
+tag are refused; an operation Redis would refuse on the data raises
+:class:`WriteRefusedError` with nothing written, in a batch as for a single write (C6).
+Raw commands on the guard's keys are refused by Redis only for users set up with
+:func:`acl_rules`. See ``docs/redis-guard.md`` for the key layout, the rule for every
+write path, the ACL recipe, the issuer check and the write-only fencing hole.
 """
 
 from __future__ import annotations

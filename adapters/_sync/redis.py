@@ -141,7 +141,13 @@ class RedisGuard:
     ``scope="resource"`` all keys of a resource share one register, ``fence:{R}:fence``,
     where ``R`` is the key's hash tag (or the whole key when it has none), the register a
     lock manager's forced revocation raises. Use the resource scope when the keys of ``R``
-    are updated together under one lock.
+    are updated together under one lock; there every data key must carry the hash tag.
+
+    Every path is fenced or refused before any I/O (C9): a key in the fence namespace
+    (every key starting with ``prefix``, where fences and lock state live) is refused, and
+    so is an untagged data key in the resource scope; an operation Redis would refuse on
+    the data raises :class:`WriteRefusedError` with nothing written. Raw commands on the
+    guard's keys, from any client, are not fenced: use the ACL users of :func:`acl_rules`.
 
     **Write-only fencing leaves a hole; claim or read-for-update closes it (C8).** Fencing
     only the writes does not stop a lost update in a read-modify-write cycle::
@@ -160,7 +166,8 @@ class RedisGuard:
         client: a ``redis.Redis`` or ``redis.cluster.RedisCluster``. The
             guard does not close it unless it came from :meth:`from_url`.
         scope: ``"key"`` or ``"resource"`` (a :class:`FenceScope`).
-        prefix: the prefix of the fence keys; the same as the lock manager's.
+        prefix: the prefix of the fence keys; the same as the lock manager's. Every key
+            that starts with it is reserved: the guard refuses it as a data key.
         check_issuer: also refuse tokens above the resource's issued counter
             ``fence:{R}:token``, kept by a lock manager on the same Redis. It catches
             forged or corrupted tokens, tokens from another cluster or environment and a
@@ -169,7 +176,7 @@ class RedisGuard:
             :data:`fence.default_bus`).
 
     Raises:
-        ConfigurationError: a prefix with braces or an unknown scope.
+        ConfigurationError: an empty prefix, a prefix with braces or an unknown scope.
 
     Example::
 
@@ -250,10 +257,17 @@ class RedisGuard:
 
         Raises:
             InvalidTokenError: a bad token, before any I/O.
+            InvalidResourceError: a key in the fence namespace, or without a hash tag in
+                the resource scope, before any I/O.
+            ConfigurationError: a ttl below 1 ms or above :data:`MAX_TTL_MS`, before any I/O.
             StaleTokenError: ``STALE`` (older than the fence), ``MISSING`` (with
                 ``must_exist``), nothing written.
+            WriteRefusedError: Redis would refuse the operation on the data it found (a
+                wrong type, not an integer, ...); nothing written.
             BackendError: Redis failed (``code="CONNECTION"``, ``retryable=True`` for a lost
-                connection); :class:`fence.RetryableError` on a timeout.
+                connection; ``OOM``, ``READONLY``, ... when the server's state refused the
+                write, nothing written); :class:`fence.RetryableError` on a timeout;
+                :class:`PartialWriteError` if a write failed after part of it landed.
         """
         op = op_set(key, value, ttl, must_exist)
         if must_exist or self.check_issuer:
@@ -316,7 +330,10 @@ class RedisGuard:
             The new value.
 
         Raises:
-            Same as :meth:`set`; :class:`fence.BackendError` if the value is no integer.
+            ConfigurationError: ``amount`` is not an int of signed 64 bits, before any I/O.
+            WriteRefusedError: the value is no 64-bit integer as Redis reads it (e.g.
+                ``"007"``), or the sum would overflow; nothing written.
+            Same as :meth:`set` otherwise.
         """
         results = self._write(token, (op_incr(key, amount, must_exist),))
         return int(results[0])
@@ -349,7 +366,8 @@ class RedisGuard:
             key: the stream key.
             fields: field -> value of the entry.
             token: the fencing token.
-            id: the entry id (``*``: let Redis choose).
+            id: the entry id: ``*`` (let Redis choose), ``<ms>-<seq>``, ``<ms>-*`` or
+                ``<ms>``.
             maxlen: trim the stream to about this many entries (``MAXLEN ~``).
             must_exist: reject with ``MISSING`` if the stream does not exist.
 
@@ -357,7 +375,11 @@ class RedisGuard:
             The entry id.
 
         Raises:
-            Same as :meth:`set`.
+            ConfigurationError: a malformed id or ``0-0``, a ``maxlen`` outside
+                ``0..2**63-1``, or more than :data:`MAX_XADD_FIELDS` fields, before any I/O.
+            WriteRefusedError: the id is at or below the stream's last id (``STREAM_ID``),
+                or the stream has no id left; nothing written.
+            Same as :meth:`set` otherwise.
         """
         results = self._write(token, (op_xadd(key, fields, id, maxlen, must_exist),))
         return results[0]
@@ -447,9 +469,10 @@ class RedisGuard:
     def batch(self, token: int) -> RedisBatch:
         """Start an all-or-nothing batch of writes with one token (C6).
 
-        Every fence is checked before the first write; if any key is rejected, nothing is
-        written and the error lists every rejected key. The keys must belong to one
-        resource (one hash tag), or :class:`CrossSlotError` is raised before any I/O.
+        Every fence, and every operation, is checked before the first write; if any key is
+        rejected, nothing is written and the error lists every rejected key. The keys must
+        belong to one resource (one hash tag), or :class:`CrossSlotError` is raised before
+        any I/O.
 
         Example::
 
@@ -530,9 +553,11 @@ class RedisBatch:
     """An all-or-nothing group of fenced writes with one token (C6).
 
     Build it with :meth:`RedisGuard.batch`, add operations (each method returns the
-    batch, so calls chain), then ``batch.execute()``. Checks run against the state
-    before the batch as changed by its earlier operations; then every write is applied in
-    order, in one Lua script.
+    batch, so calls chain), then ``batch.execute()``. One Lua script checks every
+    fence, then every operation as Redis would judge it (types, 64-bit integers, stream
+    ids, sizes, the user's ACL) against the state before the batch as changed by its
+    earlier operations; only then is every write applied, in order. An error Redis would
+    raise while applying so never leaves half a batch behind.
     """
 
     def __init__(self, guard: RedisGuard, token: int) -> None:
@@ -619,7 +644,13 @@ class RedisBatch:
         Raises:
             StaleTokenError: some keys were rejected; ``rejected`` has one error per
                 rejected key, and nothing was written.
+            WriteRefusedError: no token was rejected, but Redis would refuse some
+                operations; ``refused`` lists each, and nothing was written.
+            InvalidResourceError: a key in the fence namespace, or an untagged data key in
+                the resource scope (before any I/O).
             CrossSlotError: the keys belong to several resources (before any I/O).
+            PartialWriteError: an operation failed while applying after earlier ones
+                landed, in a case the checks did not foresee (``code="PARTIAL"``).
             BackendError: Redis failed.
         """
         if not self.ops:
@@ -699,7 +730,8 @@ class FencedPipeline:
         Returns:
             One entry per write, in order: its result (as :meth:`RedisBatch.execute`)
             or the :class:`fence.FenceError` that rejected or failed it
-            (:class:`fence.StaleTokenError` for a stale or missing write).
+            (:class:`fence.StaleTokenError` for a stale or missing write,
+            :class:`WriteRefusedError` for one Redis would refuse on the data).
 
         Raises:
             BackendError: the connection failed; which writes were applied is unknown.
