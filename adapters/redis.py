@@ -13,29 +13,46 @@ write with the new fence atomically; a stale token changes nothing and raises
         guard.set("{order:42}:status", "paid", token=lease.token)
 
 The asyncio twin is :class:`AsyncRedisGuard` (``redis.asyncio.Redis`` or
-``redis.asyncio.cluster.RedisCluster``). See ``docs/redis-guard.md`` for the key layout,
-the issuer check and the write-only fencing hole.
+``redis.asyncio.cluster.RedisCluster``). Every write path is fenced or refused before any
+I/O (C9): keys in the fence namespace and, in the resource scope, data keys without a hash
+tag are refused; an operation Redis would refuse on the data raises
+:class:`WriteRefusedError` with nothing written, in a batch as for a single write (C6).
+Raw commands on the guard's keys are refused by Redis only for users set up with
+:func:`acl_rules`. See ``docs/redis-guard.md`` for the key layout, the rule for every
+write path, the ACL recipe, the issuer check and the write-only fencing hole.
 """
 
 from __future__ import annotations
 
 from ._async.redis import AsyncFencedPipeline, AsyncRedisBatch, AsyncRedisGuard
+from ._redis_acl import AclRules, acl_rules
 from ._redis_lua import (
+    MAX_TTL_MS,
+    MAX_XADD_FIELDS,
     READ_LUA,
+    SET_LUA,
     WRITE_LUA,
     CrossSlotError,
     FenceScope,
     KeyLayout,
+    PartialWriteError,
+    RefusedWrite,
     UnissuedTokenError,
+    WriteRefusedError,
     hash_tag,
     resource_of,
     slot_of,
+    stream_id,
 )
 from ._sync.redis import FencedPipeline, RedisBatch, RedisGuard
 
 __all__ = [
+    "MAX_TTL_MS",
+    "MAX_XADD_FIELDS",
     "READ_LUA",
+    "SET_LUA",
     "WRITE_LUA",
+    "AclRules",
     "AsyncFencedPipeline",
     "AsyncRedisBatch",
     "AsyncRedisGuard",
@@ -43,12 +60,17 @@ __all__ = [
     "FenceScope",
     "FencedPipeline",
     "KeyLayout",
+    "PartialWriteError",
     "RedisBatch",
     "RedisGuard",
+    "RefusedWrite",
     "UnissuedTokenError",
+    "WriteRefusedError",
+    "acl_rules",
     "hash_tag",
     "resource_of",
     "slot_of",
+    "stream_id",
 ]
 
 for _cls in (
@@ -60,6 +82,7 @@ for _cls in (
     RedisGuard,
     FenceScope,
     KeyLayout,
+    AclRules,
 ):
     _cls.__module__ = __name__
 del _cls

@@ -10,6 +10,8 @@ Compares, in one run and on one connection (sequential round trips over loopback
   the same Redis calls as the fenced set (one ``GET``, one ``SET``) without any logic: the
   floor of any script-based fence;
 - ``fenced set``: :meth:`RedisGuard.set` (validation, key layout, the fence check, events);
+- ``fenced hset``: :meth:`RedisGuard.hset` of two fields (the general write script) vs a
+  plain ``HSET`` of the same two fields;
 - ten writes: a fenced batch of 10 (one script, all or nothing) vs 10 single fenced sets,
   and a fenced pipeline of 10 vs a pipeline of 10 plain ``SET`` s.
 
@@ -89,8 +91,22 @@ def collect(ctx: Context) -> list[Row]:
         def fenced_set() -> None:
             guard.set("bench:fenced", "v", token=TOKEN)
 
+        fields = {"a": "v", "b": "w"}
+
+        def plain_hset() -> None:
+            client.hset("bench:plain-hash", mapping=fields)
+
+        def fenced_hset() -> None:
+            guard.hset("bench:fenced-hash", fields, token=TOKEN)
+
         singles = _harness.interleaved(
-            {"SET": plain_set, "raw EVALSHA": raw_evalsha, "fenced set": fenced_set},
+            {
+                "SET": plain_set,
+                "raw EVALSHA": raw_evalsha,
+                "fenced set": fenced_set,
+                "HSET": plain_hset,
+                "fenced hset": fenced_hset,
+            },
             calls=ctx.n(3000, 200),
             repeats=ctx.repeats,
             warmup=ctx.n(200, 20),
@@ -164,6 +180,9 @@ def collect(ctx: Context) -> list[Row]:
     rows[0].extra["client_pack_usec_per_call"] = packing
     rows += _harness.rate_rows(
         GROUP, singles, "raw EVALSHA", ["fenced set"], unit="writes/s", prefix="redis: "
+    )
+    rows += _harness.rate_rows(
+        GROUP, singles, "HSET", ["fenced hset"], unit="writes/s", prefix="redis: "
     )
     rows += _harness.rate_rows(
         GROUP,

@@ -13,8 +13,10 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from fence._chaos.servers import free_port, pg_bindir, wait_for_port
@@ -101,12 +103,27 @@ class RedisServer:
         (self.dir / "redis.pid").write_text(str(self.proc.pid))
         try:
             wait_for_port(self.port, proc=self.proc)
+            self._wait_until_loaded()
         except RuntimeError:
             log = self.dir / "redis.log"
             tail = log.read_text()[-2000:] if log.exists() else ""
             self.proc = None
             raise RuntimeError(f"redis-server did not start on {self.port}:\n{tail}") from None
         return self
+
+    def _wait_until_loaded(self, timeout: float = 30.0) -> None:
+        """Wait until PING answers PONG: Redis accepts connections while it still loads its
+        AOF, and answers every command with ``-LOADING`` until it is done."""
+        end = time.monotonic() + timeout
+        while True:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                sock.sendall(b"PING\r\n")
+                reply = sock.recv(64)
+            if reply.startswith(b"+PONG"):
+                return
+            if time.monotonic() > end:
+                raise RuntimeError(f"redis-server on {self.port} still answers {reply!r}")
+            time.sleep(0.01)
 
     def kill(self) -> None:
         """SIGKILL the server: no shutdown, no final fsync."""

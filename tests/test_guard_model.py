@@ -2,9 +2,11 @@
 
 Three clients take a lock from a ``MemoryLockManager`` on a manual clock; expiring a lease
 leaves its holder with an old token, as after a GC pause. In random interleavings the
-clients claim, read (registering or plain), write, increment and delete. Every outcome
-must match the model (C4, C5, C7, C8), no stale write may be accepted, and no
-read-modify-write that registered its token may lose an update.
+clients claim, read (registering or plain), write, increment and delete, and send batches
+that write the key and add to a counter near the ends of int64, so that Redis would
+refuse some of them while applying. Every outcome must match the model (C4-C8): no stale
+write accepted, every batch all or nothing, and no read-modify-write that registered its
+token may lose an update.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from hypothesis.stateful import (
 )
 
 from fence import ManualClock, MemoryLockManager, Reason, StaleTokenError, TokenMode
-from fence.adapters.redis import RedisGuard
+from fence.adapters.redis import RedisGuard, WriteRefusedError
 
 CLIENTS = st.integers(min_value=0, max_value=2)
 TTL = 10.0
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: Amounts that reach both ends of int64 in a few steps.
+AMOUNTS = st.sampled_from([1, -1, 2**62, -(2**62), INT64_MAX, INT64_MIN])
 
 
 @dataclass
@@ -62,14 +67,18 @@ class GuardModel(RuleBasedStateMachine):
         self.client.flushall()
         self.guard = RedisGuard(self.client, scope=self.scope)
         self.key = "{acct:1}:balance"
+        self.counter = "{acct:1}:count"
         self.clock = ManualClock()
         self.manager = MemoryLockManager(
             clock=self.clock, token_mode=TokenMode.COUNTER, reentrant=False
         )
         self.clients = [Client(object()) for _ in range(3)]
-        # The model: C4-C8 on one scope.
+        # The model: C4-C8 on one scope, and a counter (its own scope per key; the same
+        # register per resource).
         self.fence: int | None = None
         self.value: int | None = None
+        self.count = 0
+        self.count_fence: int | None = None
 
     def teardown(self) -> None:
         self.manager.close()
@@ -194,6 +203,39 @@ class GuardModel(RuleBasedStateMachine):
             self.value = None
             self._lose_snapshots(c)
 
+    @rule(i=CLIENTS, value=st.integers(min_value=0, max_value=1000), amount=AMOUNTS)
+    def batch_with_counter(self, i: int, value: int, amount: int) -> None:
+        """Write the key and add to the counter in one batch: both or neither (C6)."""
+        c = self.clients[i]
+        if c.token is None:
+            return
+        token = c.token
+        per_resource = self.scope == "resource"
+        count_fence = self.fence if per_resource else self.count_fence
+        stale = token < max(self.fence or 0, count_fence or 0)
+        overflow = not INT64_MIN <= self.count + amount <= INT64_MAX
+        batch = self.guard.batch(token).set(self.key, value).incr(self.counter, amount)
+        refused: StaleTokenError | WriteRefusedError | None = None
+        try:
+            batch.execute()
+        except (StaleTokenError, WriteRefusedError) as err:
+            refused = err
+        if isinstance(refused, StaleTokenError):
+            assert stale, f"token {token} wrongly refused: {refused}"
+            return
+        if isinstance(refused, WriteRefusedError):
+            assert not stale, "a data refusal hid a token verdict"
+            assert overflow, f"refused without an overflow: {refused}"
+            assert [(r.index, r.reason) for r in refused.refused] == [(1, "OVERFLOW")]
+            return
+        assert not stale, f"stale token {token} accepted"
+        assert not overflow, "an overflowing batch was applied"
+        self.value, self.count = value, self.count + amount
+        self.fence = token
+        self.count_fence = None if per_resource else token
+        c.registered = token
+        self._lose_snapshots(c)
+
     # -- invariants --------------------------------------------------------------------
 
     @invariant()
@@ -201,6 +243,12 @@ class GuardModel(RuleBasedStateMachine):
         raw, fence = self.guard.get(self.key)
         assert fence == self.fence
         assert (None if raw is None else int(raw)) == self.value
+
+    @invariant()
+    def counter_matches_model(self) -> None:
+        raw, fence = self.guard.get(self.counter)
+        assert int(raw or 0) == self.count
+        assert fence == (self.fence if self.scope == "resource" else self.count_fence)
 
     @invariant()
     def no_snapshot_outlives_a_foreign_write(self) -> None:

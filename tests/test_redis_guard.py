@@ -34,6 +34,7 @@ from fence.adapters.redis import (
     FenceScope,
     RedisGuard,
     UnissuedTokenError,
+    WriteRefusedError,
     hash_tag,
     resource_of,
 )
@@ -97,6 +98,86 @@ def test_bad_configuration_is_refused(client: redis.Redis) -> None:
         RedisGuard(client, prefix="{x}:")
     with pytest.raises(ConfigurationError):
         RedisGuard(client, scope="row")
+
+
+def test_fence_namespace_is_reserved_before_any_io(client: redis.Redis) -> None:
+    """C12: a data key inside the guard's prefix could overwrite a fence or a manager's key."""
+    dead = redis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
+    try:
+        for scope in ("key", "resource"):
+            guard = RedisGuard(dead, scope=scope)
+            for key in ("fence:{r}:key:{r}:k", "fence:{r}:fence", "fence:{r}:token", "fence:x"):
+                calls = [
+                    lambda g=guard, k=key: g.set(k, "1", token=1),
+                    lambda g=guard, k=key: g.set(k, "1", token=1, must_exist=True),
+                    lambda g=guard, k=key: g.hset(k, {"f": 1}, token=1),
+                    lambda g=guard, k=key: g.incr(k, token=1),
+                    lambda g=guard, k=key: g.rpush(k, 1, token=1),
+                    lambda g=guard, k=key: g.xadd(k, {"f": 1}, token=1),
+                    lambda g=guard, k=key: g.delete(k, token=1),
+                    lambda g=guard, k=key: g.claim(k, 1),
+                    lambda g=guard, k=key: g.read_for_update(k, token=1),
+                    lambda g=guard, k=key: g.hgetall_for_update(k, token=1),
+                    lambda g=guard, k=key: g.batch(1).set(k, 1).execute(),
+                    lambda g=guard, k=key: g.batch(1).claim(k).execute(),
+                    lambda g=guard, k=key: g.pipeline().set(k, 1, token=1).execute(),
+                    lambda g=guard, k=key: g.pipeline().claim(k, token=1).execute(),
+                    lambda g=guard, k=key: g.get(k),
+                ]
+                for call in calls:
+                    with pytest.raises(InvalidResourceError, match="fence namespace") as caught:
+                        call()
+                    assert caught.value.value == key
+                    assert "prefix" in str(caught.value)
+    finally:
+        dead.close()
+    # The attack the rule stops: overwrite a per-key fence, then write with a stale token.
+    guard = RedisGuard(client)
+    guard.set("{r}:k", "new", token=5)
+    with pytest.raises(InvalidResourceError):
+        guard.set("fence:{r}:key:{r}:k", "1", token=1)
+    with pytest.raises(StaleTokenError):
+        guard.set("{r}:k", "stale", token=2)
+    assert guard.get("{r}:k") == (b"new", 5)
+    # A custom prefix moves the namespace with it; the default one is then ordinary data.
+    app = RedisGuard(client, prefix="app:")
+    with pytest.raises(InvalidResourceError, match="'app:'"):
+        app.set("app:{r}:key:k", 1, token=1)
+    with pytest.raises(ConfigurationError, match="empty"):
+        RedisGuard(client, prefix="")
+
+
+def test_resource_scope_needs_the_hash_tag(client: redis.Redis) -> None:
+    """C12: with one register per resource, an untagged key is fenced only against itself."""
+    dead = redis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
+    try:
+        guard = RedisGuard(dead, scope="resource")
+        for call in (
+            lambda: guard.set("order:9:status", "paid", token=1),
+            lambda: guard.hset("order:9:meta", {"f": 1}, token=1),
+            lambda: guard.incr("order:9:n", token=1),
+            lambda: guard.rpush("order:9:l", 1, token=1),
+            lambda: guard.xadd("order:9:s", {"f": 1}, token=1),
+            lambda: guard.delete("order:9:status", token=1),
+            lambda: guard.read_for_update("order:9:status", token=1),
+            lambda: guard.hgetall_for_update("order:9:meta", token=1),
+            lambda: guard.batch(1).set("order:9:status", 1).execute(),
+            lambda: guard.pipeline().set("order:9:status", 1, token=1).execute(),
+            lambda: guard.get("order:9:status"),
+        ):
+            with pytest.raises(InvalidResourceError, match="hash tag") as caught:
+                call()
+            assert "'{order:9}:status'" in str(caught.value) or "{order:9}:" in str(caught.value)
+    finally:
+        dead.close()
+    # A bare name is the resource itself for claim and fence, and per-key scope needs no tag.
+    rguard = RedisGuard(client, scope="resource")
+    assert rguard.claim("order:9", 4) == 4
+    assert rguard.fence("order:9") == 4
+    rguard.set("{order:9}:status", "paid", token=4)
+    assert rguard.batch(4).claim("order:9").set("{order:9}:status", "sent").execute() == [1, 1]
+    assert client.get("fence:{order:9}:fence") == b"4"
+    RedisGuard(client).set("order:9:status", "paid", token=4)
 
 
 def test_implements_the_guard_protocols(client: redis.Redis, redis_url: str) -> None:
@@ -180,10 +261,10 @@ def test_update_semantics_report_missing(client: redis.Redis, guard: RedisGuard)
 
 def test_wrong_types_fail_before_any_write(client: redis.Redis, guard: RedisGuard) -> None:
     client.set("{r}s", "text")
-    with pytest.raises(BackendError) as caught:
+    with pytest.raises(WriteRefusedError) as caught:
         guard.batch(5).set("{r}a", 1).hset("{r}s", {"f": 1}).execute()
     assert "WRONGTYPE" in str(caught.value)
-    with pytest.raises(BackendError):
+    with pytest.raises(WriteRefusedError):
         guard.batch(5).set("{r}a", "x").incr("{r}a").execute()
     assert client.get("{r}a") is None
     assert guard.fence("{r}a") is None
@@ -323,8 +404,10 @@ def test_pipeline_gives_one_result_per_write(client: redis.Redis, guard: RedisGu
 def test_pipeline_reports_per_write_failures(client: redis.Redis, guard: RedisGuard) -> None:
     client.set("text", "x")
     results = guard.pipeline().incr("text", token=1).set("ok", 1, token=1).execute()
-    assert isinstance(results[0], BackendError)
+    assert isinstance(results[0], WriteRefusedError)
+    assert results[0].refused[0].reason == "NOT_INTEGER"
     assert results[1] == 1
+    assert guard.fence("text") is None
 
 
 # -- issuer check ------------------------------------------------------------------------

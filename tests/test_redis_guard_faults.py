@@ -209,3 +209,54 @@ async def test_async_cluster_client_fenced_writes(cluster_server: RedisServer) -
             await guard.batch(5).set("{acct:5}:a", 1).set("{acct:6}:a", 1).execute()
     finally:
         await client.aclose()
+
+
+# -- a server out of memory ------------------------------------------------------------------
+
+
+def test_out_of_memory_refuses_the_first_write_and_never_half_applies() -> None:
+    """Redis 7 refuses a script's first write at maxmemory, and lets a script that already
+    wrote finish. The guard's scripts make their first write the first command the server
+    can refuse, so every write is applied whole or not at all."""
+    server = RedisServer("--maxmemory-policy", "noeviction").start()
+    client = redis.Redis(port=server.port)
+    try:
+        guard = RedisGuard(client)
+        guard.set("{o}:n", 1, token=1)
+        guard.set("{o}:gone", 1, token=1)
+        pipe = client.pipeline(transaction=False)
+        for i in range(20_000):
+            pipe.set(f"fill:{i}", "x" * 200)
+        pipe.execute()
+        client.config_set("maxmemory", client.info("memory")["used_memory"] // 2)
+        state = [(key, client.dump(key)) for key in sorted(client.keys("{o}:*"))]
+        fences = [client.get(key) for key in sorted(client.keys("fence:*"))]
+        (in_pipeline,) = guard.pipeline().set("{o}:a", "x", token=2).execute()
+        assert isinstance(in_pipeline, BackendError)
+        assert in_pipeline.code == "OOM"
+        for call in (
+            lambda: guard.batch(2).set("{o}:a", "x").incr("{o}:n").execute(),
+            lambda: guard.batch(2).claim("{o}:n").execute(),
+            lambda: guard.set("{o}:a", "x", token=2),
+            lambda: guard.incr("{o}:n", token=2),
+            lambda: guard.claim("{o}:n", 2),
+        ):
+            with pytest.raises(BackendError) as caught:
+                call()
+            assert caught.value.code == "OOM"
+            assert "maxmemory" in str(caught.value)
+            assert [(key, client.dump(key)) for key in sorted(client.keys("{o}:*"))] == state
+            assert [client.get(key) for key in sorted(client.keys("fence:*"))] == fences
+        # DEL may run at maxmemory; after it, the script's writes go on to the end.
+        assert guard.batch(2).delete("{o}:gone").set("{o}:a", "x").incr("{o}:n").execute() == [
+            1,
+            1,
+            2,
+        ]
+        assert guard.get("{o}:a") == (b"x", 2)
+        assert client.info("memory")["used_memory"] > int(
+            client.config_get("maxmemory")["maxmemory"]
+        )
+    finally:
+        client.close()
+        server.stop()

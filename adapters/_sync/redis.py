@@ -14,11 +14,17 @@ from typing import Any
 import redis
 import redis.cluster
 from redis.exceptions import (
+    BusyLoadingError,
     ClusterCrossSlotError,
+    ClusterDownError,
+    NoPermissionError,
     NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
     RedisClusterException,
     RedisError,
     ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import (
     ConnectionError as RedisConnectionError,
@@ -29,6 +35,7 @@ from redis.exceptions import (
 
 from fence import (
     BackendError,
+    ConfigurationError,
     EventBus,
     EventKind,
     FenceError,
@@ -40,6 +47,7 @@ from fence import (
 
 from .._redis_lua import (
     READ,
+    SERVER_STATES,
     SET,
     WRITE,
     CrossSlotError,
@@ -58,6 +66,7 @@ from .._redis_lua import (
     op_set,
     op_xadd,
     parse_fence,
+    server_state,
 )
 
 __all__ = ["FencedPipeline", "RedisBatch", "RedisGuard"]
@@ -65,6 +74,16 @@ __all__ = ["FencedPipeline", "RedisBatch", "RedisGuard"]
 RedisClient = redis.Redis | redis.cluster.RedisCluster
 
 _SOURCE = "redis-guard"
+
+#: redis-py parses these error codes into classes and drops the code from the message.
+_STATE_ERRORS: tuple[tuple[type[RedisError], str], ...] = (
+    (OutOfMemoryError, "OOM"),
+    (ReadOnlyError, "READONLY"),
+    (NoPermissionError, "NOPERM"),
+    (BusyLoadingError, "LOADING"),
+    (ClusterDownError, "CLUSTERDOWN"),
+    (TryAgainError, "TRYAGAIN"),
+)
 
 
 def _translate(err: RedisError, what: str) -> FenceError:
@@ -94,6 +113,18 @@ def _translate(err: RedisError, what: str) -> FenceError:
             " Give every key of a resource the same hash tag, e.g. '{order:42}:status'."
         )
     if isinstance(err, ResponseError):
+        state = next((word for cls, word in _STATE_ERRORS if isinstance(err, cls)), None)
+        state = state or server_state(text)
+        if state is not None:
+            # Redis refuses for its state only a script's first write (a script that wrote
+            # may finish), and the scripts' error replies come from reads before it: a
+            # state error reply means nothing was written.
+            code, retryable, advice = SERVER_STATES[state]
+            return BackendError(
+                f"{what}: Redis refused the call, nothing was written: {text} ({advice})",
+                code=code,
+                retryable=retryable,
+            )
         return BackendError(f"{what}: Redis refused the command: {text}", code="RESPONSE")
     return BackendError(f"{what}: Redis failed: {text}", code="BACKEND")
 
@@ -110,7 +141,13 @@ class RedisGuard:
     ``scope="resource"`` all keys of a resource share one register, ``fence:{R}:fence``,
     where ``R`` is the key's hash tag (or the whole key when it has none), the register a
     lock manager's forced revocation raises. Use the resource scope when the keys of ``R``
-    are updated together under one lock.
+    are updated together under one lock; there every data key must carry the hash tag.
+
+    Every path is fenced or refused before any I/O (C9): a key in the fence namespace
+    (every key starting with ``prefix``, where fences and lock state live) is refused, and
+    so is an untagged data key in the resource scope; an operation Redis would refuse on
+    the data raises :class:`WriteRefusedError` with nothing written. Raw commands on the
+    guard's keys, from any client, are not fenced: use the ACL users of :func:`acl_rules`.
 
     **Write-only fencing leaves a hole; claim or read-for-update closes it (C8).** Fencing
     only the writes does not stop a lost update in a read-modify-write cycle::
@@ -129,7 +166,8 @@ class RedisGuard:
         client: a ``redis.Redis`` or ``redis.cluster.RedisCluster``. The
             guard does not close it unless it came from :meth:`from_url`.
         scope: ``"key"`` or ``"resource"`` (a :class:`FenceScope`).
-        prefix: the prefix of the fence keys; the same as the lock manager's.
+        prefix: the prefix of the fence keys; the same as the lock manager's. Every key
+            that starts with it is reserved: the guard refuses it as a data key.
         check_issuer: also refuse tokens above the resource's issued counter
             ``fence:{R}:token``, kept by a lock manager on the same Redis. It catches
             forged or corrupted tokens, tokens from another cluster or environment and a
@@ -138,7 +176,7 @@ class RedisGuard:
             :data:`fence.default_bus`).
 
     Raises:
-        ConfigurationError: a prefix with braces or an unknown scope.
+        ConfigurationError: an empty prefix, a prefix with braces or an unknown scope.
 
     Example::
 
@@ -219,10 +257,17 @@ class RedisGuard:
 
         Raises:
             InvalidTokenError: a bad token, before any I/O.
+            InvalidResourceError: a key in the fence namespace, or without a hash tag in
+                the resource scope, before any I/O.
+            ConfigurationError: a ttl below 1 ms or above :data:`MAX_TTL_MS`, before any I/O.
             StaleTokenError: ``STALE`` (older than the fence), ``MISSING`` (with
                 ``must_exist``), nothing written.
+            WriteRefusedError: Redis would refuse the operation on the data it found (a
+                wrong type, not an integer, ...); nothing written.
             BackendError: Redis failed (``code="CONNECTION"``, ``retryable=True`` for a lost
-                connection); :class:`fence.RetryableError` on a timeout.
+                connection; ``OOM``, ``READONLY``, ... when the server's state refused the
+                write, nothing written); :class:`fence.RetryableError` on a timeout;
+                :class:`PartialWriteError` if a write failed after part of it landed.
         """
         op = op_set(key, value, ttl, must_exist)
         if must_exist or self.check_issuer:
@@ -235,8 +280,8 @@ class RedisGuard:
         reply = self._eval(SET, [self.layout.fence_key(key), key], argv, key)
         if reply != 1:
             outcome = decode(token, (op,), reply)
-            if isinstance(outcome, StaleTokenError):
-                if self.events.active:
+            if isinstance(outcome, FenceError):
+                if self.events.active and isinstance(outcome, StaleTokenError):
                     self.events.emit(
                         EventKind.WRITE_REJECTED, _SOURCE, key, token, reason=outcome.reason
                     )
@@ -285,7 +330,10 @@ class RedisGuard:
             The new value.
 
         Raises:
-            Same as :meth:`set`; :class:`fence.BackendError` if the value is no integer.
+            ConfigurationError: ``amount`` is not an int of signed 64 bits, before any I/O.
+            WriteRefusedError: the value is no 64-bit integer as Redis reads it (e.g.
+                ``"007"``), or the sum would overflow; nothing written.
+            Same as :meth:`set` otherwise.
         """
         results = self._write(token, (op_incr(key, amount, must_exist),))
         return int(results[0])
@@ -318,7 +366,8 @@ class RedisGuard:
             key: the stream key.
             fields: field -> value of the entry.
             token: the fencing token.
-            id: the entry id (``*``: let Redis choose).
+            id: the entry id: ``*`` (let Redis choose), ``<ms>-<seq>``, ``<ms>-*`` or
+                ``<ms>``.
             maxlen: trim the stream to about this many entries (``MAXLEN ~``).
             must_exist: reject with ``MISSING`` if the stream does not exist.
 
@@ -326,7 +375,11 @@ class RedisGuard:
             The entry id.
 
         Raises:
-            Same as :meth:`set`.
+            ConfigurationError: a malformed id or ``0-0``, a ``maxlen`` outside
+                ``0..2**63-1``, or more than :data:`MAX_XADD_FIELDS` fields, before any I/O.
+            WriteRefusedError: the id is at or below the stream's last id (``STREAM_ID``),
+                or the stream has no id left; nothing written.
+            Same as :meth:`set` otherwise.
         """
         results = self._write(token, (op_xadd(key, fields, id, maxlen, must_exist),))
         return results[0]
@@ -358,7 +411,7 @@ class RedisGuard:
             StaleTokenError: ``UNVERIFIABLE``, the fence key holds no integer.
             BackendError: Redis failed.
         """
-        fence_key = self.layout.fence_key(scope)
+        fence_key = self.layout.fence_key(scope, data=False)
         try:
             raw = self.client.get(fence_key)
         except RedisError as err:
@@ -416,9 +469,10 @@ class RedisGuard:
     def batch(self, token: int) -> RedisBatch:
         """Start an all-or-nothing batch of writes with one token (C6).
 
-        Every fence is checked before the first write; if any key is rejected, nothing is
-        written and the error lists every rejected key. The keys must belong to one
-        resource (one hash tag), or :class:`CrossSlotError` is raised before any I/O.
+        Every fence, and every operation, is checked before the first write; if any key is
+        rejected, nothing is written and the error lists every rejected key. The keys must
+        belong to one resource (one hash tag), or :class:`CrossSlotError` is raised before
+        any I/O.
 
         Example::
 
@@ -451,8 +505,8 @@ class RedisGuard:
         reply = self._eval(WRITE, keys, argv, ops[0].key)
         outcome = decode(token, ops, reply)
         bus = self.events
-        if isinstance(outcome, StaleTokenError):
-            if bus.active:
+        if isinstance(outcome, FenceError):
+            if bus.active and isinstance(outcome, StaleTokenError):
                 for err in outcome.rejected or (outcome,):
                     bus.emit(EventKind.WRITE_REJECTED, _SOURCE, err.scope, token, reason=err.reason)
             raise outcome
@@ -499,15 +553,19 @@ class RedisBatch:
     """An all-or-nothing group of fenced writes with one token (C6).
 
     Build it with :meth:`RedisGuard.batch`, add operations (each method returns the
-    batch, so calls chain), then ``batch.execute()``. Checks run against the state
-    before the batch as changed by its earlier operations; then every write is applied in
-    order, in one Lua script.
+    batch, so calls chain), then ``batch.execute()``. One Lua script checks every
+    fence, then every operation as Redis would judge it (types, 64-bit integers, stream
+    ids, sizes, the user's ACL) against the state before the batch as changed by its
+    earlier operations; only then is every write applied, in order. An error Redis would
+    raise while applying so never leaves half a batch behind.
     """
 
     def __init__(self, guard: RedisGuard, token: int) -> None:
         self.guard = guard
         self.token = token
         self.ops: list[Op] = []
+        # Streams that got an automatic id in this batch (and were not replaced since).
+        self._auto_ids: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -517,6 +575,7 @@ class RedisBatch:
     ) -> RedisBatch:
         """Add a fenced set; see :meth:`RedisGuard.set`."""
         self.ops.append(op_set(key, value, ttl, must_exist))
+        self._auto_ids.discard(key)
         return self
 
     def hset(self, key: str, mapping: Mapping[Any, Any], *, must_exist: bool = False) -> RedisBatch:
@@ -527,6 +586,7 @@ class RedisBatch:
     def delete(self, key: str) -> RedisBatch:
         """Add a fenced delete that leaves a tombstone; see :meth:`RedisGuard.delete`."""
         self.ops.append(op_delete(key))
+        self._auto_ids.discard(key)
         return self
 
     def incr(self, key: str, amount: int = 1, *, must_exist: bool = False) -> RedisBatch:
@@ -548,8 +608,25 @@ class RedisBatch:
         maxlen: int | None = None,
         must_exist: bool = False,
     ) -> RedisBatch:
-        """Add a fenced stream append; see :meth:`RedisGuard.xadd`."""
-        self.ops.append(op_xadd(key, fields, id, maxlen, must_exist))
+        """Add a fenced stream append; see :meth:`RedisGuard.xadd`.
+
+        Raises:
+            ConfigurationError: as :meth:`RedisGuard.xadd`; or an explicit id (not
+                ``*``) after an automatic one on the same stream in this batch: the id the
+                server picks from its clock cannot be predicted, so whether the explicit
+                one lies above it cannot be checked before the first write.
+        """
+        op = op_xadd(key, fields, id, maxlen, must_exist)
+        if op.args[0] != "*" and key in self._auto_ids:
+            raise ConfigurationError(
+                f"xadd {key!r} id={id!r} follows an xadd with id='*' on the same stream in"
+                " this batch: the id the server picks for '*' cannot be predicted, so this"
+                " batch could fail halfway. Use '*' for both, explicit ids for both, or two"
+                " batches."
+            )
+        if op.args[0] == "*":
+            self._auto_ids.add(key)
+        self.ops.append(op)
         return self
 
     def claim(self, key: str) -> RedisBatch:
@@ -567,7 +644,13 @@ class RedisBatch:
         Raises:
             StaleTokenError: some keys were rejected; ``rejected`` has one error per
                 rejected key, and nothing was written.
+            WriteRefusedError: no token was rejected, but Redis would refuse some
+                operations; ``refused`` lists each, and nothing was written.
+            InvalidResourceError: a key in the fence namespace, or an untagged data key in
+                the resource scope (before any I/O).
             CrossSlotError: the keys belong to several resources (before any I/O).
+            PartialWriteError: an operation failed while applying after earlier ones
+                landed, in a case the checks did not foresee (``code="PARTIAL"``).
             BackendError: Redis failed.
         """
         if not self.ops:
@@ -601,7 +684,7 @@ class FencedPipeline:
     def _add(self, token: int, op: Op) -> FencedPipeline:
         # Validate now: a bad token or key is the caller's bug and must not cost I/O.
         token = validate_token(token)
-        self.guard.layout.fence_key(op.key)
+        self.guard.layout.fence_key(op.key, data=op.code != "claim")
         self._queued.append((token, op))
         return self
 
@@ -647,7 +730,8 @@ class FencedPipeline:
         Returns:
             One entry per write, in order: its result (as :meth:`RedisBatch.execute`)
             or the :class:`fence.FenceError` that rejected or failed it
-            (:class:`fence.StaleTokenError` for a stale or missing write).
+            (:class:`fence.StaleTokenError` for a stale or missing write,
+            :class:`WriteRefusedError` for one Redis would refuse on the data).
 
         Raises:
             BackendError: the connection failed; which writes were applied is unknown.
@@ -685,8 +769,8 @@ class FencedPipeline:
                 out.append(failure)
                 continue
             outcome = decode(token, (op,), reply)
-            if isinstance(outcome, StaleTokenError):
-                if bus.active:
+            if isinstance(outcome, FenceError):
+                if bus.active and isinstance(outcome, StaleTokenError):
                     bus.emit(
                         EventKind.WRITE_REJECTED, _SOURCE, op.key, token, reason=outcome.reason
                     )

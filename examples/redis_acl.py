@@ -1,0 +1,68 @@
+"""Raw commands on fenced keys, refused by Redis: the guard's ACL recipe.
+
+Redis cannot tell the guard's client from any other, so a raw ``SET`` on a fenced key is
+an ordinary command to it. Two ACL users close that door: the guard's user runs the
+guard's scripts; the application's user may read the fenced keys but not write them, and
+may not touch the fence namespace. The example creates both (it needs a Redis 7 user that
+may run ACL SETUSER), writes through the guard, and shows the raw writes refused.
+
+    REDIS_URL=redis://127.0.0.1:6379/0 python examples/redis_acl.py
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import redis
+from redis.exceptions import NoPermissionError
+
+from fence.adapters.redis import RedisGuard, acl_rules
+
+
+def main() -> int:
+    """Run the story; return 0 if every raw write was refused."""
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    admin = redis.Redis.from_url(url)
+    rules = acl_rules(["{order:*}:*"], app_keys=["cache:*"])
+    passwords = {"order-guard": secrets.token_hex(16), "order-app": secrets.token_hex(16)}
+    admin.execute_command(
+        "ACL", "SETUSER", "order-guard", *rules.guard, ">" + passwords["order-guard"]
+    )
+    admin.execute_command("ACL", "SETUSER", "order-app", *rules.app, ">" + passwords["order-app"])
+    guard_client = redis.Redis.from_url(
+        url, username="order-guard", password=passwords["order-guard"]
+    )
+    app = redis.Redis.from_url(url, username="order-app", password=passwords["order-app"])
+    refused = 0
+    try:
+        guard = RedisGuard(guard_client, scope="resource")
+        guard.claim("order:42", 7)
+        guard.set("{order:42}:status", "paid", token=7)
+        print("guard user, token 7: status = paid (fenced)")
+        print(f"app user reads status = {app.get('{order:42}:status').decode()}")
+        app.set("cache:order:42", "paid")  # its own, unfenced keys
+        for command in (
+            ("SET", "{order:42}:status", "hacked"),
+            ("DEL", "{order:42}:status"),
+            ("SET", "fence:{order:42}:fence", "1"),
+            ("EVAL", "return redis.call('SET', KEYS[1], 'x')", 1, "{order:42}:status"),
+            ("FLUSHALL",),
+        ):
+            try:
+                app.execute_command(*command)
+            except NoPermissionError:
+                refused += 1
+                print(f"app user: {command[0]} refused by Redis")
+        value, fence = guard.get("{order:42}:status")
+        print(f"status = {value.decode()}, fence = {fence}")
+    finally:
+        app.close()
+        guard_client.close()
+        admin.execute_command("ACL", "DELUSER", "order-guard", "order-app")
+        admin.close()
+    return 0 if refused == 5 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
