@@ -40,15 +40,15 @@ def main(url: str) -> int:
     with Session(engine) as s:  # no lease bound: plain optimistic concurrency
         s.add(Doc(id=1, text="draft"))
         s.commit()
-        s.get(Doc, 1).text = "edited"
+        s.get_one(Doc, 1).text = "edited"
         s.commit()
-        print(f"without a lease the version counts up: {s.get(Doc, 1).fence}")
+        print(f"without a lease the version counts up: {s.get_one(Doc, 1).fence}")
 
     with Session(engine) as a, Session(engine) as b:
         bind(a, token=10, claim=False)  # the holder whose lease ran out
         bind(b, token=11, claim=False)  # the holder after it
-        stale = a.get(Doc, 1)
-        b.get(Doc, 1).text = "by B"
+        stale = a.get_one(Doc, 1)
+        b.get_one(Doc, 1).text = "by B"
         b.commit()
         a.refresh(stale)  # A re-reads: an equality check on the version would now pass
         stale.text = "by A"
@@ -60,7 +60,7 @@ def main(url: str) -> int:
         else:
             return 1
     with Session(engine) as s:
-        doc = s.get(Doc, 1)
+        doc = s.get_one(Doc, 1)
         print(f"text {doc.text!r}, fence {doc.fence}")
         ok = (doc.text, doc.fence) == ("by B", 11)
     engine.dispose()

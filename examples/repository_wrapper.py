@@ -43,7 +43,7 @@ def main(url: str) -> int:
 
     @uow.fenced("account:{account_id}")  # the lock and claim scope, from the arguments
     def deposit(account_id: int, amount: int, *, session: Session) -> None:
-        account = session.get(Account, account_id)
+        account = session.get_one(Account, account_id)
         account.balance += amount
         print(f"deposit {amount} into account {account_id}")
 

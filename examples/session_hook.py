@@ -49,14 +49,14 @@ def main(url: str) -> int:
 
     with Session(engine) as a:
         bind(a, lease_a, claim=False)
-        account = a.get(Account, 1)
+        account = a.get_one(Account, 1)
         print(f"A (token {lease_a.token}) reads balance {account.balance}, then pauses")
         clock.advance(15)  # A's lease runs out while it is paused
 
         lease_b = manager.acquire("account:1", owner="B")
         with Session(engine) as b:
             bind(b, lease_b, register=REGISTER)  # claims account:1 before its first read
-            b.get(Account, 1).balance += 50
+            b.get_one(Account, 1).balance += 50
             b.commit()
         print(f"B (token {lease_b.token}) adds 50 and commits")
 
@@ -70,7 +70,7 @@ def main(url: str) -> int:
             return 1
 
     with Session(engine) as check:
-        final = check.get(Account, 1)
+        final = check.get_one(Account, 1)
         print(f"balance {final.balance}, fence {final.fence}")
         ok = final.balance == 150 and final.fence == lease_b.token
     lease_b.release()

@@ -36,12 +36,14 @@ def main() -> int:
     with engine.begin() as conn:
         RowGuard(conn, accounts).upsert(first.token, {"id": 42, "balance": 100})
         row = RowGuard(conn, accounts).read_for_update(42, first.token)  # claim + read (C8)
+    assert row is not None  # None would mean: no live row (absent, or a tombstone)
     print(f"first holder, token {first.token}, reads balance {row.balance}, then stalls")
 
     time.sleep(0.6)  # past its 0.5 s lease
     with manager.lock("account:42", timeout=5, owner="second") as second, engine.begin() as conn:
         guard = RowGuard(conn, accounts)
         current = guard.read_for_update(42, second.token)
+        assert current is not None
         guard.update(42, second.token, {"balance": current.balance + 30})
         print(f"second holder, token {second.token}: balance {current.balance} -> +30")
 
