@@ -58,6 +58,7 @@ from sqlalchemy import (
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Result
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import (
     MappedColumn,
     Mapper,
@@ -91,8 +92,11 @@ from ._sql_common import (
     ABSENT,
     Probe,
     batch_rejection,
+    missing_register_error,
+    missing_table,
     probe_passes,
     probe_rejection,
+    translate_error,
 )
 from ._sql_gate import OWN_OPTIONS, Kind
 from ._sql_lex import Target
@@ -1549,7 +1553,12 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
     if found is None or not found.claim or transaction.nested:
         return
     stmt = _claim_statement(found.register, connection.dialect.name)
-    result = connection.execute(stmt, {"_scope": found.scope, _TOKEN: found.token})
+    try:
+        result = connection.execute(stmt, {"_scope": found.scope, _TOKEN: found.token})
+    except SQLAlchemyError as exc:
+        if missing_table(exc):
+            raise missing_register_error(found.register.name) from exc
+        raise translate_error(exc, "fence claim", found.scope) from exc
     if result.rowcount == 1:
         if found.events.active:
             found.events.emit(EventKind.WRITE_ACCEPTED, SOURCE, found.scope, found.token)

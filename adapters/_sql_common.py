@@ -33,6 +33,8 @@ __all__ = [
     "RowScope",
     "batch_rejection",
     "closed_connection_error",
+    "missing_register_error",
+    "missing_table",
     "null_fence_error",
     "probe_passes",
     "probe_rejection",
@@ -179,6 +181,21 @@ def null_fence_error(scope: str) -> ConfigurationError:
     return ConfigurationError(
         f"{scope}: the fence column is NULL, so no write can be verified; declare it "
         "BIGINT NOT NULL DEFAULT 0 and set the NULL rows to 0"
+    )
+
+
+def missing_table(exc: BaseException) -> bool:
+    """Whether a driver error says a table does not exist (PostgreSQL 42P01, SQLite)."""
+    return _sqlstate(exc) in ("42P01", "3F000") or "no such table" in str(exc)
+
+
+def missing_register_error(table: str) -> ConfigurationError:
+    """The error for a claim on a fence register table that was never created."""
+    return ConfigurationError(
+        f"the fence register table {table} does not exist: create it with "
+        "fence_register_table(metadata) and metadata.create_all(), or in a migration with "
+        "REGISTER_TABLE_DDL (fence.adapters.sql); pass its name with register= if it is "
+        "not fence_register"
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from typing import Any
 
 import redis
 from redis.exceptions import NoPermissionError
@@ -24,23 +25,25 @@ def main() -> int:
     """Run the story; return 0 if every raw write was refused."""
     url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     admin = redis.Redis.from_url(url)
+    admin_command: Any = admin.execute_command  # redis-py types it on some clients only
     rules = acl_rules(["{order:*}:*"], app_keys=["cache:*"])
     passwords = {"order-guard": secrets.token_hex(16), "order-app": secrets.token_hex(16)}
-    admin.execute_command(
-        "ACL", "SETUSER", "order-guard", *rules.guard, ">" + passwords["order-guard"]
-    )
-    admin.execute_command("ACL", "SETUSER", "order-app", *rules.app, ">" + passwords["order-app"])
+    admin_command("ACL", "SETUSER", "order-guard", *rules.guard, ">" + passwords["order-guard"])
+    admin_command("ACL", "SETUSER", "order-app", *rules.app, ">" + passwords["order-app"])
     guard_client = redis.Redis.from_url(
         url, username="order-guard", password=passwords["order-guard"]
     )
-    app = redis.Redis.from_url(url, username="order-app", password=passwords["order-app"])
+    app = redis.Redis.from_url(
+        url, username="order-app", password=passwords["order-app"], decode_responses=True
+    )
+    app_command: Any = app.execute_command
     refused = 0
     try:
         guard = RedisGuard(guard_client, scope="resource")
         guard.claim("order:42", 7)
         guard.set("{order:42}:status", "paid", token=7)
         print("guard user, token 7: status = paid (fenced)")
-        print(f"app user reads status = {app.get('{order:42}:status').decode()}")
+        print(f"app user reads status = {app.get('{order:42}:status')!r}")
         app.set("cache:order:42", "paid")  # its own, unfenced keys
         for command in (
             ("SET", "{order:42}:status", "hacked"),
@@ -50,16 +53,16 @@ def main() -> int:
             ("FLUSHALL",),
         ):
             try:
-                app.execute_command(*command)
+                app_command(*command)
             except NoPermissionError:
                 refused += 1
                 print(f"app user: {command[0]} refused by Redis")
         value, fence = guard.get("{order:42}:status")
-        print(f"status = {value.decode()}, fence = {fence}")
+        print(f"status = {value!r}, fence = {fence}")
     finally:
         app.close()
         guard_client.close()
-        admin.execute_command("ACL", "DELUSER", "order-guard", "order-app")
+        admin_command("ACL", "DELUSER", "order-guard", "order-app")
         admin.close()
     return 0 if refused == 5 else 1
 
