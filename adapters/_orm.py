@@ -690,6 +690,7 @@ class _Flush:
     binding: SessionBinding | None
     flushing: bool = False  # a mapper event fired: a flush, not a bulk save
     rowcount: int | None = None  # rows changed by the rewritten statement running now
+    late_count: bool = False  # its count is known only once its rows are fetched
 
 
 _CURRENT: contextvars.ContextVar[_Flush | None] = contextvars.ContextVar(
@@ -1083,6 +1084,11 @@ def _after_cursor_execute(
     current = _CURRENT.get()
     if current is None or current.rowcount is None:
         return
+    compiled = getattr(context, "compiled", None)
+    if conn.dialect.name == "sqlite" and getattr(compiled, "effective_returning", None):
+        # sqlite3 counts the rows of a statement with RETURNING as they are fetched, and
+        # the ORM fetches them after the hook judged the statement.
+        current.late_count = True
     count = cursor.rowcount
     current.rowcount = -1 if count < 0 or current.rowcount < 0 else current.rowcount + count
 
@@ -1109,10 +1115,13 @@ def _after_execute(
     token = current.binding.token
     events = current.binding.events
     count = current.rowcount if current.rowcount is not None else result.rowcount
+    late, current.late_count = current.late_count, False
     current.rowcount = None
     info = judge.info
     s = info.statements
     keys = [tuple(p.get(name) for name in judge.key_params) for p in rows]
+    if late and count != len(rows) and _wrote_all(conn, s, judge, keys, token):
+        count = len(rows)
     if count == len(rows):
         if events.active:
             for keyvals in keys:
@@ -1147,6 +1156,29 @@ def _after_execute(
             for k, p in zip(keys, probes, strict=True)
         ]
     raise _reject(events, mapper, token, errors, s.name, batch=len(keys) > 1)
+
+
+def _wrote_all(
+    conn: Connection, s: RowStatements, judge: _Rewrite, keys: Sequence[tuple[Any, ...]], token: int
+) -> bool:
+    """Whether every row of a statement whose count came late holds the write's fence now.
+
+    On SQLite the writer holds the database lock from its first write on, so a row that now
+    holds ``token`` was written by this statement (``fence <= token`` passed), or held the
+    token already, which the same predicate accepts. A key the database picks (``None``)
+    is a new row, which an upsert cannot be refused.
+    """
+    for keyvals in keys:
+        if None in keyvals:
+            continue
+        probe = _probe(conn, s, keyvals)
+        if judge.kind == "delete" and not probe.exists:
+            continue
+        if not probe.exists or probe.fence != token:
+            return False
+        if (judge.kind != "delete") != probe.live:
+            return False
+    return True
 
 
 def _probe(conn: Connection, s: RowStatements, keyvals: Sequence[Any]) -> Probe:

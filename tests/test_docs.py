@@ -2,7 +2,8 @@
 
 A block is a complete program, or its first line says what it continues: a block that
 starts with ``# continued`` runs after the Python blocks before it in the same file, up to
-the last one that does not. Each such chain runs once, whole, in a fresh directory, with
+the last one that does not; one that starts with ``# continued from "Heading"`` runs after
+the blocks that the last block under that heading ran after, and that block. Each such chain runs once, whole, in a fresh directory, with
 the suite's servers handed in through ``REDIS_URL`` and ``DATABASE_URL`` where a block
 reads them. The same chains, and ``examples/``, are type-checked with ``mypy --strict``
 against the package as installed (``fence.adapters`` included).
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md"]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "orm.md", ROOT / "docs" / "redis-guard.md"]
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
@@ -37,19 +38,37 @@ class Program:
         return f"{self.doc.name}:{self.line}"
 
 
+_HEADING = re.compile(r"^#+\s+(.*?)\s*$", re.MULTILINE)
+_FROM = re.compile(r'^# continued from "([^"]+)"')
+
+
 def programs(doc: Path) -> list[Program]:
-    """The chains of ``doc``: each block that no later block continues ends one."""
+    """The chains of ``doc``: each block that no later block continues ends one.
+
+    ``# continued`` continues the chain of the block just before; ``# continued from
+    "Heading"`` continues the chain of the last block under that heading.
+    """
     text = doc.read_text()
     found: list[Program] = []
     chain: list[str] = []
+    by_heading: dict[str, list[str]] = {}
+    headings = [(m.start(), m.group(1)) for m in _HEADING.finditer(text)]
     for match in _FENCE.finditer(text):
         code = match.group(1)
         line = text.count("\n", 0, match.start()) + 1
-        if code.lstrip().startswith("# continued") and chain:
+        under = [name for at, name in headings if at < match.start()]
+        heading = under[-1] if under else ""
+        named = _FROM.match(code.lstrip())
+        if named is not None:
+            base = by_heading.get(named.group(1))
+            assert base is not None, f"{doc.name}:{line}: no block under {named.group(1)!r}"
+            chain = [*base, code]
+        elif code.lstrip().startswith("# continued") and chain:
             found.pop()
-            chain.append(code)
+            chain = [*chain, code]
         else:
             chain = [code]
+        by_heading[heading] = chain
         found.append(Program(doc, line, "\n".join(chain)))
     return found
 

@@ -296,3 +296,43 @@ def test_a_flush_statement_of_an_unknown_shape_is_refused(env: Env) -> None:
         event.remove(env.Typed, "before_update", sneak)
     with env.engine.connect() as conn:
         assert conn.execute(select(typed.c.v)).scalar() == 1
+
+
+# -- row counts SQLite reports late ------------------------------------------------------------
+
+
+def test_a_fenced_insert_with_returning_on_sqlite_is_judged_by_its_rows(tmp_path: Path) -> None:
+    """An integer primary key makes SQLAlchemy send ``INSERT ... RETURNING``; sqlite3 counts
+    those rows only as they are fetched, after the hook judged the statement."""
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Counter(Base):
+        __tablename__ = "counters"
+        id: Mapped[int] = mapped_column(primary_key=True)  # autoincrement: RETURNING id
+        n: Mapped[int]
+        fence: Mapped[int] = fence_column()
+        deleted: Mapped[bool] = tombstone_column()
+
+    fence_register_table(Base.metadata)
+    engine = create_engine(f"sqlite:///{tmp_path / 'late.db'}")
+    Base.metadata.create_all(engine)
+    for token, n in ((5, 1), (5, 2), (6, 3)):  # a new row, the same holder again, a newer one
+        with Session(engine) as s:
+            bind(s, token=token, scope="c")
+            s.add(Counter(id=1, n=n))
+            s.commit()
+    with Session(engine) as s:
+        bind(s, token=5, claim=False)  # the stale holder's upsert is still refused
+        s.add(Counter(id=1, n=99))
+        with pytest.raises(StaleTokenError):
+            s.commit()
+    with Session(engine) as s:
+        bind(s, token=7, scope="c")
+        s.add(Counter(n=4))  # a key the database picks
+        s.commit()
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT id, n, fence FROM counters ORDER BY id")).all()
+    assert [tuple(r) for r in rows] == [(1, 3, 6), (2, 4, 7)]
+    engine.dispose()
