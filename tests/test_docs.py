@@ -3,10 +3,11 @@
 A block is a complete program, or its first line says what it continues: a block that
 starts with ``# continued`` runs after the Python blocks before it in the same file, up to
 the last one that does not; one that starts with ``# continued from "Heading"`` runs after
-the blocks that the last block under that heading ran after, and that block. Each such chain runs once, whole, in a fresh directory, with
-the suite's servers handed in through ``REDIS_URL`` and ``DATABASE_URL`` where a block
-reads them. The same chains, and ``examples/``, are type-checked with ``mypy --strict``
-against the package as installed (``fence.adapters`` included).
+the blocks that the last block under that heading ran after, and that block. Each such
+chain runs once, whole, in a fresh directory, with the suite's servers handed in through
+``REDIS_URL`` and ``DATABASE_URL`` where a block reads them. The same chains, and
+``examples/``, are type-checked with ``mypy --strict`` against the package as installed
+(``fence.adapters`` included).
 """
 
 from __future__ import annotations
