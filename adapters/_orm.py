@@ -74,6 +74,7 @@ from sqlalchemy.sql import operators
 from sqlalchemy.sql.dml import UpdateBase
 from sqlalchemy.sql.elements import BooleanClauseList
 from sqlalchemy.sql.visitors import replacement_traverse
+from sqlalchemy.util import await_only
 
 from fence._core import validate_resource, validate_token
 from fence._errors import (
@@ -1584,14 +1585,18 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
     found: SessionBinding | None = session.info.get(BINDING_KEY)
     if found is None or not found.claim or transaction.nested:
         return
-    stmt = _claim_statement(found.register, connection.dialect.name)
-    try:
-        result = connection.execute(stmt, {"_scope": found.scope, _TOKEN: found.token})
-    except SQLAlchemyError as exc:
-        if missing_table(exc):
-            raise missing_register_error(found.register.name) from exc
-        raise translate_error(exc, "fence claim", found.scope) from exc
-    if result.rowcount == 1:
+    if connection.dialect.driver == "psycopg":
+        claimed = _claim_with_begin(connection, found)
+    else:
+        stmt = _claim_statement(found.register, connection.dialect.name)
+        try:
+            result = connection.execute(stmt, {"_scope": found.scope, _TOKEN: found.token})
+        except SQLAlchemyError as exc:
+            if missing_table(exc):
+                raise missing_register_error(found.register.name) from exc
+            raise translate_error(exc, "fence claim", found.scope) from exc
+        claimed = result.rowcount
+    if claimed == 1:
         if found.events.active:
             found.events.emit(EventKind.WRITE_ACCEPTED, SOURCE, found.scope, found.token)
         return
@@ -1602,6 +1607,73 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         )
     except _FenceStale as err:
         raise StaleTokenError.from_guard(err, None, None) from None
+
+
+def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
+    """The claim, sent with the transaction's ``BEGIN`` in one round trip (psycopg 3).
+
+    psycopg starts a transaction with a ``BEGIN`` of its own, a round trip before the first
+    statement. Here ``BEGIN`` (with the connection's isolation level, as psycopg builds it)
+    and the claim go as one simple-protocol message, so a bound transaction costs the
+    round trips of an unbound one. The claim is still its own statement, run before the
+    first read: on PostgreSQL it takes the register row's lock first, and the read that
+    follows sees what an older holder that held the lock committed (C8).
+
+    Returns:
+        The claim's row count: 1 if the fence was raised, 0 if it was refused.
+    """
+    from psycopg import AsyncConnection, IsolationLevel, errors, generators, pq
+    from psycopg import sql as pg_sql
+
+    register = found.register
+    raw: Any = connection.connection.driver_connection
+    parts = _PG_CLAIMS.get(register)
+    if parts is None:
+        table = (
+            pg_sql.Identifier(register.schema, register.name)
+            if register.schema
+            else pg_sql.Identifier(register.name)
+        )
+        head = pg_sql.SQL("INSERT INTO {t} AS cur (scope, fence) VALUES (").format(t=table)
+        parts = _PG_CLAIMS[register] = (
+            head.as_bytes(raw),
+            (
+                b") ON CONFLICT (scope) DO UPDATE SET fence = EXCLUDED.fence "
+                b"WHERE cur.fence <= EXCLUDED.fence RETURNING scope"
+            ),
+        )
+    begin = [b"BEGIN"]
+    if raw.isolation_level is not None:
+        level = IsolationLevel(raw.isolation_level).name.replace("_", " ")
+        begin.append(b"ISOLATION LEVEL " + level.encode())
+    if raw.read_only is not None:
+        begin.append(b"READ ONLY" if raw.read_only else b"READ WRITE")
+    if raw.deferrable is not None:
+        begin.append(b"DEFERRABLE" if raw.deferrable else b"NOT DEFERRABLE")
+    scope = pg_sql.Literal(found.scope).as_bytes(raw)
+    query = b"%s; %s%s, %d%s" % (b" ".join(begin), parts[0], scope, found.token, parts[1])
+    pgconn = raw.pgconn
+    try:
+        pgconn.send_query(query)
+        if isinstance(raw, AsyncConnection):
+            results = await_only(raw.wait(generators.execute(pgconn)))
+        else:
+            results = raw.wait(generators.execute(pgconn))
+    except errors.Error as exc:
+        raise translate_error(exc, "fence claim", found.scope) from exc
+    for result in results:
+        if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+            failure = errors.error_from_result(result, encoding=raw.info.encoding)
+            if missing_table(failure):
+                raise missing_register_error(register.name) from failure
+            raise translate_error(failure, "fence claim", found.scope) from failure
+    count: int = results[-1].ntuples
+    return count
+
+
+# The psycopg text of each register's claim around its two literals, the scope and the
+# token, composed once (a simple-protocol message has no parameters).
+_PG_CLAIMS: weakref.WeakKeyDictionary[Table, tuple[bytes, bytes]] = weakref.WeakKeyDictionary()
 
 
 def _before_commit(session: Session) -> None:
