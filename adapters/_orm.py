@@ -1348,18 +1348,28 @@ def _hide_tombstones(state: ORMExecuteState) -> None:
     """
     if state.execution_options.get(INCLUDE_TOMBSTONES):
         return
-    options = []
-    for mapper in state.all_mappers:
-        info = mapper_info(mapper)
-        if info is None or info.table.tombstone is None:
-            continue
-        options.append(
-            with_loader_criteria(
-                mapper.class_, info.table.tombstone == false(), include_aliases=True
-            )
-        )
+    options = [opt for opt in map(_tombstone_criteria, state.all_mappers) if opt is not None]
     if options:
         state.statement = state.statement.options(*options)
+
+
+_CRITERIA: weakref.WeakKeyDictionary[Mapper[Any], Any] = weakref.WeakKeyDictionary()
+
+
+def _tombstone_criteria(mapper: Mapper[Any]) -> Any:
+    """The ``NOT deleted`` loader criteria of a class, built once (``None``: no tombstones)."""
+    try:
+        return _CRITERIA[mapper]
+    except KeyError:
+        pass
+    info = mapper_info(mapper)
+    found = None
+    if info is not None and info.table.tombstone is not None:
+        found = with_loader_criteria(
+            mapper.class_, info.table.tombstone == false(), include_aliases=True
+        )
+    _CRITERIA[mapper] = found
+    return found
 
 
 def _do_orm_execute(state: ORMExecuteState) -> Result[Any] | None:
