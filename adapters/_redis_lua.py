@@ -36,9 +36,12 @@ from fence import (
 )
 
 __all__ = [
+    "HSET",
+    "HSET_MAX_ARGS",
     "MAX_TTL_MS",
     "MAX_XADD_FIELDS",
     "READ",
+    "SET",
     "WRITE",
     "CrossSlotError",
     "FenceScope",
@@ -49,6 +52,7 @@ __all__ = [
     "Script",
     "UnissuedTokenError",
     "WriteRefusedError",
+    "command",
     "hash_tag",
     "resource_of",
 ]
@@ -453,13 +457,17 @@ SET_LUA = """
 -- Returns 1 when written, else {0, 1, reason, fence, ''} as the general write script,
 -- with reason STALE or UNVERIFIABLE; nothing is written then. A SET cannot fail on the
 -- data (any type is replaced, px is checked by the client); a failure of the server's
--- state (OOM, READONLY, ...) stops the first write, so it comes with nothing written. A
+-- state (OOM, READONLY, ...) stops the first write, so it comes with nothing written; a user
+-- that may not SET the fence key gets {2, 1, 'NOPERM', detail} before any write. A
 -- fence write that fails after the value landed returns {3, 1, 'ERROR', error}.
 local token = ARGV[1]
 local fstr = redis.call('GET', KEYS[1])
 if fstr ~= token and fstr then
   if not string.match(fstr, '^%d+$') then return {0, 1, 'UNVERIFIABLE', fstr, ''} end
   if tonumber(token) < tonumber(fstr) then return {0, 1, 'STALE', fstr, ''} end
+end
+if fstr ~= token and not redis.acl_check_cmd('SET', KEYS[1], token) then
+  return {2, 1, 'NOPERM', 'the user may not SET the fence key ' .. KEYS[1]}
 end
 if ARGV[3] then
   redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
@@ -473,8 +481,40 @@ end
 return 1
 """
 
+#: A fenced HSET of a few fields, on its own for the same reason as :data:`SET_LUA`.
+HSET_LUA = """
+-- KEYS[1] the fence key     KEYS[2] the data key
+-- ARGV[1] the token, a decimal string     ARGV[2..] field, value, ... (at most HSET_MAX_ARGS)
+-- Returns the number of fields added when written, else {0, 1, reason, fence, ''} as the
+-- general write script (STALE or UNVERIFIABLE), or {2, 1, 'ERROR', error} when Redis
+-- refused the HSET (a key of another type, the server's state), {2, 1, 'NOPERM', detail}
+-- when the user may not write the fence key: nothing is written then.
+-- A fence write that fails after the fields landed returns {3, 1, 'ERROR', error}.
+local token = ARGV[1]
+local fstr = redis.call('GET', KEYS[1])
+if fstr ~= token and fstr then
+  if not string.match(fstr, '^%d+$') then return {0, 1, 'UNVERIFIABLE', fstr, ''} end
+  if tonumber(token) < tonumber(fstr) then return {0, 1, 'STALE', fstr, ''} end
+end
+if fstr ~= token and not redis.acl_check_cmd('SET', KEYS[1], token) then
+  return {2, 1, 'NOPERM', 'the user may not SET the fence key ' .. KEYS[1]}
+end
+local r = redis.pcall('HSET', KEYS[2], unpack(ARGV, 2))
+if type(r) == 'table' and r.err then return {2, 1, 'ERROR', r.err} end
+if fstr ~= token then
+  local w = redis.pcall('SET', KEYS[1], token)
+  if w.err then return {3, 1, 'ERROR', w.err} end
+end
+return r
+"""
+
+#: The most arguments (fields and values) :data:`HSET_LUA` takes; more go to :data:`WRITE`,
+#: which applies them in chunks (Lua's ``unpack`` stops near 8000 values).
+HSET_MAX_ARGS = 1000
+
 WRITE = Script.of("fenced-write", WRITE_LUA)
 SET = Script.of("fenced-set", SET_LUA)
+HSET = Script.of("fenced-hset", HSET_LUA)
 READ = Script.of("fenced-read", READ_LUA)
 
 
@@ -991,6 +1031,27 @@ def encode(
     if one_slot and len(ops) > 1:
         check_one_slot([op.key for op in ops])
     return keys, argv
+
+
+def command(
+    layout: KeyLayout, token: int, op: Op, *, issuer: bool
+) -> tuple[Script, list[str], list[Any]]:
+    """The script, ``KEYS`` and ``ARGV`` of one fenced write, the leanest that does it.
+
+    A plain set and a small hset have scripts of their own with half the arguments of the
+    general :data:`WRITE` (packing them is most of the client's cost); everything else,
+    and every write under ``must_exist`` or the issuer check, goes through :data:`WRITE`.
+    All three reply in the shape :func:`decode` reads.
+    """
+    if not (op.must_exist or issuer):
+        if op.code == "set":
+            value, px = op.args
+            keys = [layout.fence_key(op.key), op.key]
+            return SET, keys, ([b"%d" % token, value, px] if px else [b"%d" % token, value])
+        if op.code == "hset" and len(op.args) <= HSET_MAX_ARGS:
+            return HSET, [layout.fence_key(op.key), op.key], [b"%d" % token, *op.args]
+    keys, argv = encode(layout, token, (op,), issuer=issuer, one_slot=False)
+    return WRITE, keys, argv
 
 
 def check_one_slot(keys: Sequence[str]) -> None:

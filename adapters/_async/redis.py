@@ -46,13 +46,13 @@ from fence import (
 from .._redis_lua import (
     READ,
     SERVER_STATES,
-    SET,
     WRITE,
     CrossSlotError,
     FenceScope,
     KeyLayout,
     Op,
     Script,
+    command,
     decode,
     encode,
     op_claim,
@@ -267,25 +267,7 @@ class AsyncRedisGuard:
                 write, nothing written); :class:`fence.RetryableError` on a timeout;
                 :class:`PartialWriteError` if a write failed after part of it landed.
         """
-        op = op_set(key, value, ttl, must_exist)
-        if must_exist or self.check_issuer:
-            await self._write(token, (op,))
-            return
-        # The hottest path has a script of its own, with half the arguments to pack.
-        token = validate_token(token)
-        px = op.args[1]
-        argv = [b"%d" % token, value, px] if px else [b"%d" % token, value]
-        reply = await self._eval(SET, [self.layout.fence_key(key), key], argv, key)
-        if reply != 1:
-            outcome = decode(token, (op,), reply)
-            if isinstance(outcome, FenceError):
-                if self.events.active and isinstance(outcome, StaleTokenError):
-                    self.events.emit(
-                        EventKind.WRITE_REJECTED, _SOURCE, key, token, reason=outcome.reason
-                    )
-                raise outcome
-        if self.events.active:
-            self.events.emit(EventKind.WRITE_ACCEPTED, _SOURCE, key, token, op="set")
+        await self._one(token, op_set(key, value, ttl, must_exist))
 
     async def hset(
         self, key: str, mapping: Mapping[Any, Any], *, token: int, must_exist: bool = False
@@ -304,8 +286,7 @@ class AsyncRedisGuard:
         Raises:
             Same as :meth:`set`.
         """
-        results = await self._write(token, (op_hset(key, mapping, must_exist),))
-        return int(results[0])
+        return int(await self._one(token, op_hset(key, mapping, must_exist)))
 
     async def delete(self, key: str, *, token: int) -> bool:
         """Delete ``key`` and keep its fence as a tombstone (C7).
@@ -497,6 +478,26 @@ class AsyncRedisGuard:
 
     # -- internals ---------------------------------------------------------------------
 
+    async def _one(self, token: int, op: Op) -> Any:
+        """One write by the leanest script that does it (:func:`command`); its result."""
+        token = validate_token(token)
+        script, keys, argv = command(self.layout, token, op, issuer=self.check_issuer)
+        reply = await self._eval(script, keys, argv, op.key)
+        if isinstance(reply, int):  # the bare number of a write that landed
+            result: Any = reply
+        else:
+            outcome = decode(token, (op,), reply)
+            if isinstance(outcome, FenceError):
+                if self.events.active and isinstance(outcome, StaleTokenError):
+                    self.events.emit(
+                        EventKind.WRITE_REJECTED, _SOURCE, op.key, token, reason=outcome.reason
+                    )
+                raise outcome
+            result = outcome[0]
+        if self.events.active:
+            self.events.emit(EventKind.WRITE_ACCEPTED, _SOURCE, op.key, token, op=op.code)
+        return result
+
     async def _write(self, token: int, ops: Sequence[Op], *, one_slot: bool = False) -> list[Any]:
         token = validate_token(token)
         keys, argv = encode(self.layout, token, ops, issuer=self.check_issuer, one_slot=one_slot)
@@ -676,16 +677,17 @@ class AsyncFencedPipeline:
 
     def __init__(self, guard: AsyncRedisGuard) -> None:
         self.guard = guard
-        self._queued: list[tuple[int, Op]] = []
+        self._queued: list[tuple[int, Op, Script, list[Any]]] = []
 
     def __len__(self) -> int:
         return len(self._queued)
 
     def _add(self, token: int, op: Op) -> AsyncFencedPipeline:
-        # Validate now: a bad token or key is the caller's bug and must not cost I/O.
+        # Validate and build now: a bad token or key is the caller's bug and costs no I/O.
         token = validate_token(token)
-        self.guard.layout.fence_key(op.key, data=op.code != "claim")
-        self._queued.append((token, op))
+        guard = self.guard
+        script, keys, argv = command(guard.layout, token, op, issuer=guard.check_issuer)
+        self._queued.append((token, op, script, [script.sha, len(keys), *keys, *argv]))
         return self
 
     def set(
@@ -740,23 +742,26 @@ class AsyncFencedPipeline:
         """
         queued, self._queued = self._queued, []
         guard = self.guard
-        calls = [
-            encode(guard.layout, token, (op,), issuer=guard.check_issuer, one_slot=False)
-            for token, op in queued
-        ]
-        replies = await self._send(list(range(len(calls))), calls)
+        replies = await self._send(queued)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             # A restart or SCRIPT FLUSH: those writes did not run. Load and send them again.
             try:
-                await guard.client.script_load(WRITE.text)
+                for script in {queued[i][2] for i in missing}:
+                    await guard.client.script_load(script.text)
             except RedisError as err:
                 raise _translate(err, "fenced pipeline") from err
-            for i, reply in zip(missing, await self._send(missing, calls), strict=True):
+            again = await self._send([queued[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         bus = guard.events
         out: list[Any] = []
-        for (token, op), reply in zip(queued, replies, strict=True):
+        for (token, op, _, _), reply in zip(queued, replies, strict=True):
+            if isinstance(reply, int):  # the bare number of a write that landed
+                if bus.active:
+                    bus.emit(EventKind.WRITE_ACCEPTED, _SOURCE, op.key, token, op=op.code)
+                out.append(reply)
+                continue
             if isinstance(reply, NoScriptError):
                 vanished = RetryableError(
                     f"{op.key}: the fenced-write script vanished twice; nothing was written",
@@ -783,11 +788,10 @@ class AsyncFencedPipeline:
                 out.append(outcome[0])
         return out
 
-    async def _send(self, which: list[int], calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+    async def _send(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
         pipe = self.guard.client.pipeline(transaction=False)
-        for i in which:
-            keys, argv = calls[i]
-            pipe.execute_command("EVALSHA", WRITE.sha, len(keys), *keys, *argv)
+        for *_, args in queued:
+            pipe.execute_command("EVALSHA", *args)
         try:
             return list(await pipe.execute(raise_on_error=False))
         except RedisError as err:
