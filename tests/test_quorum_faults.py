@@ -195,6 +195,63 @@ def test_tokens_never_go_back_when_a_minority_loses_its_data(
 
 @pytest.mark.redis
 @pytest.mark.slow
+@pytest.mark.xfail(reason="issue 16: a node that restarted empty votes as if it had its data")
+def test_a_node_restarting_empty_cannot_hand_out_the_holders_token(
+    nodes: list[RedisServer],
+) -> None:
+    """The counter-example of issue 16, with at most one faulty node at any moment.
+
+    1. X cannot reach C (stopped); A and B grant, and X commits token ``t`` to A and B.
+    2. A restarts empty.
+    3. C answers again. Y tries: A (empty) and C are free, B refuses because X holds it.
+
+    Counting A's grant, Y would have a majority and the token ``max(1, 1) = 1``, equal to
+    X's, while X's lease is still valid: both holders' writes would pass a guard. A node
+    that lost its data must take no part in a grant until it is repaired.
+    """
+    a, _b, c = nodes
+    x = QuorumLockManager(
+        urls(nodes), token_mode=TokenMode.COUNTER, check_config=False, ttl=30, socket_timeout=0.2
+    )
+    bus = EventBus()
+    y = QuorumLockManager(
+        urls(nodes),
+        token_mode=TokenMode.COUNTER,
+        check_config=False,
+        ttl=30,
+        socket_timeout=0.2,
+        events=bus,
+    )
+    resource = "issue-16"
+    try:
+        c.pause()
+        try:
+            held = x.acquire(resource, timeout=5)
+        finally:
+            c.resume()
+        assert [counter(n, resource) for n in nodes] == [held.token, held.token, 0]
+        wipe(a)
+        with EventRecorder(bus) as recorder:
+            stolen = y.try_acquire(resource)
+            assert stolen is None or stolen.token > held.token  # today: stolen.token == 1
+            assert stolen is None  # X's lease is valid: mutual exclusion too
+            assert held.valid
+            held.release()
+            after = y.acquire(resource, timeout=5)
+        assert after.token > held.token
+        lost = recorder.of(EventKind("node_data_lost"))
+        assert [e.detail["node"] for e in lost] == [a.url]
+        # Y's grant repaired A: it holds a counter at least Y's token again
+        assert counter(a, resource) >= after.token
+        after.release()
+        assert cycle(y, resource) > after.token
+    finally:
+        x.close()
+        y.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
 @pytest.mark.parametrize("survivor_answers", [False, True])
 def test_counter_tokens_regress_when_a_majority_loses_its_data(
     nodes: list[RedisServer], survivor_answers: bool
