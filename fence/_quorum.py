@@ -641,7 +641,7 @@ class QuorumAcquire:
         outcome = request
 
     ``left`` is what :func:`validity` leaves of the lease at that moment; a grant needs it
-    positive at the end of the vote and of the commit.
+    positive at the end of the vote, of the commit and of the repair.
 
     Attributes:
         nodes: the number of nodes.
@@ -718,6 +718,10 @@ class QuorumAcquire:
             return self._undo(Outcome(Verdict.SPLIT, **self._report()))
         if phase is _Phase.RELEASE:
             return self._granted()
+        if phase is _Phase.REPAIR and left <= 0:
+            # The repair round took the rest of the lease: hand out nothing (the repair stands:
+            # the grant was backed).
+            return self._undo(Outcome(Verdict.SPLIT, **self._report()))
         assert self.outcome is not None, f"no step from {phase}"
         return self, self.outcome
 
