@@ -32,6 +32,12 @@ class EventKind(enum.StrEnum):
         WRITE_ACCEPTED: a guard accepted a write.
         WRITE_REJECTED: a guard rejected a write (``detail["reason"]``).
         BACKEND_DOWN: a backend or node did not answer.
+        NODE_DATA_LOST: a quorum node answered without its data (it restarted empty); it
+            takes no part in grants until a grant repairs it (``detail["node"]``).
+        REFUSED: a quorum manager refused a call it could not show safe, e.g. too few
+            nodes with intact data (``detail["reason"]``, ``detail["ineligible"]``).
+        QUORUM_INITIALIZED: a quorum manager found every node empty and set the quorum up
+            (a new deployment, or every node lost its data at once).
     """
 
     ACQUIRED = "acquired"
@@ -44,6 +50,9 @@ class EventKind(enum.StrEnum):
     WRITE_ACCEPTED = "write_accepted"
     WRITE_REJECTED = "write_rejected"
     BACKEND_DOWN = "backend_down"
+    NODE_DATA_LOST = "node_data_lost"
+    REFUSED = "refused"
+    QUORUM_INITIALIZED = "quorum_initialized"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +139,14 @@ def log_events(
         A function that stops the logging.
     """
     target = logger or _log
-    loud = {EventKind.LOST, EventKind.WRITE_REJECTED, EventKind.BACKEND_DOWN}
+    loud = {
+        EventKind.LOST,
+        EventKind.WRITE_REJECTED,
+        EventKind.BACKEND_DOWN,
+        EventKind.NODE_DATA_LOST,
+        EventKind.REFUSED,
+        EventKind.QUORUM_INITIALIZED,
+    }
 
     def listener(event: Event) -> None:
         level = logging.WARNING if event.kind in loud else logging.DEBUG

@@ -1,70 +1,225 @@
-"""The quorum lock manager's logic, without I/O: majorities, validity, token merge.
+"""The quorum lock manager's protocol, without I/O: node scripts, votes and decisions.
 
 The quorum manager (:mod:`fence._async.quorum`) runs Redlock over ``N`` independent Redis
-nodes and issues fencing tokens that survive the loss of a minority of them. Every rule it
-follows is a plain function here, so that it can be read, and tested, apart from the
-sockets.
+nodes and issues fencing tokens. Everything it decides is here: the Lua scripts each node
+runs, how their replies are read, and :class:`QuorumAcquire`, the state machine that says
+which round to send next. The driver only moves bytes for it; the model checker in
+``tests/quorum_model.py`` drives the same machine and the same scripts through every
+schedule of a bounded search.
 
-**Why the token needs a second round trip.** Each node issues its own candidate in the
-acquire script (``max(last + 1, TIME)`` or ``last + 1``, as the single-node manager does),
-and stores it in its own counter. The client takes the largest candidate of the nodes that
-granted the lock. That token is only stored on the node that proposed it, so a later
-majority that misses that node could issue less::
+**Fault model.** Within it, every grant gets a token above every token granted before it
+(C2) and no two grants share a token, whatever the timing; and, as long as no node's clock
+jumps forward, two holders' client deadlines (C10) never overlap.
+
+- Messages may be lost, delayed and reordered; nodes may be partitioned away, stopped,
+  killed and restarted, any number of times.
+- A node restarts either **with all its data** (every write it acknowledged survives:
+  ``appendonly yes`` with ``appendfsync always``) or **empty** (no persistence, or a lost
+  disk). A restart that rolls a node back to an older copy of its data (RDB snapshots,
+  ``appendfsync everysec``) is outside the model: keep such nodes without persistence.
+- For each resource, fewer than a majority of nodes are *unrepaired* at any moment. A node
+  is unrepaired for ``R`` from the moment it restarts empty until a grant of ``R`` repairs
+  it (below). With 3 nodes: one node at a time may have lost its data; with 5: two.
+- Clocks: node clocks may be skewed and may jump, in either direction. Tokens do not depend
+  on them. Lease exclusion needs node clocks that do not jump forward and that run at the
+  client's rate within ``drift``, as every lease does.
+
+Beyond the model the manager refuses and reports: a grant that a majority of nodes with
+intact data cannot back raises ``BackendError(code="DATA_LOST")`` and emits
+:attr:`EventKind.REFUSED`. Two faults cannot be detected: every node losing its data at
+once (it looks like a new deployment, :attr:`EventKind.QUORUM_INITIALIZED`), and a node
+rolled back to an older copy of its data.
+
+**Incarnations.** Each node keeps a marker (``<prefix>quorum:node``: ``state`` and ``id``).
+A node that answers without one lost its data (or is new): its first script call records a
+new incarnation id, in state ``new``. A node takes part in a grant of ``R`` (it is
+*eligible* for ``R``) only in state ``genesis`` (its data is continuous since the quorum
+was set up), or in state ``recovering`` once ``R`` was repaired under its current id
+(``<prefix>{R}:repaired`` holds the id). An ineligible node grants nothing and says so.
+
+**Repair.** After a grant that a majority of holders backed (below), the client writes its
+token to every ineligible node that answered, naming the incarnation that node reported
+(:data:`REPAIR`). Only a successful grant repairs: its commit came after it read the
+node's new incarnation, so its token is above every token that node had stored before it
+lost its data. A repair that lands on a later incarnation changes nothing.
+
+**Set-up (genesis).** When all ``N`` nodes answer ``new``, the client marks each
+``pending`` (naming its id) and, only if all ``N`` took the mark, ``genesis``. A node can
+leave ``new``/``pending`` only by genesis or repair, so if all ``N`` took the mark, there
+was a moment at which no node held any data: nothing could have been lost.
+
+**Why the token needs a second round trip (the commit).** Each node proposes its own
+candidate in the acquire script (``max(last + 1, TIME)`` or ``last + 1``) and stores it in
+its counter. The token is the largest candidate of the nodes that granted. It is stored
+only on the node that proposed it, so a later majority that misses that node could issue
+less::
 
     counters   A=5 B=3 C=3
     acquire 1  grants from A, B      -> candidates 6, 4   -> token 6   (A=6 B=4 C=3)
     acquire 2  grants from B, C      -> candidates 5, 4   -> token 5   < 6: regression
 
-So the client writes the token back (:data:`COMMIT`) before it hands it out. A node counts
-towards the commit only while it still holds the caller's lock. The commit goes to every
-node that answered the acquire, and a majority of lock holders must accept it.
+So the client writes the token back (:data:`COMMIT`) before it hands it out, and a node
+counts only while it **still holds the caller's lock**. A majority of holders must count.
 
-**Why that is enough (C2).** Let acquisition X commit token ``T`` on the set ``Mc`` of
-nodes (a majority, each holding X's lock at that moment). A later acquisition Y is granted
-by a majority ``My``. ``Mc`` and ``My`` share a node ``m``. On ``m``, Y's grant came after
-X's lock there was gone (released or expired), so after X's commit on ``m``, and Y read a
-counter of at least ``T``. Y's candidate from ``m`` is above ``T``, and so is Y's token,
-the maximum. The commit can only raise counters, so concurrent commits cannot undo it.
-
-**Losing data on nodes (C3).** A node that restarts empty forgets its counter. Token ``T``
-is safe as long as the nodes still holding a counter ``>= T`` and any grant majority
-intersect. The commit goes to every node that answered, so when all ``N`` nodes were up at
-commit time any minority may lose its data afterwards: the rest is still a majority. Each
-acquisition writes its token back to every reachable node, which repairs a wiped node.
-When a majority loses its data at once, counter-mode tokens go back; hybrid tokens
-(``TIME`` in microseconds) stay ahead as long as the nodes' clocks do not go back.
+**Why that is enough (C2).** Acquisition X committed ``T`` on the holders ``Cx`` (a
+majority), and a later Y was granted by ``Gy``, a majority of *eligible* nodes. They share
+a node ``m``. On ``m`` the two locks did not overlap. If X's came first, Y's grant on ``m``
+read a counter of at least ``T`` (``m`` is eligible: it kept its data since X's commit, or
+a repair after it gave it a token above ``T``), so Y proposes more than ``T`` and its token,
+the maximum, is above ``T``. If Y's lock on ``m`` came first, X's grant on ``m`` came after
+Y's commit there, and X's token is above Y's: Y was granted before X, not after. Counting
+holders, not just nodes, is what keeps this true when a lease ends early (a node clock
+jump): the tokens of two overlapping holders still differ and follow their grants.
 """
 
 from __future__ import annotations
 
+import enum
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 from fence._core import MAX_TOKEN, validate_token
 from fence._errors import ConfigurationError
+from fence._redis_scripts import _PRELUDE, RELEASE, resource_keys
 from fence.abc import LockInfo
 
 __all__ = [
+    "ACQUIRE",
     "COMMIT",
+    "FAILED",
+    "GENESIS",
+    "QUORUM_RELEASE",
+    "REPAIR",
+    "REVOKE",
+    "SCRIPTS",
+    "Answer",
+    "NodeState",
+    "Op",
+    "Outcome",
+    "QuorumAcquire",
+    "QuorumKeys",
+    "Request",
+    "Verdict",
     "backoff_delay",
     "commit_needed",
+    "describe_nodes",
     "majority",
     "merge_inspections",
     "merge_tokens",
+    "node_call",
+    "node_config_warnings",
+    "parse_answer",
+    "quorum_keys",
+    "release_verdict",
     "time_until_free",
     "validity",
 ]
 
+# -- the node scripts ----------------------------------------------------------------------
+
+# Shared by the scripts that decide whether a node may take part in a grant of a resource.
+_ELIGIBLE = """
+-- Whether this node may take part in a grant of the resource: its data is continuous
+-- since the quorum was set up ('genesis'), or the resource was repaired under the node's
+-- current incarnation ('recovering'). A node without a marker lost its data (or is new):
+-- it records incarnation new_id in state 'new' (when new_id is given).
+-- Returns true, or false, state, id, genesis id (of a pending node; else '').
+local function eligible(marker, tag, new_id)
+  local node = redis.call('HMGET', marker, 'state', 'id', 'genesis')
+  local state, id = node[1], node[2]
+  if not state then
+    if not new_id then return false, 'blank', '', '' end
+    state, id = 'new', new_id
+    redis.call('HSET', marker, 'state', state, 'id', id)
+  end
+  if state == 'genesis' then return true end
+  if state == 'recovering' and redis.call('GET', tag) == id then return true end
+  return false, state, id, node[3] or ''
+end
+"""
+
+ACQUIRE = (
+    _PRELUDE
+    + _ELIGIBLE
+    + """
+-- ACQUIRE (quorum): take the lock on this node if it is free and the node is eligible,
+-- proposing the node's next token.
+-- KEYS[1] lock hash      KEYS[2] token counter
+-- KEYS[3] repaired tag   KEYS[4] node marker
+-- ARGV[1] owner secret   ARGV[2] ttl in ms       ARGV[3] holder label
+-- ARGV[4] 'hybrid' or 'counter'                  ARGV[5] an incarnation id for a node
+--                                                          that has none
+-- Returns the proposal (granted; the held token for the same secret), {0, pttl_ms} when
+-- another secret holds the lock, or {-1, state, id, genesis id} when the node is not
+-- eligible. Error 'token space exhausted' when the next token would pass 2**53-1.
+local ok, state, id, genesis = eligible(KEYS[4], KEYS[3], ARGV[5])
+if not ok then
+  return {-1, state, id, genesis}
+end
+local held = redis.call('HMGET', KEYS[1], 'secret', 'token')
+if held[1] == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return tonumber(held[2])
+end
+if held[1] then
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+local token = issue(last, ARGV[4])
+if not token then
+  return redis.error_reply('ERR fence: token space exhausted for ' .. KEYS[2])
+end
+local text = string.format('%d', token)
+redis.call('SET', KEYS[2], text)
+redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return token
+"""
+)
+
+REVOKE = (
+    _PRELUDE
+    + _ELIGIBLE
+    + """
+-- REVOKE (quorum, first round): end whatever lease the resource has on this node and take
+-- the lock for the revoker, proposing a token above the counter and the deleted lease's.
+-- KEYS[1] lock hash      KEYS[2] token counter
+-- KEYS[3] repaired tag   KEYS[4] node marker
+-- ARGV[1] the revoker's secret   ARGV[2] ttl in ms   ARGV[3] 'hybrid' or 'counter'
+-- ARGV[4] an incarnation id for a node that has none
+-- Returns the proposal, or {-1, state, id, genesis id} when the node is not eligible.
+local ok, state, id, genesis = eligible(KEYS[4], KEYS[3], ARGV[4])
+if not ok then
+  return {-1, state, id, genesis}
+end
+local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+local held = tonumber(redis.call('HGET', KEYS[1], 'token') or '0') or 0
+if held > last then last = held end
+local token = issue(last, ARGV[3])
+if not token then
+  return redis.error_reply('ERR fence: token space exhausted for ' .. KEYS[2])
+end
+local text = string.format('%d', token)
+redis.call('DEL', KEYS[1])
+redis.call('SET', KEYS[2], text)
+redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', 'revoke')
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return token
+"""
+)
+
 COMMIT = """
 -- COMMIT: record the quorum's token on one node, after the acquire (or revoke) round.
--- Raises the token counter to the token and, if the caller still holds the lock, writes
--- the token into the lock hash, so that INSPECT, REVOKE and a reentrant ACQUIRE see it.
+-- Raises the token counter (and, for a revoke, the guards' fence register) to the token
+-- and, if the caller still holds the lock, writes the token into the lock hash, so that
+-- INSPECT, REVOKE and a reentrant ACQUIRE see it.
 -- KEYS[1] lock hash      KEYS[2] token counter
--- KEYS[3] guard fence register (revoke only: raised to the token as well)
--- ARGV[1] owner secret (ignored for a revoke)
--- ARGV[2] the token, as a decimal string
--- Returns 1 if the caller holds the lock here (always 1 for a revoke), else 0. Counters
--- and fences only ever go up: a late or repeated commit cannot lower them.
+-- KEYS[3] guard fence register (revoke only)
+-- ARGV[1] owner secret   ARGV[2] the token, as a decimal string
+-- Returns 1 if the caller holds the lock here, else 0: only holders count towards the
+-- commit. Counters and fences only ever go up: a late or repeated commit cannot lower them.
 local token = tonumber(ARGV[2])
 local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 if token > last then
@@ -75,7 +230,6 @@ if KEYS[3] then
   if token > fence then
     redis.call('SET', KEYS[3], ARGV[2])
   end
-  return 1
 end
 if redis.call('HGET', KEYS[1], 'secret') == ARGV[1] then
   redis.call('HSET', KEYS[1], 'token', ARGV[2])
@@ -83,6 +237,620 @@ if redis.call('HGET', KEYS[1], 'secret') == ARGV[1] then
 end
 return 0
 """
+
+REPAIR = """
+-- REPAIR: after a grant, give a node that lost its data the grant's token for this
+-- resource, and make it eligible for the resource again.
+-- KEYS[1] token counter  KEYS[2] repaired tag   KEYS[3] node marker
+-- ARGV[1] the incarnation id the node reported in the grant's first round
+-- ARGV[2] the grant's token, as a decimal string
+-- Returns 1 if repaired, 0 if the node is in another incarnation (it lost its data again
+-- since) or never lost it ('genesis').
+local node = redis.call('HMGET', KEYS[3], 'state', 'id')
+if node[2] ~= ARGV[1] or node[1] == 'genesis' then
+  return 0
+end
+local token = tonumber(ARGV[2])
+local last = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+if token > last then
+  redis.call('SET', KEYS[1], ARGV[2])
+end
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[3], 'state', 'recovering')
+return 1
+"""
+
+GENESIS = """
+-- GENESIS: set up a quorum whose nodes all answered 'new' or 'pending' (none holds data).
+-- KEYS[1] node marker
+-- ARGV[1] 'prepare', 'confirm' or 'probe'
+-- ARGV[2] the incarnation id the node reported   ARGV[3] the set-up's id
+-- prepare: 'new' or 'pending' -> 'pending' under this set-up. confirm: 'pending' under this
+-- set-up -> 'genesis'. A client confirms only what it knows every node prepared: its own
+-- set-up after every prepare succeeded, or a set-up that a node already confirmed.
+-- Returns 1 if the node took the step, else 0; probe returns {state, set-up id}.
+local node = redis.call('HMGET', KEYS[1], 'state', 'id', 'genesis')
+if ARGV[1] == 'probe' then
+  return {node[1] or 'blank', node[3] or ''}
+end
+if node[2] ~= ARGV[2] then
+  return 0
+end
+if ARGV[1] == 'prepare' and (node[1] == 'new' or node[1] == 'pending') then
+  redis.call('HSET', KEYS[1], 'state', 'pending', 'genesis', ARGV[3])
+  return 1
+end
+if ARGV[1] == 'confirm' and node[1] == 'pending' and node[3] == ARGV[3] then
+  redis.call('HSET', KEYS[1], 'state', 'genesis')
+  return 1
+end
+return 0
+"""
+
+QUORUM_RELEASE = (
+    _PRELUDE
+    + _ELIGIBLE
+    + """
+-- RELEASE (quorum): delete the lock if the caller holds it, and wake one waiter.
+-- KEYS[1] lock hash      KEYS[2] signal list
+-- KEYS[3] repaired tag   KEYS[4] node marker
+-- ARGV[1] owner secret
+-- Returns 1 if released; 0 if not held by this secret; -1 if not held because the node is
+-- not eligible (it lost its data since): nobody else can be granted the lock there either.
+if redis.call('HGET', KEYS[1], 'secret') ~= ARGV[1] then
+  if eligible(KEYS[4], KEYS[3], nil) then
+    return 0
+  end
+  return -1
+end
+redis.call('DEL', KEYS[1])
+wake(KEYS[2], nil, nil, nil)
+return 1
+"""
+)
+
+#: The scripts by name, as :func:`node_call` names them.
+SCRIPTS: dict[str, str] = {
+    "acquire": ACQUIRE,
+    "revoke": REVOKE,
+    "commit": COMMIT,
+    "repair": REPAIR,
+    "genesis": GENESIS,
+    "release": QUORUM_RELEASE,
+}
+
+# The single-node RELEASE is what an undo sends on the nodes where the attempt may hold the
+# lock: it does not need the marker.
+SCRIPTS["undo"] = RELEASE
+
+
+class QuorumKeys(NamedTuple):
+    """The keys one quorum call touches on a node.
+
+    Attributes:
+        lock: the holder hash (ttl: the lease).
+        token: the last token issued (no ttl).
+        fence: the guards' fence register (no ttl).
+        signal: the list a release pushes to, to wake one waiter.
+        repaired: the incarnation id under which the resource was repaired (no ttl).
+        node: the node's marker, shared by every resource (no ttl).
+    """
+
+    lock: str
+    token: str
+    fence: str
+    signal: str
+    repaired: str
+    node: str
+
+
+def quorum_keys(prefix: str, resource: str) -> QuorumKeys:
+    """The keys of ``resource`` on a quorum node (see :func:`fence._redis_scripts.resource_keys`).
+
+    The node marker ``<prefix>quorum:node`` has no hash tag: the quorum's nodes are
+    standalone servers, never Redis Cluster.
+
+    Example::
+
+        >>> quorum_keys("fence:", "order:42").repaired
+        'fence:{order:42}:repaired'
+    """
+    keys = resource_keys(prefix, resource)
+    return QuorumKeys(
+        lock=keys.lock,
+        token=keys.token,
+        fence=keys.fence,
+        signal=keys.signal,
+        repaired=keys.token[: -len("token")] + "repaired",
+        node=prefix + "quorum:node",
+    )
+
+
+# -- rounds and answers --------------------------------------------------------------------
+
+
+class Op(enum.StrEnum):
+    """What one round asks every node it goes to.
+
+    Attributes:
+        ACQUIRE: take the lock and propose a token (:data:`ACQUIRE`).
+        REVOKE: end the lease and take the lock for the revoker (:data:`REVOKE`).
+        COMMIT: record the token where the lock is held (:data:`COMMIT`).
+        FENCE: a revoke's commit, which raises the guards' fence register too.
+        REPAIR: give ineligible nodes the token (:data:`REPAIR`).
+        PREPARE: set-up, first step (:data:`GENESIS`).
+        CONFIRM: set-up, second step.
+        PROBE: ask nodes for their state and set-up id.
+        UNDO: release what an attempt that failed may hold (:data:`fence._redis_scripts.RELEASE`).
+        RELEASE: a holder's release, or the end of a revoke (:data:`QUORUM_RELEASE`).
+    """
+
+    ACQUIRE = "acquire"
+    REVOKE = "revoke"
+    COMMIT = "commit"
+    FENCE = "fence"
+    REPAIR = "repair"
+    PREPARE = "prepare"
+    CONFIRM = "confirm"
+    PROBE = "probe"
+    UNDO = "undo"
+    RELEASE = "release"
+
+
+class NodeState(enum.StrEnum):
+    """A node's marker state (see the module docstring).
+
+    Attributes:
+        BLANK: no marker (reported by a release or a probe; other scripts create one).
+        NEW: the node lost its data, or is new, and nothing decided yet.
+        PENDING: set-up prepared.
+        RECOVERING: lost its data; eligible for the resources repaired since.
+        GENESIS: data continuous since the quorum was set up.
+    """
+
+    BLANK = "blank"
+    NEW = "new"
+    PENDING = "pending"
+    RECOVERING = "recovering"
+    GENESIS = "genesis"
+
+
+_FRESH = (NodeState.NEW, NodeState.PENDING)
+
+
+class Answer(NamedTuple):
+    """One node's answer in a round; ``failed`` when it did not answer (or answered an error).
+
+    Attributes:
+        failed: no usable answer (timeout, connection refused, an error reply).
+        token: ACQUIRE/REVOKE: the node's proposal when it granted.
+        held_ttl: ACQUIRE: the other holder's remaining ttl in seconds (``-1.0``: unknown).
+        state: ACQUIRE/REVOKE/RELEASE: the node's state when it is not eligible; PROBE: its
+            state.
+        incarnation: with ``state``: the node's incarnation id.
+        genesis: with ``state``: the set-up id of a pending (or, PROBE, set-up) node.
+        ok: COMMIT/FENCE: holds the lock; REPAIR/PREPARE/CONFIRM: took the step;
+            RELEASE/UNDO: released.
+    """
+
+    failed: bool = False
+    token: int | None = None
+    held_ttl: float | None = None
+    state: NodeState | None = None
+    incarnation: str | None = None
+    genesis: str | None = None
+    ok: bool = False
+
+    @property
+    def granted(self) -> bool:
+        """The node granted the lock (ACQUIRE, REVOKE)."""
+        return self.token is not None
+
+    @property
+    def eligible(self) -> bool:
+        """The node answered and may take part in a grant."""
+        return not self.failed and self.state is None
+
+
+#: A node that did not answer.
+FAILED = Answer(failed=True)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def parse_answer(op: Op, raw: Any) -> Answer:
+    """Read one node's script reply for a round of ``op``.
+
+    Raises:
+        InvalidTokenError: a proposal is not a valid token (C1).
+    """
+    if op in (Op.ACQUIRE, Op.REVOKE):
+        if isinstance(raw, list):
+            if int(raw[0]) == -1:
+                return Answer(
+                    state=NodeState(_text(raw[1])),
+                    incarnation=_text(raw[2]),
+                    genesis=_text(raw[3]) or None,
+                )
+            pttl = int(raw[1])
+            # PTTL is truncated to whole ms: add one so a wait does not end just before expiry.
+            return Answer(held_ttl=(pttl + 1) / 1000 if pttl >= 0 else -1.0)
+        return Answer(token=validate_token(int(raw)))
+    if op is Op.PROBE:
+        return Answer(state=NodeState(_text(raw[0])), genesis=_text(raw[1]) or None)
+    if op in (Op.RELEASE, Op.UNDO) and int(raw) == -1:
+        return Answer(state=NodeState.BLANK)
+    return Answer(ok=int(raw) == 1)
+
+
+class Request(NamedTuple):
+    """One round: ``op`` to each node in ``nodes``, at once.
+
+    Attributes:
+        op: what to ask.
+        nodes: the node indexes.
+        token: the token, for COMMIT, FENCE and REPAIR.
+        incarnations: for REPAIR, PREPARE and CONFIRM: the incarnation id each node
+            reported, aligned with ``nodes``.
+        genesis: for PREPARE and CONFIRM: the set-up id.
+    """
+
+    op: Op
+    nodes: tuple[int, ...]
+    token: int | None = None
+    incarnations: tuple[str, ...] = ()
+    genesis: str = ""
+
+
+def node_call(
+    request: Request,
+    position: int,
+    *,
+    prefix: str,
+    resource: str,
+    secret: str,
+    ttl_ms: int,
+    holder: str,
+    mode: str,
+    nonce: str,
+) -> tuple[str, list[str], list[str]]:
+    """The script call that ``request`` sends to its ``position``-th node.
+
+    Args:
+        request: the round.
+        position: index into ``request.nodes``.
+        prefix: the key prefix.
+        resource: the resource.
+        secret: the caller's owner secret (the revoker's for a revoke).
+        ttl_ms: the lease time in ms.
+        holder: the holder label.
+        mode: ``"hybrid"`` or ``"counter"``.
+        nonce: a fresh random id: the incarnation id of a node that has none.
+
+    Returns:
+        ``(script name in SCRIPTS, keys, args)``.
+    """
+    keys = quorum_keys(prefix, resource)
+    op = request.op
+    if op is Op.ACQUIRE:
+        return (
+            "acquire",
+            [keys.lock, keys.token, keys.repaired, keys.node],
+            [secret, str(ttl_ms), holder, mode, nonce],
+        )
+    if op is Op.REVOKE:
+        return (
+            "revoke",
+            [keys.lock, keys.token, keys.repaired, keys.node],
+            [secret, str(ttl_ms), mode, nonce],
+        )
+    if op in (Op.COMMIT, Op.FENCE):
+        script_keys = [keys.lock, keys.token]
+        if op is Op.FENCE:
+            script_keys.append(keys.fence)
+        return "commit", script_keys, [secret, str(request.token)]
+    if op is Op.REPAIR:
+        return (
+            "repair",
+            [keys.token, keys.repaired, keys.node],
+            [request.incarnations[position], str(request.token)],
+        )
+    if op in (Op.PREPARE, Op.CONFIRM):
+        args = [op.value, request.incarnations[position], request.genesis]
+        return "genesis", [keys.node], args
+    if op is Op.PROBE:
+        return "genesis", [keys.node], ["probe", "", ""]
+    if op is Op.UNDO:
+        return "undo", [keys.lock, keys.signal], [secret]
+    return "release", [keys.lock, keys.signal, keys.repaired, keys.node], [secret]
+
+
+# -- the acquire (and revoke) state machine ----------------------------------------------------
+
+
+class Verdict(enum.StrEnum):
+    """How an acquire (or revoke) attempt ended.
+
+    Attributes:
+        GRANTED: the token is the caller's.
+        HELD: another holder has a majority: wait on ``wait_on`` (a node that refused).
+        SPLIT: nobody won (split vote, a round too slow, a commit not backed): back off.
+        RETRY: the quorum's set-up changed under this attempt: try again at once.
+        UNAVAILABLE: fewer than a majority of nodes answered.
+        DATA_LOST: fewer than a majority of the nodes kept their data for the resource and
+            answered: a grant could repeat a token.
+    """
+
+    GRANTED = "granted"
+    HELD = "held"
+    SPLIT = "split"
+    RETRY = "retry"
+    UNAVAILABLE = "unavailable"
+    DATA_LOST = "data_lost"
+
+
+class Outcome(NamedTuple):
+    """The end of an attempt.
+
+    Attributes:
+        verdict: see :class:`Verdict`.
+        token: the granted token.
+        holder_ttl: HELD: seconds until a majority may be free, if known.
+        wait_on: HELD: a node that refused, to wait on.
+        lost: nodes that answered ``new`` while others kept their data (they lost theirs).
+        ineligible: nodes that answered but may not take part in this resource's grants.
+        failed: nodes that did not answer the first round.
+        set_up: the attempt set the quorum up (every node answered ``new``).
+    """
+
+    verdict: Verdict
+    token: int | None = None
+    holder_ttl: float | None = None
+    wait_on: int | None = None
+    lost: tuple[int, ...] = ()
+    ineligible: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
+    set_up: bool = False
+
+
+class _Phase(enum.StrEnum):
+    VOTE = "vote"
+    PREPARE = "prepare"
+    CONFIRM = "confirm"
+    PROBE = "probe"
+    RESUME = "resume"  # confirmed a set-up found by a probe
+    COMMIT = "commit"
+    RELEASE = "release"  # a revoke gives its lock back
+    REPAIR = "repair"
+    UNDO = "undo"
+
+
+@dataclass(frozen=True)
+class QuorumAcquire:
+    """One acquire (or revoke) attempt as a state machine; immutable, so it can be copied.
+
+    Start with :meth:`begin`, send each :class:`Request` it returns to its nodes at once,
+    and feed the answers to :meth:`step` until it returns an :class:`Outcome`::
+
+        machine, request = QuorumAcquire.begin(3, setup_id="3f2a9c")
+        while isinstance(request, Request):
+            answers = send(request)          # one Answer per node, in request.nodes order
+            machine, request = machine.step(answers, left=validity_left())
+        outcome = request
+
+    ``left`` is what :func:`validity` leaves of the lease at that moment; a grant needs it
+    positive at the end of the vote, of the commit and of the repair.
+
+    Attributes:
+        nodes: the number of nodes.
+        revoke: a revoke (forced, with fence) rather than an acquire.
+        setup_id: a fresh random id, used if this attempt sets the quorum up.
+    """
+
+    nodes: int
+    revoke: bool = False
+    setup_id: str = ""
+    phase: _Phase = _Phase.VOTE
+    votes: tuple[Answer, ...] = ()
+    token: int | None = None
+    set_up: bool = False
+    outcome: Outcome | None = None
+
+    @classmethod
+    def begin(
+        cls, nodes: int, *, revoke: bool = False, setup_id: str = ""
+    ) -> tuple[QuorumAcquire, Request]:
+        """The machine and its first round: ACQUIRE (or REVOKE) to every node."""
+        majority(nodes)
+        machine = cls(nodes, revoke, setup_id)
+        return machine, machine._vote()
+
+    def _vote(self) -> Request:
+        return Request(Op.REVOKE if self.revoke else Op.ACQUIRE, tuple(range(self.nodes)))
+
+    @property
+    def holding(self) -> tuple[int, ...]:
+        """Nodes where this attempt may hold the lock: granted, or no answer (a request that
+        timed out may still have run). What a cancelled attempt must release."""
+        if not self.votes:
+            return tuple(range(self.nodes))
+        return tuple(i for i, a in enumerate(self.votes) if a.failed or a.granted)
+
+    def step(
+        self, answers: Sequence[Answer], *, left: float
+    ) -> tuple[QuorumAcquire, Request | Outcome]:
+        """Take the answers to the last request (aligned with its ``nodes``).
+
+        Args:
+            answers: one per node of the last request.
+            left: the lease time left by :func:`validity` now, in seconds.
+
+        Returns:
+            The next machine and either the next request or the outcome.
+        """
+        phase = self.phase
+        answers = tuple(answers)
+        if phase is _Phase.VOTE:
+            return self._on_vote(answers, left)
+        if phase is _Phase.PREPARE:
+            if all(a.ok for a in answers):
+                request = Request(
+                    Op.CONFIRM, tuple(range(self.nodes)), None, self._incarnations(), self.setup_id
+                )
+                return replace(self, phase=_Phase.CONFIRM), request
+            return self._end(Outcome(Verdict.SPLIT, **self._report()))
+        if phase is _Phase.CONFIRM:
+            machine = replace(self, phase=_Phase.VOTE, votes=(), set_up=True)
+            return machine, machine._vote()
+        if phase is _Phase.PROBE:
+            return self._on_probe(answers)
+        if phase is _Phase.RESUME:
+            return self._undo(Outcome(Verdict.RETRY, **self._report()))
+        if phase is _Phase.COMMIT:
+            holders = sum(1 for a in answers if a.ok)
+            if holders >= majority(self.nodes) and left > 0:
+                if self.revoke:
+                    request = Request(Op.RELEASE, self._answered())
+                    return replace(self, phase=_Phase.RELEASE), request
+                return self._granted()
+            return self._undo(Outcome(Verdict.SPLIT, **self._report()))
+        if phase is _Phase.RELEASE:
+            return self._granted()
+        if phase is _Phase.REPAIR and left <= 0:
+            # The repair round took the rest of the lease: hand out nothing (the repair stands:
+            # the grant was backed).
+            return self._undo(Outcome(Verdict.SPLIT, **self._report()))
+        assert self.outcome is not None, f"no step from {phase}"
+        return self, self.outcome
+
+    # -- the vote ------------------------------------------------------------------------
+
+    def _incarnations(self) -> tuple[str, ...]:
+        return tuple(a.incarnation or "" for a in self.votes)
+
+    def _report(self) -> dict[str, Any]:
+        votes = self.votes
+        ineligible = tuple(i for i, a in enumerate(votes) if not a.failed and a.state)
+        kept = any(a.eligible or a.state is NodeState.RECOVERING for a in votes)
+        lost = tuple(i for i in ineligible if votes[i].state in _FRESH and kept)
+        failed = tuple(i for i, a in enumerate(votes) if a.failed)
+        return {"lost": lost, "ineligible": ineligible, "failed": failed, "set_up": self.set_up}
+
+    def _answered(self) -> tuple[int, ...]:
+        return tuple(i for i, a in enumerate(self.votes) if a.eligible)
+
+    def _on_vote(
+        self, votes: tuple[Answer, ...], left: float
+    ) -> tuple[QuorumAcquire, Request | Outcome]:
+        machine = replace(self, votes=votes)
+        need = majority(self.nodes)
+        if all(a.state in _FRESH for a in votes):
+            # Every node answered and none holds any data: a new quorum. Set it up, once.
+            if self.set_up:
+                return machine._end(Outcome(Verdict.SPLIT, **machine._report()))
+            request = Request(
+                Op.PREPARE, tuple(range(self.nodes)), None, machine._incarnations(), self.setup_id
+            )
+            return replace(machine, phase=_Phase.PREPARE), request
+        granted = [i for i, a in enumerate(votes) if a.granted]
+        if len(granted) >= need and left > 0:
+            proposals = [votes[i].token for i in granted]
+            token = merge_tokens([t for t in proposals if t is not None])
+            machine = replace(machine, token=token)
+            if not self.revoke and not commit_needed(proposals, self.nodes):
+                return machine._granted()
+            op = Op.FENCE if self.revoke else Op.COMMIT
+            return replace(machine, phase=_Phase.COMMIT), Request(op, machine._answered(), token)
+        report = machine._report()
+        eligible = machine._answered()
+        if len(eligible) < need:
+            if any(votes[i].state is NodeState.PENDING for i in report["ineligible"]):
+                # A set-up whose confirmations were lost: ask the others which one they took.
+                request = Request(Op.PROBE, tuple(i for i, a in enumerate(votes) if not a.failed))
+                return replace(machine, phase=_Phase.PROBE), request
+            return machine._refuse(report)
+        if granted or self.revoke:
+            return machine._undo(Outcome(Verdict.SPLIT, **report))
+        refused = [i for i in eligible if not votes[i].granted]
+        ttls = [votes[i].held_ttl for i in refused]
+        wait = time_until_free(
+            [t if t is not None and t >= 0 else None for t in ttls], 0, self.nodes
+        )
+        return machine._undo(Outcome(Verdict.HELD, holder_ttl=wait, wait_on=refused[0], **report))
+
+    def _refuse(self, report: dict[str, Any]) -> tuple[QuorumAcquire, Request | Outcome]:
+        """Fewer than a majority of eligible nodes answered."""
+        need = majority(self.nodes)
+        eligible = len(self._answered())
+        if eligible + len(report["failed"]) >= need or not report["ineligible"]:
+            return self._undo(Outcome(Verdict.UNAVAILABLE, **report))
+        return self._undo(Outcome(Verdict.DATA_LOST, **report))
+
+    def _on_probe(self, answers: tuple[Answer, ...]) -> tuple[QuorumAcquire, Request | Outcome]:
+        # A set-up that some node confirmed had every node prepared: its pending nodes may
+        # be confirmed too (as its own client would have).
+        confirmed = {a.genesis for a in answers if a.state is NodeState.GENESIS and a.genesis}
+        pending = [
+            i
+            for i, a in enumerate(self.votes)
+            if a.state is NodeState.PENDING and a.genesis in confirmed
+        ]
+        if not pending:
+            return self._refuse(self._report())
+        setups = {self.votes[i].genesis or "" for i in pending}
+        setup = min(setups)
+        pending = [i for i in pending if self.votes[i].genesis == setup]
+        request = Request(
+            Op.CONFIRM,
+            tuple(pending),
+            None,
+            tuple(self.votes[i].incarnation or "" for i in pending),
+            setup,
+        )
+        return replace(self, phase=_Phase.RESUME), request
+
+    def _granted(self) -> tuple[QuorumAcquire, Request | Outcome]:
+        report = self._report()
+        outcome = Outcome(Verdict.GRANTED, self.token, **report)
+        repair = [i for i in report["ineligible"] if self.votes[i].incarnation]
+        if repair:
+            incarnations = tuple(self.votes[i].incarnation or "" for i in repair)
+            request = Request(Op.REPAIR, tuple(repair), self.token, incarnations)
+            return replace(self, phase=_Phase.REPAIR, outcome=outcome), request
+        return replace(self, outcome=outcome), outcome
+
+    def _undo(self, outcome: Outcome) -> tuple[QuorumAcquire, Request | Outcome]:
+        stray = self.holding
+        if stray:
+            return replace(self, phase=_Phase.UNDO, outcome=outcome), Request(Op.UNDO, stray)
+        return replace(self, outcome=outcome), outcome
+
+    def _end(self, outcome: Outcome) -> tuple[QuorumAcquire, Outcome]:
+        return replace(self, outcome=outcome), outcome
+
+
+def release_verdict(answers: Sequence[Answer], nodes: int) -> bool | None:
+    """Whether a release (or renewal) found the lease held until then.
+
+    Held means: a majority of nodes either held the caller's lock, or lost their data and
+    so could grant it to nobody else.
+
+    Returns:
+        ``True`` held, ``False`` not held, ``None`` unknown (too many nodes did not answer).
+    """
+    need = majority(nodes)
+    kept = sum(1 for a in answers if a.ok or a.state is NodeState.BLANK)
+    failed = sum(1 for a in answers if a.failed)
+    if kept >= need:
+        return True
+    if kept + failed >= need:
+        return None
+    return False
+
+
+# -- arithmetic ----------------------------------------------------------------------------
 
 
 def majority(nodes: int) -> int:
@@ -120,10 +888,6 @@ def validity(ttl: float, elapsed: float, *, drift: float, margin: float) -> floa
 def merge_tokens(candidates: Sequence[int]) -> int:
     """The quorum's token: the largest candidate of the nodes that granted the lock.
 
-    Each candidate is a node's ``max(last + 1, TIME)`` (hybrid) or ``last + 1`` (counter),
-    so the maximum is ``max(max(last) + 1, max(TIME))``: above every counter of the
-    granting nodes and, in hybrid mode, at least the latest of their clocks.
-
     Raises:
         ValueError: no candidates.
         InvalidTokenError: a candidate is not a valid token (C1).
@@ -138,15 +902,14 @@ def merge_tokens(candidates: Sequence[int]) -> int:
     return max(validate_token(token) for token in candidates)
 
 
-def commit_needed(proposals: Sequence[int], nodes: int) -> bool:
+def commit_needed(proposals: Sequence[int | None], nodes: int) -> bool:
     """Whether the commit round can be skipped: not when every node granted the same token.
 
-    A node that grants the lock stores its proposal as its counter and in the lock hash
-    (a node that already held the lock for this owner keeps a token its counter is not
-    below). If all ``nodes`` granted and proposed the same token, every node already holds
-    what the commit would write, so the commit would change nothing. That is the steady
-    state of counter mode with every node up; hybrid proposals carry each node's clock and
-    almost never agree.
+    A node that grants the lock stores its proposal as its counter and in the lock hash. If
+    all ``nodes`` granted and proposed the same token, every node already holds what the
+    commit would write, and every node held the lock when it granted: the grant itself is
+    the commit. That is the steady state of counter mode with every node up; hybrid
+    proposals carry each node's clock and almost never agree.
 
     Example::
 
@@ -228,3 +991,55 @@ def merge_inspections(
             holder = next((info.holder for info in held if info.holder), None)
             return LockInfo(resource, token, remaining, holder)
     return None
+
+
+def node_config_warnings(settings: dict[str, str]) -> list[str]:
+    """What is wrong with a quorum node's settings for the fault model (see the module).
+
+    A node must either keep every write it acknowledged across a restart (``appendonly
+    yes``, ``appendfsync always``) or restart empty (no persistence at all), which the
+    quorum detects and repairs. A restart that brings back an older copy of the data (RDB
+    snapshots, ``appendfsync everysec``) or an eviction of keys without a ttl looks like
+    intact data and cannot be detected.
+
+    Args:
+        settings: ``CONFIG GET`` results for ``maxmemory-policy``, ``appendonly``,
+            ``appendfsync`` and ``save`` (missing ones are not judged).
+
+    Returns:
+        One sentence per problem; empty when the node fits the fault model.
+
+    Example::
+
+        >>> node_config_warnings({"appendonly": "no", "save": ""})
+        []
+    """
+    problems = []
+    policy = settings.get("maxmemory-policy", "")
+    if policy.startswith("allkeys-"):
+        problems.append(
+            f"maxmemory-policy is {policy}: under memory pressure Redis may evict the node "
+            "marker, token counters and fence keys, which have no ttl: a partial loss of data "
+            "that the quorum cannot detect. Use noeviction or a volatile-* policy"
+        )
+    aof = settings.get("appendonly")
+    if aof == "yes" and settings.get("appendfsync", "always") != "always":
+        problems.append(
+            f"appendfsync is {settings['appendfsync']}: a crash loses the last writes but "
+            "keeps the rest, so the node comes back with an older copy of its data that the "
+            "quorum cannot tell from intact data. Use appendfsync always, or no persistence "
+            "(a node that restarts empty is detected and repaired)"
+        )
+    elif aof == "no" and settings.get("save", "") != "":
+        problems.append(
+            "RDB snapshots without appendonly: a restart brings back the last snapshot, an "
+            "older copy of the data that the quorum cannot tell from intact data. Use "
+            "appendonly yes with appendfsync always, or no persistence (save '', appendonly "
+            "no): a node that restarts empty is detected and repaired"
+        )
+    return problems
+
+
+def describe_nodes(names: Sequence[str], indexes: Sequence[int]) -> str:
+    """``names`` at ``indexes``, comma-separated, or ``"none"``."""
+    return ", ".join(names[i] for i in indexes) or "none"

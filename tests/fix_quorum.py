@@ -1,8 +1,8 @@
 """Pytest fixtures for the quorum manager: three independent redis-servers.
 
-The three nodes start once per session (:func:`quorum_nodes`) and are flushed before each
-test (:func:`quorum_urls`); a node that a test left stopped or killed is brought back
-first. Fault tests that kill, stop or wipe nodes start their own trio with
+The three nodes start once per session (:func:`quorum_nodes`) and are flushed and set up
+(:func:`set_up`) before each test (:func:`quorum_urls`); a node that a test left stopped or
+killed is brought back first. Fault tests that kill, stop or wipe nodes start their own trio with
 :func:`start_nodes`, so the shared one stays whole.
 """
 
@@ -30,6 +30,17 @@ def start_nodes(count: int = NODES, *extra: str) -> list[RedisServer]:
         stop_nodes(servers)
         raise
     return servers
+
+
+def set_up(servers: list[RedisServer]) -> None:
+    """Set the quorum on ``servers`` up, as its first grant does (every node must answer)."""
+    from fence._sync.quorum import QuorumLockManager
+
+    manager = QuorumLockManager([s.url for s in servers], check_config=False, ttl=5)
+    try:
+        manager.acquire("set-up", timeout=5).release()
+    finally:
+        manager.close()
 
 
 def stop_nodes(servers: list[RedisServer]) -> None:
@@ -67,8 +78,10 @@ def quorum_nodes() -> Iterator[list[RedisServer]]:
 
 @pytest.fixture
 def quorum_urls(quorum_nodes: list[RedisServer]) -> list[str]:
-    """The URLs of the session's three nodes, each running and flushed."""
+    """The URLs of the session's three nodes, each running and flushed, the quorum on them
+    set up (as a quorum in service is)."""
     for server in quorum_nodes:
         revive(server)
         flush(server)
+    set_up(quorum_nodes)
     return [server.url for server in quorum_nodes]

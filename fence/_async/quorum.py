@@ -1,37 +1,51 @@
 """The quorum lock manager for asyncio: Redlock over independent Redis nodes, with fencing
-tokens that survive the loss of a minority of them.
+tokens that hold under a stated fault model (nodes lost, partitioned, restarted empty;
+clocks skewed).
 
-Each node is driven by the single-node Redis driver (:mod:`fence._async.redis`: the same
-Lua scripts, key layout and error mapping); this module sends every call to all nodes at
-once and counts a majority. The rules (majority, validity, token merge and why the token
-needs a commit round) are in :mod:`fence._quorum`.
+This module only moves bytes. What to send in each round and what the answers mean is
+decided by :class:`fence._quorum.QuorumAcquire` and the other rules of :mod:`fence._quorum`,
+which also states the fault model; the model checker in ``tests/quorum_model.py`` drives
+the same code.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+import warnings
 from collections.abc import Sequence
 from typing import Any
+
+import redis.asyncio
+from redis.exceptions import RedisError, ResponseError
 
 from fence._acompat import FanOut, cancel_after, shield, sleep
 from fence._async.manager import AsyncBaseLockManager
 from fence._async.redis import AsyncClient, AsyncRedisDriver
 from fence._clock import Clock, system_clock
 from fence._core import TokenMode, client_deadline, validate_ttl
-from fence._errors import BackendError, ConfigurationError
+from fence._errors import BackendError, ConfigurationError, FenceWarning
 from fence._events import EventBus, EventKind, default_bus
 from fence._quorum import (
-    COMMIT,
+    FAILED,
+    SCRIPTS,
+    Answer,
+    Op,
+    Outcome,
+    QuorumAcquire,
+    Request,
+    Verdict,
     backoff_delay,
-    commit_needed,
+    describe_nodes,
     majority,
     merge_inspections,
-    merge_tokens,
-    time_until_free,
+    node_call,
+    node_config_warnings,
+    parse_answer,
+    release_verdict,
     validity,
 )
-from fence._redis_scripts import DEFAULT_PREFIX, resource_keys
+from fence._redis_scripts import DEFAULT_PREFIX, milliseconds
 from fence.abc import AcquireReply, LockInfo
 
 __all__ = ["AsyncQuorumDriver", "AsyncQuorumLockManager"]
@@ -49,7 +63,12 @@ _CONSEQUENCES = {
     "release": "Whether the lock was held is unknown; the copies that were not released "
     "expire with their ttl",
     "renewal": "The lease is kept until its deadline while renewals are retried",
+    "revoke": "The lease may still be held on a majority; revoke again",
 }
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _node_name(node: object) -> str:
@@ -60,12 +79,12 @@ def _node_name(node: object) -> str:
 
 class AsyncQuorumDriver:
     """Moves the bytes of :class:`AsyncQuorumLockManager`: every call goes to all nodes at
-    once, and a majority decides.
+    once, and :mod:`fence._quorum` decides.
 
     Args:
         nodes: the independent Redis nodes (3 or 5): URLs (``redis://host:port/db``) or
-            ``redis.asyncio.Redis`` clients. Nodes built from URLs are closed by
-            :meth:`close`; clients given are not.
+            ``redis.asyncio.Redis`` clients (not Redis Cluster). Nodes built from URLs are
+            closed by :meth:`close`; clients given are not.
         prefix: the key prefix on every node; no braces.
         token_mode: how each node proposes a token (:class:`fence.TokenMode`).
         socket_timeout: read and connect timeout of each node built from a URL: the time a
@@ -74,12 +93,16 @@ class AsyncQuorumDriver:
         drift: the fraction of the ttl given up for clock drift (Redlock's ``ttl * drift``).
         margin: the constant added to the drift allowance, in seconds.
         clock: the monotonic clock that times each acquire round.
-        events: where unreachable nodes are reported (:attr:`EventKind.BACKEND_DOWN`).
+        events: where unreachable nodes (:attr:`EventKind.BACKEND_DOWN`), nodes that lost
+            their data (:attr:`EventKind.NODE_DATA_LOST`), refusals
+            (:attr:`EventKind.REFUSED`) and the quorum's set-up
+            (:attr:`EventKind.QUORUM_INITIALIZED`) are reported.
         retry_base: the first jittered delay after a split vote, in seconds.
         retry_cap: the longest such delay, in seconds.
 
     Raises:
-        ConfigurationError: no nodes, the same URL twice, or a bad node argument.
+        ConfigurationError: no nodes, the same URL twice, a Redis Cluster client, or a bad
+            node argument.
     """
 
     source = "quorum"
@@ -107,6 +130,11 @@ class AsyncQuorumDriver:
         urls = [node for node in nodes if isinstance(node, str)]
         if len(set(urls)) != len(urls) or len({id(n) for n in nodes}) != len(nodes):
             raise ConfigurationError("each node of a quorum must be a different Redis server")
+        if any(isinstance(node, redis.asyncio.RedisCluster) for node in nodes):
+            raise ConfigurationError(
+                "a quorum node must be a standalone Redis server, not a Redis Cluster: the "
+                "node marker and the resource's keys are read in one script"
+            )
         self.token_mode = TokenMode(token_mode)
         self.socket_timeout = validate_ttl(socket_timeout, what="socket_timeout")
         self.drift = drift
@@ -122,14 +150,19 @@ class AsyncQuorumDriver:
                 prefix=prefix,
                 token_mode=self.token_mode,
                 socket_timeout=socket_timeout,
-                check_config=check_config,
+                check_config=False,  # the quorum has its own rules (node_config_warnings)
             )
             for node in nodes
         ]
+        self._unchecked = set(range(len(nodes))) if check_config else set()
         self.prefix = self.nodes[0].prefix
-        self._commit = [node.client.register_script(COMMIT) for node in self.nodes]
+        self._scripts = [
+            {name: node.client.register_script(text) for name, text in SCRIPTS.items()}
+            for node in self.nodes
+        ]
         self._fan = FanOut(2 * len(self.nodes))
         self._down: set[int] = set()
+        self._lost: dict[int, str] = {}
         self._attempts: dict[str, int] = {}
         self._rng = random.Random()
 
@@ -171,14 +204,147 @@ class AsyncQuorumDriver:
             raise unexpected
         return result
 
-    def _unavailable(self, what: str, outcomes: dict[int, Any]) -> BackendError:
+    async def _round(
+        self, resource: str, request: Request, secret: str, ttl: float, holder: str
+    ) -> tuple[list[Answer], dict[int, Any]]:
+        """Send one round of the protocol; return one answer per node of ``request``."""
+        calls = {}
+        mode = self.token_mode.value
+        ttl_ms = milliseconds(ttl)
+        for position, index in enumerate(request.nodes):
+            name, keys, args = node_call(
+                request,
+                position,
+                prefix=self.prefix,
+                resource=resource,
+                secret=secret,
+                ttl_ms=ttl_ms,
+                holder=holder,
+                mode=mode,
+                nonce=f"{self._rng.getrandbits(64):016x}",
+            )
+            calls[index] = functools.partial(
+                self._call, index, self._scripts[index][name], keys, args, request.op.value
+            )
+        what = "acquire" if request.op is Op.ACQUIRE else request.op.value
+        outcomes = await self._each(what, resource, calls)
+        answers = [
+            FAILED if isinstance(outcomes[i], Exception) else parse_answer(request.op, outcomes[i])
+            for i in request.nodes
+        ]
+        return answers, outcomes
+
+    async def _call(
+        self, index: int, script: Any, keys: list[str], args: list[str], what: str
+    ) -> Any:
+        if index in self._unchecked:
+            await self._check_config(index)
+        return await self.nodes[index]._run(script, keys, args, what)
+
+    async def _check_config(self, index: int) -> None:
+        """Warn once per node about settings outside the fault model (see
+        :func:`fence._quorum.node_config_warnings`). Managed services often disable
+        ``CONFIG``; then nothing is checked or said."""
+        node = self.nodes[index]
+        settings: dict[str, str] = {}
+        for name in ("maxmemory-policy", "appendonly", "appendfsync", "save"):
+            try:
+                got = await node.client.config_get(name)
+            except ResponseError:
+                self._unchecked.discard(index)
+                return
+            except (RedisError, OSError) as exc:
+                raise node._error(exc, "CONFIG GET") from exc
+            settings.update({_text(k): _text(v) for k, v in got.items()})
+        self._unchecked.discard(index)
+        for message in node_config_warnings(settings):
+            warnings.warn(f"quorum node {self.names[index]}: {message}", FenceWarning, stacklevel=2)
+
+    async def _attempt(
+        self, resource: str, secret: str, ttl: float, holder: str, *, revoke: bool = False
+    ) -> tuple[Outcome, dict[int, Any]]:
+        """Run one attempt of :class:`QuorumAcquire` to its outcome.
+
+        Returns the outcome and the first round's raw replies (for error messages). If the
+        attempt is cancelled or fails half way, it is undone on every node where it may hold
+        the lock.
+        """
+        clock = self.clock
+        start = clock.monotonic()
+        step: Request | Outcome
+        machine, step = QuorumAcquire.begin(
+            len(self.nodes), revoke=revoke, setup_id=f"{self._rng.getrandbits(64):016x}"
+        )
+        first: dict[int, Any] = {}
+        try:
+            while isinstance(step, Request):
+                answers, raw = await self._round(resource, step, secret, ttl, holder)
+                if step.op in (Op.ACQUIRE, Op.REVOKE):
+                    first = raw
+                left = validity(
+                    ttl, clock.monotonic() - start, drift=self.drift, margin=self.margin
+                )
+                machine, step = machine.step(answers, left=left)
+        except BaseException:
+            # Cancelled or failed half way: a node may hold the lock for this secret.
+            await self._undo(resource, secret, machine.holding)
+            raise
+        self._report(resource, machine, step)
+        return step, first
+
+    def _report(self, resource: str, machine: QuorumAcquire, outcome: Outcome) -> None:
+        """Emit the events an attempt's outcome calls for."""
+        events = self.events
+        if outcome.set_up:
+            events.emit(EventKind.QUORUM_INITIALIZED, self.source, resource, nodes=self.names)
+        for index in outcome.lost:
+            incarnation = machine.votes[index].incarnation or ""
+            if self._lost.get(index) != incarnation:
+                self._lost[index] = incarnation
+                events.emit(
+                    EventKind.NODE_DATA_LOST,
+                    self.source,
+                    resource,
+                    node=self.names[index],
+                    incarnation=incarnation,
+                )
+        if outcome.verdict in (Verdict.DATA_LOST, Verdict.UNAVAILABLE) and outcome.ineligible:
+            events.emit(
+                EventKind.REFUSED,
+                self.source,
+                resource,
+                reason=outcome.verdict.value,
+                ineligible=[self.names[i] for i in outcome.ineligible],
+                failed=[self.names[i] for i in outcome.failed],
+            )
+
+    def _unavailable(
+        self, what: str, outcomes: dict[int, Any], outcome: Outcome | None = None
+    ) -> BackendError:
         failed = {i: o for i, o in outcomes.items() if isinstance(o, BackendError)}
         names = ", ".join(f"{self.names[i]} ({o.code})" for i, o in failed.items())
         consequence = _CONSEQUENCES.get(what, "The outcome is unknown")
+        if outcome is not None and outcome.verdict is Verdict.DATA_LOST:
+            lost = describe_nodes(self.names, outcome.ineligible)
+            return BackendError(
+                f"the {what} was refused: fewer than {self.majority} of the "
+                f"{len(self.nodes)} Redis nodes hold intact data for this resource and "
+                f"answered, so a grant could repeat a token. Lost their data and not yet "
+                f"repaired: {lost}; did not answer: {names or 'none'}. {consequence}. A node "
+                "is repaired by the next grant that a majority of intact nodes backs: bring "
+                "the nodes that did not answer back. If a majority lost its data, see "
+                "'Beyond the fault model' in docs/managers.md",
+                code="DATA_LOST",
+                retryable=True,
+            )
+        lost = ""
+        if outcome is not None and outcome.ineligible:
+            lost = " (lost their data and not yet repaired: "
+            lost += f"{describe_nodes(self.names, outcome.ineligible)})"
         return BackendError(
             f"the {what} reached {len(outcomes) - len(failed)} of {len(self.nodes)} Redis "
-            f"nodes, fewer than the majority of {self.majority}; failed: {names or 'none'}. "
-            f"{consequence}. Retry when a majority answers",
+            f"nodes, fewer than the majority of {self.majority} with intact data{lost}; "
+            f"failed: {names or 'none'}. {consequence}. Retry when a majority answers",
             code="QUORUM",
             retryable=True,
         )
@@ -191,55 +357,26 @@ class AsyncQuorumDriver:
     # -- the driver protocol -------------------------------------------------------------
 
     async def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
-        """One Redlock round: take the lock on every node at once, count a majority that
-        granted it within the validity time, and commit the quorum's token; otherwise undo
-        the attempt on every node. See :meth:`fence.abc.AsyncDriver.acquire`.
+        """One attempt (:class:`fence._quorum.QuorumAcquire`): take the lock on every node
+        at once, count a majority of eligible nodes that granted it within the validity
+        time, commit the quorum's token to a majority of holders and repair nodes that lost
+        their data; otherwise undo the attempt on every node. See
+        :meth:`fence.abc.AsyncDriver.acquire`.
 
         Raises:
-            BackendError: fewer than a majority of nodes answered (``code="QUORUM"``).
+            BackendError: fewer than a majority of nodes answered (``code="QUORUM"``), or
+                fewer than a majority of nodes with intact data (``code="DATA_LOST"``).
         """
-        clock = self.clock
-        start = clock.monotonic()
-        all_nodes = range(len(self.nodes))
-        refused: list[int] = []
-        granted: list[int] = []
-        try:
-            outcomes = await self._each(
-                "acquire",
-                resource,
-                {
-                    i: functools.partial(self.nodes[i].acquire, resource, secret, ttl, holder)
-                    for i in all_nodes
-                },
-            )
-            answered = [i for i, o in outcomes.items() if isinstance(o, AcquireReply)]
-            granted = [i for i in answered if outcomes[i].token is not None]
-            refused = [i for i in answered if outcomes[i].token is None]
-            in_time = validity(ttl, clock.monotonic() - start, drift=self.drift, margin=self.margin)
-            if len(granted) >= self.majority and in_time > 0:
-                proposals = [outcomes[i].token for i in granted]
-                token = merge_tokens(proposals)
-                held = len(granted)
-                if commit_needed(proposals, len(self.nodes)):
-                    held = await self._commit_token(resource, secret, token, answered, fence=False)
-                left = validity(
-                    ttl, clock.monotonic() - start, drift=self.drift, margin=self.margin
-                )
-                if held >= self.majority and left > 0:
-                    self._attempts.pop(secret, None)
-                    return AcquireReply(token)
-        except BaseException:
-            # Cancelled or failed half way: a node may hold the lock for this secret.
-            stray = [i for i in all_nodes if i not in refused]
-            await self._undo(resource, secret, stray)
-            raise
-        # Not granted: release wherever this attempt may hold the lock (granted, or no
-        # answer: a request that timed out may still have run).
-        stray = [i for i in all_nodes if i not in refused]
-        await self._undo(resource, secret, stray)
-        if len(answered) < self.majority:
-            raise self._unavailable("acquire", outcomes)
-        if granted:
+        outcome, first = await self._attempt(resource, secret, ttl, holder)
+        verdict = outcome.verdict
+        if verdict is Verdict.GRANTED:
+            self._attempts.pop(secret, None)
+            return AcquireReply(outcome.token)
+        if verdict in (Verdict.UNAVAILABLE, Verdict.DATA_LOST):
+            raise self._unavailable("acquire", first, outcome)
+        if verdict is Verdict.RETRY:
+            return AcquireReply(None, 0.0, None)
+        if verdict is Verdict.SPLIT:
             # A split vote (or a round too slow to count): every contender released what it
             # got, so nobody holds a majority. Back off at random rather than be woken by
             # the contenders' releases and collide again.
@@ -251,37 +388,16 @@ class AsyncQuorumDriver:
             return AcquireReply(None, delay, None)
         # A holder has the lock on a majority: wait on one node that refused, where the
         # holder's release will push a wake-up.
-        wait_hint = time_until_free([outcomes[i].holder_ttl for i in refused], 0, len(self.nodes))
-        return AcquireReply(None, wait_hint, self._rng.choice(refused))
-
-    async def _commit_token(
-        self, resource: str, secret: str, token: int, indexes: Sequence[int], *, fence: bool
-    ) -> int:
-        """Write ``token`` to the nodes ``indexes``; return how many hold the lock (or, for a
-        revoke, took the token)."""
-        keys = resource_keys(self.prefix, resource)
-        script_keys = [keys.lock, keys.token, keys.fence] if fence else [keys.lock, keys.token]
-        args = [secret, str(token)]
-        outcomes = await self._each(
-            "commit",
-            resource,
-            {
-                i: functools.partial(
-                    self.nodes[i]._run, self._commit[i], script_keys, args, "token commit"
-                )
-                for i in indexes
-            },
-        )
-        return sum(1 for o in outcomes.values() if not isinstance(o, Exception) and int(o) == 1)
+        return AcquireReply(None, outcome.holder_ttl, outcome.wait_on)
 
     async def _undo(self, resource: str, secret: str, indexes: Sequence[int]) -> None:
         """Release the lock for ``secret`` on ``indexes``, best effort: a node that does not
         answer lets it expire with its ttl."""
         if not indexes:
             return
-        calls = {i: functools.partial(self.nodes[i].release, resource, secret) for i in indexes}
+        request = Request(Op.UNDO, tuple(indexes))
         # Shielded: an acquire cancelled half way still undoes what it took.
-        await shield(self._each("release", resource, calls))
+        await shield(self._round(resource, request, secret, 0.001, ""))
 
     async def renew(self, resource: str, secret: str, ttl: float) -> bool:
         """Reset the ttl on every node that holds the lock for ``secret``; true if a
@@ -299,34 +415,29 @@ class AsyncQuorumDriver:
                 for i, node in enumerate(self.nodes)
             },
         )
-        return self._verdict("renewal", outcomes)
+        answers = [
+            FAILED if isinstance(o, Exception) else Answer(ok=bool(o)) for o in outcomes.values()
+        ]
+        verdict = release_verdict(answers, len(self.nodes))
+        if verdict is None:
+            raise self._unavailable("renewal", outcomes)
+        return verdict
 
     async def release(self, resource: str, secret: str) -> bool:
         """Delete the lock for ``secret`` on every node (each wakes a waiter); true if a
-        majority held it. See :meth:`fence.abc.AsyncDriver.release`.
+        majority held it (or lost their data, so that nobody else could be granted it).
+        See :meth:`fence.abc.AsyncDriver.release`.
 
         Raises:
             BackendError: too few nodes answered to tell; the lock expires with its ttl on
                 the nodes that did not answer.
         """
-        outcomes = await self._each(
-            "release",
-            resource,
-            {
-                i: functools.partial(node.release, resource, secret)
-                for i, node in enumerate(self.nodes)
-            },
-        )
-        return self._verdict("release", outcomes)
-
-    def _verdict(self, what: str, outcomes: dict[int, Any]) -> bool:
-        done = sum(1 for o in outcomes.values() if o is True)
-        if done >= self.majority:
-            return True
-        failed = sum(1 for o in outcomes.values() if isinstance(o, BackendError))
-        if done + failed >= self.majority:
-            raise self._unavailable(what, outcomes)
-        return False
+        request = Request(Op.RELEASE, tuple(range(len(self.nodes))))
+        answers, outcomes = await self._round(resource, request, secret, 0.001, "")
+        verdict = release_verdict(answers, len(self.nodes))
+        if verdict is None:
+            raise self._unavailable("release", outcomes)
+        return verdict
 
     async def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
         """Block on one refusing node's wake-up list, or sleep out a jittered backoff after
@@ -371,27 +482,27 @@ class AsyncQuorumDriver:
         """End the lease on every node, and issue and commit a token above every earlier one
         (raising each node's guard fence register ``<prefix>{R}:fence`` to it).
 
+        A revoke takes the lock itself for its two rounds (so a grant racing with it cannot
+        share its token), commits with the fence, and releases.
+
         Raises:
-            BackendError: fewer than a majority of nodes took part; the lease may still be
-                held on a majority.
+            BackendError: fewer than a majority of nodes with intact data took part; the
+                lease may still be held on a majority.
         """
-        outcomes = await self._each(
-            "revoke",
-            resource,
-            {i: functools.partial(node.revoke, resource) for i, node in enumerate(self.nodes)},
+        secret = f"revoke:{self._rng.getrandbits(128):032x}"
+        ttl = max(1.0, 4 * self.socket_timeout)
+        outcome, first = await self._attempt(resource, secret, ttl, "revoke", revoke=True)
+        if outcome.verdict is Verdict.GRANTED:
+            assert outcome.token is not None
+            return outcome.token
+        if outcome.verdict in (Verdict.UNAVAILABLE, Verdict.DATA_LOST):
+            raise self._unavailable("revoke", first, outcome)
+        raise BackendError(
+            f"the revocation of {resource!r} did not reach a majority of nodes that held it "
+            f"to the end ({outcome.verdict.value}); revoke again",
+            code="QUORUM",
+            retryable=True,
         )
-        answered = [i for i, o in outcomes.items() if isinstance(o, int)]
-        if len(answered) < self.majority:
-            raise self._unavailable("revoke", outcomes)
-        token = merge_tokens([outcomes[i] for i in answered])
-        if await self._commit_token(resource, "", token, answered, fence=True) < self.majority:
-            raise BackendError(
-                f"the revocation of {resource!r} issued token {token} but fewer than "
-                f"{self.majority} nodes stored it; revoke again",
-                code="QUORUM",
-                retryable=True,
-            )
-        return token
 
     async def close(self) -> None:
         """Close the nodes built from URLs and stop the fan-out."""
