@@ -56,9 +56,6 @@ from fence import BackendError, ConfigurationError, Reason, StaleTokenError
 from fence.adapters import psycopg as pg_guard
 from fence.adapters import sql as core_guard
 
-#: Fails before the batch-size fix, which removes these marks.
-BEFORE_FIX = pytest.mark.xfail(strict=True, reason="fails before the batch-size fix")
-
 N = 100_000
 DATA = ("c_int", "c_big", "c_str", "c_num", "c_float", "c_bool", "c_day", "c_at")
 #: The row whose fence a newer holder raises, and a key that has no row.
@@ -288,7 +285,6 @@ def _timed(target: Target, what: str, fn: Any, *args: Any) -> None:
         print(f"{target.name}: {what} {time.perf_counter() - started:.2f} s")
 
 
-@BEFORE_FIX
 def test_100k_rows_of_8_columns_all_or_nothing(target: Target) -> None:
     table = _table_name(target)
     old = [row(i, 0) for i in range(N)]
@@ -328,7 +324,6 @@ def test_100k_rows_of_8_columns_all_or_nothing(target: Target) -> None:
     assert target.rows() == [as_tuple({**old[i], **items[i]}, 9) for i in range(N)]
 
 
-@BEFORE_FIX
 def test_100k_scopes_claimed_all_or_nothing(target: Target) -> None:
     scopes = [f"order:{i}" for i in range(N)]
     _timed(target, "claim_many of 100,000 scopes", target.claim_many, scopes, 5)
@@ -364,7 +359,6 @@ ASYNC_TARGETS = [
 
 
 @pytest.mark.parametrize("kind", ASYNC_TARGETS)
-@BEFORE_FIX
 async def test_async_batches_past_the_old_limits(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -441,7 +435,6 @@ def _tagged(i: int, gen: int) -> dict[str, Any]:
 
 @pytest.mark.postgres
 @pytest.mark.parametrize("kind", ["core", "psycopg"])
-@BEFORE_FIX
 def test_array_columns_take_the_row_path_at_any_size(kind: str, postgres_server: Any) -> None:
     name = f"tagged_{secrets.token_hex(4)}"
     with psycopg.connect(postgres_server.conninfo, autocommit=True) as c:
@@ -533,14 +526,10 @@ def _typed(i: int) -> dict[str, Any]:
 
 @pytest.mark.postgres
 @pytest.mark.parametrize("kind", ["core", "psycopg"])
-def test_column_types_round_trip(
-    kind: str, postgres_server: Any, request: pytest.FixtureRequest
-) -> None:
+def test_column_types_round_trip(kind: str, postgres_server: Any) -> None:
     """Each array is cast to its column's own type, without a length: values come back as
     a single-row write stores them, and a value too long for its column fails as it does
     there (a cast to ``VARCHAR(5)[]`` would cut it silently)."""
-    if kind == "core":
-        request.applymarker(BEFORE_FIX)
     name, mood = f"typed_{secrets.token_hex(4)}", f"mood_{secrets.token_hex(4)}"
     with psycopg.connect(postgres_server.conninfo, autocommit=True) as c:
         c.execute(
@@ -653,8 +642,6 @@ def test_batches_stay_inside_the_callers_transaction(
     of its own, which releasing the savepoint would commit."""
     if kind != "core-sqlite":
         request.applymarker(pytest.mark.postgres)
-    else:
-        request.applymarker(BEFORE_FIX)
     target = _small_target(kind, request)
     rows = [row(i, 0) for i in range(600)]
     target.upsert_many(4, rows[:2])
@@ -691,8 +678,6 @@ def test_bad_batches_are_refused_before_any_io(kind: str, request: pytest.Fixtur
     any statement is sent (the connection is closed: any I/O would be a ``BackendError``)."""
     if kind != "core-sqlite":
         request.applymarker(pytest.mark.postgres)
-    if kind != "psycopg":
-        request.applymarker(BEFORE_FIX)
     target = _small_target(kind, request)
     guard: Any
     if isinstance(target, CoreTarget):
@@ -716,7 +701,6 @@ def test_bad_batches_are_refused_before_any_io(kind: str, request: pytest.Fixtur
 
 
 @pytest.mark.postgres
-@BEFORE_FIX
 def test_psycopg_refuses_unknown_columns_before_writing(postgres_server: Any) -> None:
     """psycopg knows only column names: the guard reads the table's columns (one catalogue
     read, the first time) and refuses a column the table lacks before the batch is sent."""
