@@ -23,7 +23,14 @@ from ._sql_common import (
     row_scope,
 )
 
-__all__ = ["TYPES_QUERY", "ColumnType", "PgRegisterStatements", "PgRowStatements", "TableName"]
+__all__ = [
+    "TYPES_QUERY",
+    "ColumnType",
+    "PgRegisterStatements",
+    "PgRowStatements",
+    "TableName",
+    "read_types",
+]
 
 #: A table name: ``"accounts"`` or ``("schema", "accounts")``.
 TableName = str | tuple[str, str]
@@ -31,7 +38,7 @@ TableName = str | tuple[str, str]
 Query = str
 
 
-#: The column types of a table, read once by a guard before its first batch: each column's
+#: The column types of a table, read once per connection before its first batch: each column's
 #: type by its quoted internal name (``pg_catalog.int4``, ``pg_catalog.bpchar``), never with
 #: a length or precision, so that a cast keeps every value whole and the column's own
 #: limits apply on write as they do to a single-row write; and whether it holds arrays (a
@@ -39,7 +46,7 @@ Query = str
 TYPES_QUERY = (
     "SELECT a.attname AS name, "
     "quote_ident(n.nspname) || '.' || quote_ident(t.typname) AS sql, "
-    "b.typcategory = 'A' AS is_array "
+    "b.typcategory = 'A' AS is_array, a.atttypid::int8 AS oid "
     "FROM pg_catalog.pg_attribute a "
     "JOIN pg_catalog.pg_type t ON t.oid = a.atttypid "
     "JOIN pg_catalog.pg_namespace n ON n.oid = t.typnamespace "
@@ -55,10 +62,21 @@ class ColumnType(NamedTuple):
     Attributes:
         sql: the type, schema-qualified and quoted, without length or precision.
         is_array: the column holds arrays (which an ``unnest`` would flatten).
+        oid: the type's oid, which each batch checks is still the column's.
     """
 
     sql: str
     is_array: bool
+    oid: int
+
+
+def read_types(rows: Iterable[Mapping[str, Any]]) -> dict[str, ColumnType]:
+    """The column types of a table from the rows of :data:`TYPES_QUERY`."""
+    return {row["name"]: ColumnType(row["sql"], row["is_array"], row["oid"]) for row in rows}
+
+
+# The statements that embed the column types; rebuilt when the types change.
+_TYPED = {"upsert_set", "update_set", "probe_set"}
 
 
 def _ident(name: TableName) -> sql.Identifier:
@@ -119,7 +137,7 @@ class PgRowStatements:
         )
         self.key_cols = _names(self.key_names)
         self.regclass = _text(self.t)
-        self.types: dict[str, ColumnType] | None = None
+        self.types: Mapping[str, ColumnType] | None = None
         self._cache: dict[Any, Query] = {}
         self.probe = _text(
             sql.SQL("SELECT {f}, {dead} FROM {t} WHERE {key}").format(
@@ -275,22 +293,44 @@ class PgRowStatements:
     # As in the Core guard (see docs/sql-guard.md, "Batches"): the set path is one
     # statement fed by one array per column; the row path reads every fence, then sends the
     # single-row statement with executemany, in a savepoint. psycopg knows only column
-    # names, so the guard reads the column types from the catalogue (:data:`TYPES_QUERY`)
-    # on its first batch and casts each array to its column's type.
+    # names, so the guard reads the column types from the catalogue (:data:`TYPES_QUERY`,
+    # once per connection and table) and casts each array to its column's type; each
+    # set-path statement checks that the types still hold.
 
-    def set_types(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Keep the column types read with :data:`TYPES_QUERY`.
+    def use_types(self, types: Mapping[str, ColumnType]) -> None:
+        """Build the set path's statements on these column types (see :func:`read_types`).
 
         Raises:
             ConfigurationError: the table lacks the fence, tombstone or a key column.
         """
-        self.types = {row["name"]: ColumnType(row["sql"], row["is_array"]) for row in rows}
-        missing = [n for n in (*self.key_names, *sorted(self.guarded)) if n not in self.types]
+        if types is self.types:
+            return
+        missing = [n for n in (*self.key_names, *sorted(self.guarded)) if n not in types]
         if missing:
             raise ConfigurationError(f"table {self.name} has no columns {missing}")
+        self.types = types
+        for cache_key in [k for k in self._cache if k[0] in _TYPED]:
+            del self._cache[cache_key]
+
+    def _types_check(self, names: Sequence[str], params: dict[str, Any]) -> sql.SQL:
+        """A condition that holds while ``names`` keep the types the statement casts to.
+
+        The types are read once per connection; if a column's type has changed since, the
+        condition fails, the statement writes nothing, and the guard reads the types again.
+        """
+        assert self.types is not None
+        params["tr"] = self.regclass
+        params["tn"] = list(names)
+        params["to"] = [self.types[n].oid for n in names]
+        params["tc"] = len(names)
+        return sql.SQL(
+            "(SELECT count(*) FROM pg_catalog.pg_attribute WHERE attrelid = %(tr)s::regclass "
+            "AND attnum > 0 AND NOT attisdropped AND (attname::text, atttypid) IN "
+            "(SELECT * FROM unnest(%(tn)s::text[], %(to)s::int8[]::oid[]))) = %(tc)s"
+        )
 
     def check_known(self, names: Iterable[str]) -> None:
-        """Refuse columns the table does not have (after :meth:`set_types`).
+        """Refuse columns the table does not have (after :meth:`use_types`).
 
         Raises:
             ConfigurationError: a column is not in the table.
@@ -337,6 +377,7 @@ class PgRowStatements:
             if not one_kind(values):
                 return None
             params[f"a{i}"] = values
+        types_ok = self._types_check(columns, params)
         found = self._cache.get(("upsert_set", columns))
         if found is None:
             names = [*columns, self.fence_name]
@@ -356,7 +397,8 @@ class PgRowStatements:
                 sql.SQL(
                     "INSERT INTO {t} AS cur ({names}) SELECT {outputs} FROM unnest({arrays}) "
                     "AS fence_rows({aliases}) WHERE (SELECT count(*) FROM {t} WHERE {keys} "
-                    "AND ({f} IS NULL OR {f} > %(tok)s)) = 0 ON CONFLICT ({key_cols}) "
+                    "AND ({f} IS NULL OR {f} > %(tok)s)) = 0 AND {types_ok} "
+                    "ON CONFLICT ({key_cols}) "
                     "DO UPDATE SET {sets} WHERE cur.{f} <= EXCLUDED.{f}"
                 ).format(
                     t=self.t,
@@ -366,6 +408,7 @@ class PgRowStatements:
                     aliases=_names([f"a{i}" for i in range(len(columns))]),
                     keys=self._keys_match(key_params),
                     f=self.f,
+                    types_ok=types_ok,
                     key_cols=self.key_cols,
                     sets=sql.SQL(", ").join(
                         sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in settable
@@ -406,6 +449,7 @@ class PgRowStatements:
             flagged.append(not all(sets))
             if flagged[-1]:
                 params[f"s{i}"] = sets
+        types_ok = self._types_check((*self.key_names, *columns), params)
         cache_key = ("update_set", columns, tuple(flagged))
         found = self._cache.get(cache_key)
         if found is None:
@@ -435,7 +479,8 @@ class PgRowStatements:
                     "WHERE {matched} AND cur.{f} <= %(tok)s AND {live} "
                     "AND (SELECT count(*) FROM (SELECT {f} AS f, {live_plain} AS live FROM {t} "
                     "WHERE {keys} ORDER BY {key_cols} FOR UPDATE) AS fence_locked "
-                    "WHERE fence_locked.f <= %(tok)s AND fence_locked.live) = %(n)s"
+                    "WHERE fence_locked.f <= %(tok)s AND fence_locked.live) = %(n)s "
+                    "AND {types_ok}"
                 ).format(
                     t=self.t,
                     sets=sql.SQL(", ").join(sets_sql),
@@ -447,6 +492,7 @@ class PgRowStatements:
                     live_plain=self.live,
                     keys=self._keys_match(key_params),
                     key_cols=self.key_cols,
+                    types_ok=types_ok,
                 )
             )
         return found, params

@@ -717,3 +717,36 @@ def test_psycopg_refuses_unknown_columns_before_writing(postgres_server: Any) ->
         target.conn.rollback()
     finally:
         target.conn.close()
+
+
+@pytest.mark.postgres
+def test_psycopg_batches_follow_a_column_type_change(postgres_server: Any) -> None:
+    """The column types are read once per connection. A batch checks in its own statement
+    that they still hold: after ``ALTER TABLE ... TYPE`` the guard reads them again and
+    writes with the new type (a cast to the old ``INT`` would round 1.25 to 1, silently)."""
+    name = f"altered_{secrets.token_hex(4)}"
+    with psycopg.connect(postgres_server.conninfo) as conn:
+        conn.execute(
+            sql.SQL("CREATE TABLE {} (id INT PRIMARY KEY, v INT, fence BIGINT NOT NULL)").format(
+                sql.Identifier(name)
+            )
+        )
+        pg_guard.RowGuard(conn, name).upsert_many(5, [{"id": 1, "v": 1}, {"id": 2, "v": 2}])
+        conn.execute(
+            sql.SQL("ALTER TABLE {} ALTER COLUMN v TYPE NUMERIC(10, 2)").format(
+                sql.Identifier(name)
+            )
+        )
+        guard = pg_guard.RowGuard(conn, name)
+        guard.upsert_many(6, [{"id": 1, "v": Decimal("1.25")}, {"id": 3, "v": Decimal("3.5")}])
+        guard.update_many(7, {2: {"v": Decimal("2.75")}})
+        query = sql.SQL("SELECT id, v, fence FROM {} ORDER BY id").format(sql.Identifier(name))
+        assert conn.execute(query).fetchall() == [
+            (1, Decimal("1.25"), 6),
+            (2, Decimal("2.75"), 7),
+            (3, Decimal("3.50"), 6),
+        ]
+        with pytest.raises(StaleTokenError) as caught:  # a real verdict still comes through
+            guard.upsert_many(5, [{"id": 1, "v": Decimal(0)}, {"id": 4, "v": Decimal(0)}])
+        assert [(e.scope, e.fence) for e in caught.value.rejected] == [(f"{name}(1)", 6)]
+        conn.rollback()

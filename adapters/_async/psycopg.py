@@ -7,6 +7,7 @@ their statements on the connection they are given, and a rejected write changes 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,14 @@ from fence._core import validate_resource, validate_token
 from fence._errors import BackendError, ConfigurationError, StaleTokenError
 from fence._events import EventBus, default_bus
 
-from .._pg_statements import TYPES_QUERY, PgRegisterStatements, PgRowStatements, TableName
+from .._pg_statements import (
+    TYPES_QUERY,
+    ColumnType,
+    PgRegisterStatements,
+    PgRowStatements,
+    TableName,
+    read_types,
+)
 from .._sql_common import (
     ABSENT,
     CHUNK_PARAMS,
@@ -52,6 +60,12 @@ Query = str | bytes | sql.SQL | sql.Composed
 
 #: Its parameters: positional, or named (``%(name)s``).
 Params = Sequence[Any] | Mapping[str, Any]
+
+# The column types of each table a batch wrote, per connection (search_path is per
+# connection): read once, and again when a batch finds that one has changed.
+_TYPES: weakref.WeakKeyDictionary[Any, dict[str, dict[str, ColumnType]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class _Base:
@@ -380,14 +394,23 @@ class AsyncRowGuard(_Base):
             out[keyvals] = values
         return list(out.items())
 
-    async def _column_types(self) -> None:
-        """Read the table's column types once, before the guard's first batch."""
+    async def _column_types(self, *, again: bool = False) -> bool:
+        """Give the statements the table's column types, read once per connection.
+
+        With ``again``, read them anew (a set-path statement found them changed); return
+        whether they differ from those the statements had.
+        """
         s = self.statements
-        if s.types is None:
+        known = _TYPES.setdefault(self.conn, {})
+        types = None if again else known.get(s.regclass)
+        if types is None:
             _, rows = await self._run(TYPES_QUERY, (s.regclass,), "column types", s.name)
             if not rows:
                 raise ConfigurationError(f"table {s.name} has no columns")
-            s.set_types(rows)
+            types = known[s.regclass] = read_types(rows)
+        changed = s.types is not None and types != s.types
+        s.use_types(types)
+        return changed
 
     async def _read_fences(
         self, keys: Sequence[tuple[Any, ...]], *, lock: bool, action: str
@@ -496,25 +519,28 @@ class AsyncRowGuard(_Base):
         await self._column_types()
         s.check_known({name for _, values in keyed for name in values})
         action = "fenced batch update"
-        call = s.update_set_call(token, keyed)
-        if call is None:
-            groups: dict[tuple[str, ...], list[tuple[Any, ...]]] = {}
-            for keyvals, values in keyed:
-                columns = tuple(sorted(values))
-                row = (*(values[c] for c in columns), token, *keyvals, token)
-                groups.setdefault(columns, []).append(row)
-            writes = [(s.update(columns, False), rows) for columns, rows in groups.items()]
-            if await self._row_path(keys, token, writes, need_live=True, action=action):
+        while True:
+            call = s.update_set_call(token, keyed)
+            if call is None:
+                groups: dict[tuple[str, ...], list[tuple[Any, ...]]] = {}
+                for keyvals, values in keyed:
+                    columns = tuple(sorted(values))
+                    row = (*(values[c] for c in columns), token, *keyvals, token)
+                    groups.setdefault(columns, []).append(row)
+                writes = [(s.update(columns, False), rows) for columns, rows in groups.items()]
+                if await self._row_path(keys, token, writes, need_live=True, action=action):
+                    self._accepted_rows(keys, token)
+                    return
+                break
+            query, params = call
+            count = await self._count(query, params, action, s.name)
+            if count == len(keys):
                 self._accepted_rows(keys, token)
                 return
-            raise self._rejected(await self._batch_rejection(keys, token, need_live=True))
-        query, params = call
-        count = await self._count(query, params, action, s.name)
-        if count == len(keys):
-            self._accepted_rows(keys, token)
-            return
-        if count:
-            raise self._partial(count, len(keys))
+            if count:
+                raise self._partial(count, len(keys))
+            if not await self._column_types(again=True):
+                break
         raise self._rejected(await self._batch_rejection(keys, token, need_live=True))
 
     async def upsert_many(self, token: int, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -551,21 +577,25 @@ class AsyncRowGuard(_Base):
         await self._column_types()
         s.check_known(columns)
         action = "fenced batch upsert"
-        call = s.upsert_set_call(token, columns, data)
-        if call is None:
-            params = [(*(row[c] for c in columns), token) for row in data]
-            writes = [(s.upsert(columns, False), params)]
-            written = await self._row_path(keys, token, writes, need_live=False, action=action)
-        else:
+        while True:
+            call = s.upsert_set_call(token, columns, data)
+            if call is None:
+                params = [(*(row[c] for c in columns), token) for row in data]
+                writes = [(s.upsert(columns, False), params)]
+                if await self._row_path(keys, token, writes, need_live=False, action=action):
+                    self._accepted_rows(keys, token)
+                    return
+                break
             query, named = call
 
-            async def body() -> bool:
+            async def body(query: Query = query, named: Params = named) -> bool:
                 return await self._count(query, named, action, s.name) == len(keys)
 
-            written = await self._atomically(body, action, s.name)
-        if written:
-            self._accepted_rows(keys, token)
-            return
+            if await self._atomically(body, action, s.name):
+                self._accepted_rows(keys, token)
+                return
+            if not await self._column_types(again=True):
+                break
         raise self._rejected(await self._batch_rejection(keys, token, need_live=False))
 
 
