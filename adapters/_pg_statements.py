@@ -8,6 +8,7 @@ runs like any other repeated query.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -30,6 +31,7 @@ __all__ = [
     "PgRowStatements",
     "TableName",
     "read_types",
+    "row_statements",
 ]
 
 #: A table name: ``"accounts"`` or ``("schema", "accounts")``.
@@ -73,10 +75,6 @@ class ColumnType(NamedTuple):
 def read_types(rows: Iterable[Mapping[str, Any]]) -> dict[str, ColumnType]:
     """The column types of a table from the rows of :data:`TYPES_QUERY`."""
     return {row["name"]: ColumnType(row["sql"], row["is_array"], row["oid"]) for row in rows}
-
-
-# The statements that embed the column types; rebuilt when the types change.
-_TYPED = {"upsert_set", "update_set", "probe_set"}
 
 
 def _ident(name: TableName) -> sql.Identifier:
@@ -137,7 +135,6 @@ class PgRowStatements:
         )
         self.key_cols = _names(self.key_names)
         self.regclass = _text(self.t)
-        self.types: Mapping[str, ColumnType] | None = None
         self._cache: dict[Any, Query] = {}
         self.probe = _text(
             sql.SQL("SELECT {f}, {dead} FROM {t} WHERE {key}").format(
@@ -295,33 +292,30 @@ class PgRowStatements:
     # single-row statement with executemany, in a savepoint. psycopg knows only column
     # names, so the guard reads the column types from the catalogue (:data:`TYPES_QUERY`,
     # once per connection and table) and casts each array to its column's type; each
-    # set-path statement checks that the types still hold.
+    # set-path statement checks that the types still hold. The types come in as an
+    # argument: one table name may name tables of different types on two connections.
 
-    def use_types(self, types: Mapping[str, ColumnType]) -> None:
-        """Build the set path's statements on these column types (see :func:`read_types`).
+    def check_types(self, types: Mapping[str, ColumnType]) -> None:
+        """Refuse a table that lacks the fence, tombstone or a key column.
 
         Raises:
-            ConfigurationError: the table lacks the fence, tombstone or a key column.
+            ConfigurationError: a column the guard was told of is not in the table.
         """
-        if types is self.types:
-            return
         missing = [n for n in (*self.key_names, *sorted(self.guarded)) if n not in types]
         if missing:
             raise ConfigurationError(f"table {self.name} has no columns {missing}")
-        self.types = types
-        for cache_key in [k for k in self._cache if k[0] in _TYPED]:
-            del self._cache[cache_key]
 
-    def _types_check(self, names: Sequence[str], params: dict[str, Any]) -> sql.SQL:
+    def _types_check(
+        self, names: Sequence[str], types: Mapping[str, ColumnType], params: dict[str, Any]
+    ) -> sql.SQL:
         """A condition that holds while ``names`` keep the types the statement casts to.
 
         The types are read once per connection; if a column's type has changed since, the
         condition fails, the statement writes nothing, and the guard reads the types again.
         """
-        assert self.types is not None
         params["tr"] = self.regclass
         params["tn"] = list(names)
-        params["to"] = [self.types[n].oid for n in names]
+        params["to"] = [types[n].oid for n in names]
         params["tc"] = len(names)
         return sql.SQL(
             "(SELECT count(*) FROM pg_catalog.pg_attribute WHERE attrelid = %(tr)s::regclass "
@@ -329,28 +323,31 @@ class PgRowStatements:
             "(SELECT * FROM unnest(%(tn)s::text[], %(to)s::int8[]::oid[]))) = %(tc)s"
         )
 
-    def check_known(self, names: Iterable[str]) -> None:
-        """Refuse columns the table does not have (after :meth:`use_types`).
+    def check_known(self, names: Iterable[str], types: Mapping[str, ColumnType]) -> None:
+        """Refuse columns the table does not have.
 
         Raises:
             ConfigurationError: a column is not in the table.
         """
-        assert self.types is not None
-        unknown = sorted({n for n in names if n not in self.types})
+        unknown = sorted({n for n in names if n not in types})
         if unknown:
             raise ConfigurationError(f"table {self.name} has no columns {unknown}")
 
-    def _carried(self, names: Iterable[str]) -> bool:
+    def _carried(self, names: Iterable[str], types: Mapping[str, ColumnType]) -> bool:
         """Whether arrays can carry these columns: none is itself of an array type."""
-        assert self.types is not None
-        return not any(self.types[n].is_array for n in names)
+        return not any(types[n].is_array for n in names)
 
-    def _array(self, param: str, name: str) -> sql.Composed:
-        assert self.types is not None
-        return sql.SQL("%({})s::{}[]").format(sql.SQL(param), sql.SQL(self.types[name].sql))
+    @staticmethod
+    def _array(param: str, name: str, types: Mapping[str, ColumnType]) -> sql.Composed:
+        return sql.SQL("%({})s::{}[]").format(sql.SQL(param), sql.SQL(types[name].sql))
 
-    def _keys_match(self, params: Sequence[str]) -> sql.Composed:
-        arrays = [self._array(p, k) for p, k in zip(params, self.key_names, strict=True)]
+    @staticmethod
+    def _spec(names: Iterable[str], types: Mapping[str, ColumnType]) -> tuple[str, ...]:
+        """The type names a statement casts to: part of its cache key."""
+        return tuple(types[n].sql for n in names)
+
+    def _keys_match(self, params: Sequence[str], types: Mapping[str, ColumnType]) -> sql.Composed:
+        arrays = [self._array(p, k, types) for p, k in zip(params, self.key_names, strict=True)]
         if len(arrays) == 1:
             return sql.SQL("{} = ANY({})").format(sql.Identifier(self.key_names[0]), arrays[0])
         return sql.SQL("({}) IN (SELECT * FROM unnest({}))").format(
@@ -358,7 +355,11 @@ class PgRowStatements:
         )
 
     def upsert_set_call(
-        self, token: int, columns: tuple[str, ...], rows: Sequence[Mapping[str, Any]]
+        self,
+        token: int,
+        columns: tuple[str, ...],
+        rows: Sequence[Mapping[str, Any]],
+        types: Mapping[str, ColumnType],
     ) -> tuple[Query, dict[str, Any]] | None:
         """The set path of ``upsert_many``: the statement and its parameters, or ``None``.
 
@@ -369,7 +370,7 @@ class PgRowStatements:
         savepoint for the race with a concurrent insert of an absent key. ``None`` (the row
         path) for a column of an array type or one whose values mix Python types.
         """
-        if not self._carried(columns):
+        if not self._carried(columns, types):
             return None
         params: dict[str, Any] = {"tok": token}
         for i, name in enumerate(columns):
@@ -377,14 +378,17 @@ class PgRowStatements:
             if not one_kind(values):
                 return None
             params[f"a{i}"] = values
-        types_ok = self._types_check(columns, params)
-        found = self._cache.get(("upsert_set", columns))
+        types_ok = self._types_check(columns, types, params)
+        cache_key = ("upsert_set", columns, self._spec(columns, types))
+        found = self._cache.get(cache_key)
         if found is None:
             names = [*columns, self.fence_name]
             if self.tombstone_name:
                 names.append(self.tombstone_name)
             settable = [n for n in names if n not in self.key_names]
-            arrays = sql.SQL(", ").join(self._array(f"a{i}", n) for i, n in enumerate(columns))
+            arrays = sql.SQL(", ").join(
+                self._array(f"a{i}", n, types) for i, n in enumerate(columns)
+            )
             outputs: list[sql.Composable] = [
                 sql.SQL("fence_rows.{}").format(sql.Identifier(f"a{i}"))
                 for i in range(len(columns))
@@ -393,7 +397,7 @@ class PgRowStatements:
             if self.tombstone_name:
                 outputs.append(sql.SQL("false"))
             key_params = [f"a{columns.index(k)}" for k in self.key_names]
-            found = self._cache[("upsert_set", columns)] = _text(
+            found = self._cache[cache_key] = _text(
                 sql.SQL(
                     "INSERT INTO {t} AS cur ({names}) SELECT {outputs} FROM unnest({arrays}) "
                     "AS fence_rows({aliases}) WHERE (SELECT count(*) FROM {t} WHERE {keys} "
@@ -406,7 +410,7 @@ class PgRowStatements:
                     outputs=sql.SQL(", ").join(outputs),
                     arrays=arrays,
                     aliases=_names([f"a{i}" for i in range(len(columns))]),
-                    keys=self._keys_match(key_params),
+                    keys=self._keys_match(key_params, types),
                     f=self.f,
                     types_ok=types_ok,
                     key_cols=self.key_cols,
@@ -418,7 +422,10 @@ class PgRowStatements:
         return found, params
 
     def update_set_call(
-        self, token: int, items: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]]
+        self,
+        token: int,
+        items: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]],
+        types: Mapping[str, ColumnType],
     ) -> tuple[Query, dict[str, Any]] | None:
         """The set path of ``update_many``: the statement and its parameters, or ``None``.
 
@@ -431,7 +438,7 @@ class PgRowStatements:
         :meth:`upsert_set_call`.
         """
         columns = tuple(sorted({name for _, values in items for name in values}))
-        if not self._carried((*self.key_names, *columns)):
+        if not self._carried((*self.key_names, *columns), types):
             return None
         params: dict[str, Any] = {"tok": token, "n": len(items)}
         for j in range(len(self.key_names)):
@@ -449,16 +456,19 @@ class PgRowStatements:
             flagged.append(not all(sets))
             if flagged[-1]:
                 params[f"s{i}"] = sets
-        types_ok = self._types_check((*self.key_names, *columns), params)
-        cache_key = ("update_set", columns, tuple(flagged))
+        names = (*self.key_names, *columns)
+        types_ok = self._types_check(names, types, params)
+        cache_key = ("update_set", columns, tuple(flagged), self._spec(names, types))
         found = self._cache.get(cache_key)
         if found is None:
             key_params = [f"k{j}" for j in range(len(self.key_names))]
-            arrays = [self._array(p, k) for p, k in zip(key_params, self.key_names, strict=True)]
+            arrays = [
+                self._array(p, k, types) for p, k in zip(key_params, self.key_names, strict=True)
+            ]
             aliases = list(key_params)
             sets_sql = []
             for i, name in enumerate(columns):
-                arrays.append(self._array(f"a{i}", name))
+                arrays.append(self._array(f"a{i}", name, types))
                 aliases.append(f"a{i}")
                 value = sql.SQL("fence_rows.{}").format(sql.Identifier(f"a{i}"))
                 if flagged[i]:
@@ -490,7 +500,7 @@ class PgRowStatements:
                     f=self.f,
                     live=self._live_of("cur"),
                     live_plain=self.live,
-                    keys=self._keys_match(key_params),
+                    keys=self._keys_match(key_params, types),
                     key_cols=self.key_cols,
                     types_ok=types_ok,
                 )
@@ -505,14 +515,14 @@ class PgRowStatements:
         )
 
     def probe_set_call(
-        self, keys: Sequence[tuple[Any, ...]], *, lock: bool
+        self, keys: Sequence[tuple[Any, ...]], types: Mapping[str, ColumnType], *, lock: bool
     ) -> tuple[Query, dict[str, Any]] | None:
         """Key, fence and tombstone flag of every row of ``keys`` at once (key arrays).
 
         With ``lock`` the rows are locked in key order. ``None`` (read in chunks with
         :meth:`probe_many`) if the keys cannot travel in arrays.
         """
-        if not self._carried(self.key_names):
+        if not self._carried(self.key_names, types):
             return None
         params: dict[str, Any] = {}
         for j in range(len(self.key_names)):
@@ -520,15 +530,16 @@ class PgRowStatements:
             if not one_kind(values):
                 return None
             params[f"k{j}"] = values
-        found = self._cache.get(("probe_set", lock))
+        cache_key = ("probe_set", lock, self._spec(self.key_names, types))
+        found = self._cache.get(cache_key)
         if found is None:
-            found = self._cache[("probe_set", lock)] = _text(
+            found = self._cache[cache_key] = _text(
                 sql.SQL("SELECT {keys}, {f}, {dead} FROM {t} WHERE {match}{lock}").format(
                     keys=self.key_cols,
                     f=self.f,
                     dead=self.dead,
                     t=self.t,
-                    match=self._keys_match([f"k{j}" for j in range(len(self.key_names))]),
+                    match=self._keys_match([f"k{j}" for j in range(len(self.key_names))], types),
                     lock=self._lock(lock),
                 )
             )
@@ -562,6 +573,25 @@ class PgRowStatements:
                 )
             )
         return found
+
+
+@functools.lru_cache(maxsize=1024)
+def row_statements(
+    table: TableName,
+    key: tuple[str, ...],
+    fence: str,
+    tombstone: str | None,
+    tombstone_insert: bool,
+) -> PgRowStatements:
+    """The :class:`PgRowStatements` of a table, built once per table and options and shared
+    by every guard (the statements it caches are plain strings).
+
+    Raises:
+        ConfigurationError: as :class:`PgRowStatements`.
+    """
+    return PgRowStatements(
+        table, key=key, fence=fence, tombstone=tombstone, tombstone_insert=tombstone_insert
+    )
 
 
 class PgRegisterStatements:

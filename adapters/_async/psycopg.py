@@ -27,6 +27,7 @@ from .._pg_statements import (
     PgRowStatements,
     TableName,
     read_types,
+    row_statements,
 )
 from .._sql_common import (
     ABSENT,
@@ -202,12 +203,12 @@ class AsyncRowGuard(_Base):
     ) -> None:
         super().__init__(conn, events)
         self.returning = returning
-        self.statements = PgRowStatements(
+        self.statements: PgRowStatements = row_statements(
             table,
-            key=(key,) if isinstance(key, str) else tuple(key),
-            fence=fence,
-            tombstone=tombstone,
-            tombstone_insert=tombstone_insert,
+            (key,) if isinstance(key, str) else tuple(key),
+            fence,
+            tombstone,
+            tombstone_insert,
         )
 
     async def _probe(self, keyvals: tuple[Any, ...], scope: str) -> Probe:
@@ -394,12 +395,8 @@ class AsyncRowGuard(_Base):
             out[keyvals] = values
         return list(out.items())
 
-    async def _column_types(self, *, again: bool = False) -> bool:
-        """Give the statements the table's column types, read once per connection.
-
-        With ``again``, read them anew (a set-path statement found them changed); return
-        whether they differ from those the statements had.
-        """
+    async def _column_types(self, *, again: bool = False) -> Mapping[str, ColumnType]:
+        """The table's column types, read once per connection (again, with ``again``)."""
         s = self.statements
         known = _TYPES.setdefault(self.conn, {})
         types = None if again else known.get(s.regclass)
@@ -408,9 +405,8 @@ class AsyncRowGuard(_Base):
             if not rows:
                 raise ConfigurationError(f"table {s.name} has no columns")
             types = known[s.regclass] = read_types(rows)
-        changed = s.types is not None and types != s.types
-        s.use_types(types)
-        return changed
+        s.check_types(types)
+        return types
 
     async def _read_fences(
         self, keys: Sequence[tuple[Any, ...]], *, lock: bool, action: str
@@ -423,7 +419,8 @@ class AsyncRowGuard(_Base):
         s = self.statements
         width = len(s.key_names)
         reads: list[tuple[Query, Any]]
-        call = s.probe_set_call(keys, lock=lock)
+        types = _TYPES.get(self.conn, {}).get(s.regclass)
+        call = None if types is None else s.probe_set_call(keys, types, lock=lock)
         if call is not None:
             reads = [call]
         else:
@@ -516,11 +513,11 @@ class AsyncRowGuard(_Base):
         if not keyed:
             return
         keys = [k for k, _ in keyed]
-        await self._column_types()
-        s.check_known({name for _, values in keyed for name in values})
+        types = await self._column_types()
+        s.check_known({name for _, values in keyed for name in values}, types)
         action = "fenced batch update"
         while True:
-            call = s.update_set_call(token, keyed)
+            call = s.update_set_call(token, keyed, types)
             if call is None:
                 groups: dict[tuple[str, ...], list[tuple[Any, ...]]] = {}
                 for keyvals, values in keyed:
@@ -539,8 +536,10 @@ class AsyncRowGuard(_Base):
                 return
             if count:
                 raise self._partial(count, len(keys))
-            if not await self._column_types(again=True):
+            fresh = await self._column_types(again=True)
+            if fresh == types:
                 break
+            types = fresh
         raise self._rejected(await self._batch_rejection(keys, token, need_live=True))
 
     async def upsert_many(self, token: int, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -574,11 +573,11 @@ class AsyncRowGuard(_Base):
             )
         keyed = self._keyed([(tuple(row[n] for n in s.key_names), row) for row in data])
         keys = [k for k, _ in keyed]
-        await self._column_types()
-        s.check_known(columns)
+        types = await self._column_types()
+        s.check_known(columns, types)
         action = "fenced batch upsert"
         while True:
-            call = s.upsert_set_call(token, columns, data)
+            call = s.upsert_set_call(token, columns, data, types)
             if call is None:
                 params = [(*(row[c] for c in columns), token) for row in data]
                 writes = [(s.upsert(columns, False), params)]
@@ -594,8 +593,10 @@ class AsyncRowGuard(_Base):
             if await self._atomically(body, action, s.name):
                 self._accepted_rows(keys, token)
                 return
-            if not await self._column_types(again=True):
+            fresh = await self._column_types(again=True)
+            if fresh == types:
                 break
+            types = fresh
         raise self._rejected(await self._batch_rejection(keys, token, need_live=False))
 
 

@@ -29,6 +29,7 @@ from .._pg_statements import (
     PgRowStatements,
     TableName,
     read_types,
+    row_statements,
 )
 from .._sql_common import (
     ABSENT,
@@ -202,12 +203,12 @@ class RowGuard(_Base):
     ) -> None:
         super().__init__(conn, events)
         self.returning = returning
-        self.statements = PgRowStatements(
+        self.statements: PgRowStatements = row_statements(
             table,
-            key=(key,) if isinstance(key, str) else tuple(key),
-            fence=fence,
-            tombstone=tombstone,
-            tombstone_insert=tombstone_insert,
+            (key,) if isinstance(key, str) else tuple(key),
+            fence,
+            tombstone,
+            tombstone_insert,
         )
 
     def _probe(self, keyvals: tuple[Any, ...], scope: str) -> Probe:
@@ -392,12 +393,8 @@ class RowGuard(_Base):
             out[keyvals] = values
         return list(out.items())
 
-    def _column_types(self, *, again: bool = False) -> bool:
-        """Give the statements the table's column types, read once per connection.
-
-        With ``again``, read them anew (a set-path statement found them changed); return
-        whether they differ from those the statements had.
-        """
+    def _column_types(self, *, again: bool = False) -> Mapping[str, ColumnType]:
+        """The table's column types, read once per connection (again, with ``again``)."""
         s = self.statements
         known = _TYPES.setdefault(self.conn, {})
         types = None if again else known.get(s.regclass)
@@ -406,9 +403,8 @@ class RowGuard(_Base):
             if not rows:
                 raise ConfigurationError(f"table {s.name} has no columns")
             types = known[s.regclass] = read_types(rows)
-        changed = s.types is not None and types != s.types
-        s.use_types(types)
-        return changed
+        s.check_types(types)
+        return types
 
     def _read_fences(
         self, keys: Sequence[tuple[Any, ...]], *, lock: bool, action: str
@@ -421,7 +417,8 @@ class RowGuard(_Base):
         s = self.statements
         width = len(s.key_names)
         reads: list[tuple[Query, Any]]
-        call = s.probe_set_call(keys, lock=lock)
+        types = _TYPES.get(self.conn, {}).get(s.regclass)
+        call = None if types is None else s.probe_set_call(keys, types, lock=lock)
         if call is not None:
             reads = [call]
         else:
@@ -514,11 +511,11 @@ class RowGuard(_Base):
         if not keyed:
             return
         keys = [k for k, _ in keyed]
-        self._column_types()
-        s.check_known({name for _, values in keyed for name in values})
+        types = self._column_types()
+        s.check_known({name for _, values in keyed for name in values}, types)
         action = "fenced batch update"
         while True:
-            call = s.update_set_call(token, keyed)
+            call = s.update_set_call(token, keyed, types)
             if call is None:
                 groups: dict[tuple[str, ...], list[tuple[Any, ...]]] = {}
                 for keyvals, values in keyed:
@@ -537,8 +534,10 @@ class RowGuard(_Base):
                 return
             if count:
                 raise self._partial(count, len(keys))
-            if not self._column_types(again=True):
+            fresh = self._column_types(again=True)
+            if fresh == types:
                 break
+            types = fresh
         raise self._rejected(self._batch_rejection(keys, token, need_live=True))
 
     def upsert_many(self, token: int, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -572,11 +571,11 @@ class RowGuard(_Base):
             )
         keyed = self._keyed([(tuple(row[n] for n in s.key_names), row) for row in data])
         keys = [k for k, _ in keyed]
-        self._column_types()
-        s.check_known(columns)
+        types = self._column_types()
+        s.check_known(columns, types)
         action = "fenced batch upsert"
         while True:
-            call = s.upsert_set_call(token, columns, data)
+            call = s.upsert_set_call(token, columns, data, types)
             if call is None:
                 params = [(*(row[c] for c in columns), token) for row in data]
                 writes = [(s.upsert(columns, False), params)]
@@ -592,8 +591,10 @@ class RowGuard(_Base):
             if self._atomically(body, action, s.name):
                 self._accepted_rows(keys, token)
                 return
-            if not self._column_types(again=True):
+            fresh = self._column_types(again=True)
+            if fresh == types:
                 break
+            types = fresh
         raise self._rejected(self._batch_rejection(keys, token, need_live=False))
 
 
