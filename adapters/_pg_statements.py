@@ -8,7 +8,9 @@ runs like any other repeated query.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -70,6 +72,15 @@ class ColumnType(NamedTuple):
     sql: str
     is_array: bool
     oid: int
+
+
+# Python types whose arrays psycopg sends in binary: its binary dumpers for them are
+# built in and much faster on long lists than the text ones (which quote each element);
+# a str goes as text (not as an untyped literal), and the cast to the column's type reads
+# it with the type's input function, as it would read the literal.
+_BINARY: frozenset[Any] = frozenset(
+    {str, int, float, bool, datetime.date, datetime.datetime, uuid.UUID}
+)
 
 
 def read_types(rows: Iterable[Mapping[str, Any]]) -> dict[str, ColumnType]:
@@ -338,16 +349,25 @@ class PgRowStatements:
         return not any(types[n].is_array for n in names)
 
     @staticmethod
-    def _array(param: str, name: str, types: Mapping[str, ColumnType]) -> sql.Composed:
-        return sql.SQL("%({})s::{}[]").format(sql.SQL(param), sql.SQL(types[name].sql))
+    def _array(
+        param: str, name: str, types: Mapping[str, ColumnType], binary: Mapping[str, bool]
+    ) -> sql.Composed:
+        mark = "b" if binary.get(param) else "s"
+        return sql.SQL("%({}){}::{}[]").format(
+            sql.SQL(param), sql.SQL(mark), sql.SQL(types[name].sql)
+        )
 
     @staticmethod
     def _spec(names: Iterable[str], types: Mapping[str, ColumnType]) -> tuple[str, ...]:
         """The type names a statement casts to: part of its cache key."""
         return tuple(types[n].sql for n in names)
 
-    def _keys_match(self, params: Sequence[str], types: Mapping[str, ColumnType]) -> sql.Composed:
-        arrays = [self._array(p, k, types) for p, k in zip(params, self.key_names, strict=True)]
+    def _keys_match(
+        self, params: Sequence[str], types: Mapping[str, ColumnType], binary: Mapping[str, bool]
+    ) -> sql.Composed:
+        arrays = [
+            self._array(p, k, types, binary) for p, k in zip(params, self.key_names, strict=True)
+        ]
         if len(arrays) == 1:
             return sql.SQL("{} = ANY({})").format(sql.Identifier(self.key_names[0]), arrays[0])
         return sql.SQL("({}) IN (SELECT * FROM unnest({}))").format(
@@ -373,13 +393,21 @@ class PgRowStatements:
         if not self._carried(columns, types):
             return None
         params: dict[str, Any] = {"tok": token}
+        binary: dict[str, bool] = {}
         for i, name in enumerate(columns):
             values = [row[name] for row in rows]
-            if not one_kind(values):
+            kind = one_kind(values)
+            if kind is False:
                 return None
             params[f"a{i}"] = values
+            binary[f"a{i}"] = kind in _BINARY
         types_ok = self._types_check(columns, types, params)
-        cache_key = ("upsert_set", columns, self._spec(columns, types))
+        cache_key = (
+            "upsert_set",
+            columns,
+            self._spec(columns, types),
+            tuple(binary.values()),
+        )
         found = self._cache.get(cache_key)
         if found is None:
             names = [*columns, self.fence_name]
@@ -387,7 +415,7 @@ class PgRowStatements:
                 names.append(self.tombstone_name)
             settable = [n for n in names if n not in self.key_names]
             arrays = sql.SQL(", ").join(
-                self._array(f"a{i}", n, types) for i, n in enumerate(columns)
+                self._array(f"a{i}", n, types, binary) for i, n in enumerate(columns)
             )
             outputs: list[sql.Composable] = [
                 sql.SQL("fence_rows.{}").format(sql.Identifier(f"a{i}"))
@@ -410,7 +438,7 @@ class PgRowStatements:
                     outputs=sql.SQL(", ").join(outputs),
                     arrays=arrays,
                     aliases=_names([f"a{i}" for i in range(len(columns))]),
-                    keys=self._keys_match(key_params, types),
+                    keys=self._keys_match(key_params, types, binary),
                     f=self.f,
                     types_ok=types_ok,
                     key_cols=self.key_cols,
@@ -441,34 +469,46 @@ class PgRowStatements:
         if not self._carried((*self.key_names, *columns), types):
             return None
         params: dict[str, Any] = {"tok": token, "n": len(items)}
+        binary: dict[str, bool] = {}
         for j in range(len(self.key_names)):
             keys = [k[j] for k, _ in items]
-            if not one_kind(keys):
+            kind = one_kind(keys)
+            if kind is False:
                 return None
             params[f"k{j}"] = keys
+            binary[f"k{j}"] = kind in _BINARY
         flagged = []
         for i, name in enumerate(columns):
             values = [v.get(name) for _, v in items]
-            if not one_kind(values):
+            kind = one_kind(values)
+            if kind is False:
                 return None
             params[f"a{i}"] = values
+            binary[f"a{i}"] = kind in _BINARY
             sets = [name in v for _, v in items]
             flagged.append(not all(sets))
             if flagged[-1]:
                 params[f"s{i}"] = sets
         names = (*self.key_names, *columns)
         types_ok = self._types_check(names, types, params)
-        cache_key = ("update_set", columns, tuple(flagged), self._spec(names, types))
+        cache_key = (
+            "update_set",
+            columns,
+            tuple(flagged),
+            self._spec(names, types),
+            tuple(binary.values()),
+        )
         found = self._cache.get(cache_key)
         if found is None:
             key_params = [f"k{j}" for j in range(len(self.key_names))]
             arrays = [
-                self._array(p, k, types) for p, k in zip(key_params, self.key_names, strict=True)
+                self._array(p, k, types, binary)
+                for p, k in zip(key_params, self.key_names, strict=True)
             ]
             aliases = list(key_params)
             sets_sql = []
             for i, name in enumerate(columns):
-                arrays.append(self._array(f"a{i}", name, types))
+                arrays.append(self._array(f"a{i}", name, types, binary))
                 aliases.append(f"a{i}")
                 value = sql.SQL("fence_rows.{}").format(sql.Identifier(f"a{i}"))
                 if flagged[i]:
@@ -500,7 +540,7 @@ class PgRowStatements:
                     f=self.f,
                     live=self._live_of("cur"),
                     live_plain=self.live,
-                    keys=self._keys_match(key_params, types),
+                    keys=self._keys_match(key_params, types, binary),
                     key_cols=self.key_cols,
                     types_ok=types_ok,
                 )
@@ -525,12 +565,20 @@ class PgRowStatements:
         if not self._carried(self.key_names, types):
             return None
         params: dict[str, Any] = {}
+        binary: dict[str, bool] = {}
         for j in range(len(self.key_names)):
             values = [k[j] for k in keys]
-            if not one_kind(values):
+            kind = one_kind(values)
+            if kind is False:
                 return None
             params[f"k{j}"] = values
-        cache_key = ("probe_set", lock, self._spec(self.key_names, types))
+            binary[f"k{j}"] = kind in _BINARY
+        cache_key = (
+            "probe_set",
+            lock,
+            self._spec(self.key_names, types),
+            tuple(binary.values()),
+        )
         found = self._cache.get(cache_key)
         if found is None:
             found = self._cache[cache_key] = _text(
@@ -539,7 +587,9 @@ class PgRowStatements:
                     f=self.f,
                     dead=self.dead,
                     t=self.t,
-                    match=self._keys_match([f"k{j}" for j in range(len(self.key_names))], types),
+                    match=self._keys_match(
+                        [f"k{j}" for j in range(len(self.key_names))], types, binary
+                    ),
                     lock=self._lock(lock),
                 )
             )
@@ -615,13 +665,13 @@ class PgRegisterStatements:
         self._claim_set = _text(
             sql.SQL(
                 "INSERT INTO {t} AS cur (scope, fence) SELECT s, %(tok)s FROM "
-                "unnest(%(scopes)s::text[]) AS s WHERE (SELECT count(*) FROM {t} WHERE "
-                "scope = ANY(%(scopes)s::text[]) AND fence > %(tok)s) = 0 ON CONFLICT (scope) "
+                "unnest(%(scopes)b::text[]) AS s WHERE (SELECT count(*) FROM {t} WHERE "
+                "scope = ANY(%(scopes)b::text[]) AND fence > %(tok)s) = 0 ON CONFLICT (scope) "
                 "DO UPDATE SET fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence"
             ).format(t=self.t)
         )
         self._probe_set = _text(
-            sql.SQL("SELECT scope, fence FROM {} WHERE scope = ANY(%(scopes)s::text[])").format(
+            sql.SQL("SELECT scope, fence FROM {} WHERE scope = ANY(%(scopes)b::text[])").format(
                 self.t
             )
         )

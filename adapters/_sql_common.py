@@ -238,8 +238,9 @@ def lock_order(keys: Sequence[_T]) -> list[_T]:
         return list(keys)
 
 
-def one_kind(values: Sequence[Any]) -> bool:
-    """Whether the values (``None`` aside) share one Python type (and, for times, tz-awareness).
+def one_kind(values: Sequence[Any]) -> type | bool | None:
+    """The one Python type of the values (``None`` aside), ``None`` if all are ``None``, or
+    ``False`` if they mix types (or, for times, naive and aware values).
 
     psycopg sends a list as one array of one element type and cannot send a list that
     mixes types (``1`` and ``2.5``), nor keep naive and aware datetimes apart in one array.
@@ -248,9 +249,13 @@ def one_kind(values: Sequence[Any]) -> bool:
     kinds.discard(type(None))
     if len(kinds) > 1:
         return False
-    if kinds and issubclass(next(iter(kinds)), datetime.datetime | datetime.time):
-        return len({v.tzinfo is None for v in values if v is not None}) <= 1
-    return True
+    if not kinds:
+        return None
+    kind = kinds.pop()
+    mixed_zones = issubclass(kind, datetime.datetime | datetime.time) and (
+        len({v.tzinfo is None for v in values if v is not None}) > 1
+    )
+    return False if mixed_zones else kind
 
 
 def null_fence_error(scope: str) -> ConfigurationError:

@@ -582,7 +582,7 @@ class RowStatements:
         process = self.processor(dialect, name)
         if process is not None:
             values = [process(v) for v in values]
-        return values if one_kind(values) else None
+        return None if one_kind(values) is False else values
 
     def update_set_call(
         self,
@@ -615,7 +615,7 @@ class RowStatements:
                 column = [
                     process(v) if set_ else None for v, set_ in zip(column, sets, strict=True)
                 ]
-            if not one_kind(column):
+            if one_kind(column) is False:
                 return None
             params[f"_a{i}"] = column
             flagged.append(not all(sets))
