@@ -9,6 +9,7 @@ runs like any other repeated query.
 from __future__ import annotations
 
 import datetime
+import decimal
 import functools
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -79,7 +80,7 @@ class ColumnType(NamedTuple):
 # a str goes as text (not as an untyped literal), and the cast to the column's type reads
 # it with the type's input function, as it would read the literal.
 _BINARY: frozenset[Any] = frozenset(
-    {str, int, float, bool, datetime.date, datetime.datetime, uuid.UUID}
+    {str, int, float, bool, decimal.Decimal, datetime.date, datetime.datetime, uuid.UUID}
 )
 
 
@@ -512,7 +513,7 @@ class PgRowStatements:
                 aliases.append(f"a{i}")
                 value = sql.SQL("fence_rows.{}").format(sql.Identifier(f"a{i}"))
                 if flagged[i]:
-                    arrays.append(sql.SQL("%({})s::boolean[]").format(sql.SQL(f"s{i}")))
+                    arrays.append(sql.SQL("%({})b::boolean[]").format(sql.SQL(f"s{i}")))
                     aliases.append(f"s{i}")
                     value = sql.SQL("CASE WHEN fence_rows.{s} THEN {v} ELSE cur.{c} END").format(
                         s=sql.Identifier(f"s{i}"), v=value, c=sql.Identifier(name)

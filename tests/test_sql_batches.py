@@ -295,8 +295,9 @@ def test_100k_rows_of_8_columns_all_or_nothing(target: Target) -> None:
     target.claim(STALE_KEY, 9)
     before = {5: N - 1, 9: 1}
     assert target.fence_counts() == before
+    new = [row(i, 2) for i in range(N)]
     with pytest.raises(StaleTokenError) as caught:
-        _timed(target, "refused upsert_many", target.upsert_many, 6, [row(i, 1) for i in range(N)])
+        _timed(target, "refused upsert_many", target.upsert_many, 6, new)
     err = caught.value
     assert [(e.scope, e.reason, e.fence) for e in err.rejected] == [
         (f"{table}({STALE_KEY})", Reason.STALE, 9)
@@ -305,7 +306,6 @@ def test_100k_rows_of_8_columns_all_or_nothing(target: Target) -> None:
     assert target.fence_counts() == before  # no row at fence 6: nothing written
 
     # One missing row: the update is refused whole.
-    new = [row(i, 2) for i in range(N)]
     items = {i: _data(new[i]) for i in range(N) if i != 7}
     items[MISSING_KEY] = _data(row(MISSING_KEY, 2))
     with pytest.raises(StaleTokenError) as caught:
