@@ -341,3 +341,59 @@ def test_read_committed_upsert_batch_raced_by_an_insert_is_undone(
         (f"{name}(3)", Reason.STALE, 40)
     ]
     assert [_row(conninfo, name, k) for k in (1, 3)] == [(0, 30), (0, 40)]
+
+
+@pytest.mark.xfail(strict=True, reason="the batch locks rows in the order given: deadlock")
+@pytest.mark.parametrize("kind", ["psycopg", "core"])
+def test_upsert_batch_locks_rows_in_key_order(
+    conninfo: str, table: str, postgres_url: str, connect: Any, pool: ThreadPoolExecutor, kind: str
+) -> None:
+    # A holds row 1. B's batch lists row 2 first: taken in that order, it would lock row 2
+    # and wait for row 1, and A's write to row 2 would close a deadlock. In key order B
+    # waits for row 1 holding nothing; A writes row 2 and commits; B's batch is then judged
+    # against A's fences (STALE both) instead of failing with a deadlock.
+    a = connect()
+    RowGuard(a, table).update(1, 40, {"v": 1})
+    rows = [{"id": 2, "v": 7}, {"id": 1, "v": 7}]
+    engine = create_engine(postgres_url)
+    core_table = Table(
+        table,
+        MetaData(),
+        Column("id", Integer, primary_key=True),
+        Column("v", Integer),
+        fence_column(),
+    )
+    try:
+        if kind == "psycopg":
+            b = connect()
+            pid = b.info.backend_pid
+
+            def batch_b() -> Any:
+                result = _outcome(lambda: RowGuard(b, table).upsert_many(35, rows))
+                b.commit()
+                return result
+
+        else:
+            core = engine.connect()
+            pid = core.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+
+            def batch_b() -> Any:
+                result = _outcome(lambda: CoreRowGuard(core, core_table).upsert_many(35, rows))
+                core.commit()
+                return result
+
+        future = pool.submit(batch_b)
+        wait_until_blocked(conninfo, pid, future)
+        RowGuard(a, table).update(2, 40, {"v": 2})  # would wait for B, closing the cycle
+        a.commit()
+        outcome = future.result(timeout=30)
+        if kind == "core":
+            core.close()
+    finally:
+        engine.dispose()
+    assert isinstance(outcome, StaleTokenError)
+    assert sorted((e.scope, e.reason, e.fence) for e in outcome.rejected) == [
+        (f"{table}(1)", Reason.STALE, 40),
+        (f"{table}(2)", Reason.STALE, 40),
+    ]
+    assert [_row(conninfo, table, k) for k in (1, 2)] == [(1, 40), (2, 40)]
