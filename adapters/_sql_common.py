@@ -38,6 +38,7 @@ __all__ = [
     "batch_verdicts",
     "chunks",
     "closed_connection_error",
+    "key_order",
     "lock_order",
     "null_fence_error",
     "one_kind",
@@ -228,6 +229,18 @@ def chunks(items: Sequence[_T], size: int) -> Iterator[Sequence[_T]]:
     """``items`` cut into slices of at most ``size``."""
     for start in range(0, len(items), max(1, size)):
         yield items[start : start + size]
+
+
+def key_order(pairs: list[tuple[tuple[Any, ...], _T]]) -> list[tuple[tuple[Any, ...], _T]]:
+    """``(key, item)`` pairs sorted by key, as given if the keys do not sort.
+
+    An upsert takes its row locks in the order of its rows; in key order, two batches that
+    share keys wait for each other instead of deadlocking.
+    """
+    try:
+        return sorted(pairs, key=lambda pair: pair[0])
+    except TypeError:
+        return pairs
 
 
 def lock_order(keys: Sequence[_T]) -> list[_T]:

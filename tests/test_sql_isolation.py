@@ -343,7 +343,6 @@ def test_read_committed_upsert_batch_raced_by_an_insert_is_undone(
     assert [_row(conninfo, name, k) for k in (1, 3)] == [(0, 30), (0, 40)]
 
 
-@pytest.mark.xfail(strict=True, reason="the batch locks rows in the order given: deadlock")
 @pytest.mark.parametrize("kind", ["psycopg", "core"])
 def test_upsert_batch_locks_rows_in_key_order(
     conninfo: str, table: str, postgres_url: str, connect: Any, pool: ThreadPoolExecutor, kind: str

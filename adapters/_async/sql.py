@@ -33,6 +33,7 @@ from .._sql_common import (
     batch_verdicts,
     chunks,
     closed_connection_error,
+    key_order,
     lock_order,
     null_fence_error,
     probe_passes,
@@ -624,7 +625,9 @@ class AsyncRowGuard(_Base):
             raise ConfigurationError(
                 f"every row of a batch upsert of {s.name} must set the same columns"
             )
+        keyed = key_order(keyed)
         keys = [k for k, _ in keyed]
+        data = [row for _, row in keyed]
         self._check_rowcount(False, s.name, token)
         call = s.upsert_set_call(self.conn.dialect, token, columns, data)
         action = "fenced batch upsert"

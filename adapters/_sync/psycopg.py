@@ -42,6 +42,7 @@ from .._sql_common import (
     batch_verdicts,
     chunks,
     closed_connection_error,
+    key_order,
     lock_order,
     null_fence_error,
     probe_passes,
@@ -569,8 +570,9 @@ class RowGuard(_Base):
             raise ConfigurationError(
                 f"every row of a batch upsert of {s.name} must set the same columns"
             )
-        keyed = self._keyed([(tuple(row[n] for n in s.key_names), row) for row in data])
+        keyed = key_order(self._keyed([(tuple(row[n] for n in s.key_names), row) for row in data]))
         keys = [k for k, _ in keyed]
+        data = [row for _, row in keyed]
         types = self._column_types()
         s.check_known(columns, types)
         action = "fenced batch upsert"
