@@ -750,3 +750,22 @@ def test_psycopg_batches_follow_a_column_type_change(postgres_server: Any) -> No
             guard.upsert_many(5, [{"id": 1, "v": Decimal(0)}, {"id": 4, "v": Decimal(0)}])
         assert [(e.scope, e.fence) for e in caught.value.rejected] == [(f"{name}(1)", 6)]
         conn.rollback()
+
+
+def test_sqlite_autocommit_batch_is_a_transaction_of_its_own(tmp_path: Path) -> None:
+    """With no transaction around it (SQLAlchemy's ``AUTOCOMMIT``), a batch on SQLite is
+    still all or nothing: its savepoint is then the transaction."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'auto.db'}", isolation_level="AUTOCOMMIT")
+    try:
+        target = CoreTarget("core-sqlite", engine)
+        target.upsert_many(5, [row(i, 0) for i in range(600)])
+        target.claim(599, 9)
+        with pytest.raises(StaleTokenError) as caught:
+            target.upsert_many(6, [row(i, 1) for i in range(600)])
+        assert [e.scope for e in caught.value.rejected] == [f"{target.table.name}(599)"]
+        with pytest.raises(StaleTokenError):
+            target.update_many(9, {0: {"c_int": 1}, 600: {"c_int": 1}})
+        assert target.fence_counts() == {5: 599, 9: 1}
+        assert target.rows() == [as_tuple(row(i, 0), 9 if i == 599 else 5) for i in range(600)]
+    finally:
+        engine.dispose()
