@@ -8,21 +8,85 @@ runs like any other repeated query.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import datetime
+import decimal
+import functools
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from psycopg import sql
 
 from fence._errors import ConfigurationError
 
-from ._sql_common import DEFAULT_FENCE_COLUMN, DEFAULT_REGISTER_TABLE, key_values, row_scope
+from ._sql_common import (
+    DEFAULT_FENCE_COLUMN,
+    DEFAULT_REGISTER_TABLE,
+    key_values,
+    one_kind,
+    row_scope,
+)
 
-__all__ = ["PgRegisterStatements", "PgRowStatements", "TableName"]
+__all__ = [
+    "TYPES_QUERY",
+    "ColumnType",
+    "PgRegisterStatements",
+    "PgRowStatements",
+    "TableName",
+    "read_types",
+    "row_statements",
+]
 
 #: A table name: ``"accounts"`` or ``("schema", "accounts")``.
 TableName = str | tuple[str, str]
 
 Query = str
+
+
+#: The column types of a table, read once per connection before its first batch: each column's
+#: type by its quoted internal name (``pg_catalog.int4``, ``pg_catalog.bpchar``), never with
+#: a length or precision, so that a cast keeps every value whole and the column's own
+#: limits apply on write as they do to a single-row write; and whether it holds arrays (a
+#: domain over an array does). Parameter: the table as a ``regclass`` literal.
+TYPES_QUERY = (
+    "SELECT a.attname AS name, "
+    "quote_ident(n.nspname) || '.' || quote_ident(t.typname) AS sql, "
+    "b.typcategory = 'A' AS is_array, a.atttypid::int8 AS oid "
+    "FROM pg_catalog.pg_attribute a "
+    "JOIN pg_catalog.pg_type t ON t.oid = a.atttypid "
+    "JOIN pg_catalog.pg_namespace n ON n.oid = t.typnamespace "
+    "JOIN pg_catalog.pg_type b ON b.oid = "
+    "CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END "
+    "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped"
+)
+
+
+class ColumnType(NamedTuple):
+    """A column's type as a batch needs it.
+
+    Attributes:
+        sql: the type, schema-qualified and quoted, without length or precision.
+        is_array: the column holds arrays (which an ``unnest`` would flatten).
+        oid: the type's oid, which each batch checks is still the column's.
+    """
+
+    sql: str
+    is_array: bool
+    oid: int
+
+
+# Python types whose arrays psycopg sends in binary: its binary dumpers for them are
+# built in and much faster on long lists than the text ones (which quote each element);
+# a str goes as text (not as an untyped literal), and the cast to the column's type reads
+# it with the type's input function, as it would read the literal.
+_BINARY: frozenset[Any] = frozenset(
+    {str, int, float, bool, decimal.Decimal, datetime.date, datetime.datetime, uuid.UUID}
+)
+
+
+def read_types(rows: Iterable[Mapping[str, Any]]) -> dict[str, ColumnType]:
+    """The column types of a table from the rows of :data:`TYPES_QUERY`."""
+    return {row["name"]: ColumnType(row["sql"], row["is_array"], row["oid"]) for row in rows}
 
 
 def _ident(name: TableName) -> sql.Identifier:
@@ -82,6 +146,7 @@ class PgRowStatements:
             sql.SQL("{} = %s").format(sql.Identifier(k)) for k in self.key_names
         )
         self.key_cols = _names(self.key_names)
+        self.regclass = _text(self.t)
         self._cache: dict[Any, Query] = {}
         self.probe = _text(
             sql.SQL("SELECT {f}, {dead} FROM {t} WHERE {key}").format(
@@ -233,74 +298,351 @@ class PgRowStatements:
         return found
 
     # -- many rows --------------------------------------------------------------------
+    #
+    # As in the Core guard (see docs/sql-guard.md, "Batches"): the set path is one
+    # statement fed by one array per column; the row path reads every fence, then sends the
+    # single-row statement with executemany, in a savepoint. psycopg knows only column
+    # names, so the guard reads the column types from the catalogue (:data:`TYPES_QUERY`,
+    # once per connection and table) and casts each array to its column's type; each
+    # set-path statement checks that the types still hold. The types come in as an
+    # argument: one table name may name tables of different types on two connections.
 
-    def _keys_in(self, count: int) -> sql.Composed:
-        one = sql.SQL("({})").format(sql.SQL(", ").join(sql.Placeholder() * len(self.key_names)))
-        return sql.SQL("({keys}) IN ({rows})").format(
-            keys=self.key_cols, rows=sql.SQL(", ").join([one] * count)
+    def check_types(self, types: Mapping[str, ColumnType]) -> None:
+        """Refuse a table that lacks the fence, tombstone or a key column.
+
+        Raises:
+            ConfigurationError: a column the guard was told of is not in the table.
+        """
+        missing = [n for n in (*self.key_names, *sorted(self.guarded)) if n not in types]
+        if missing:
+            raise ConfigurationError(f"table {self.name} has no columns {missing}")
+
+    def _types_check(
+        self, names: Sequence[str], types: Mapping[str, ColumnType], params: dict[str, Any]
+    ) -> sql.SQL:
+        """A condition that holds while ``names`` keep the types the statement casts to.
+
+        The types are read once per connection; if a column's type has changed since, the
+        condition fails, the statement writes nothing, and the guard reads the types again.
+        """
+        params["tr"] = self.regclass
+        params["tn"] = list(names)
+        params["to"] = [types[n].oid for n in names]
+        params["tc"] = len(names)
+        return sql.SQL(
+            "(SELECT count(*) FROM pg_catalog.pg_attribute WHERE attrelid = %(tr)s::regclass "
+            "AND attnum > 0 AND NOT attisdropped AND (attname::text, atttypid) IN "
+            "(SELECT * FROM unnest(%(tn)s::text[], %(to)s::int8[]::oid[]))) = %(tc)s"
         )
 
-    def update_many(
-        self, items: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]], token: int
-    ) -> tuple[Query, list[Any]]:
-        """One statement that updates every row or none (C6), and its parameters.
+    def check_known(self, names: Iterable[str], types: Mapping[str, ColumnType]) -> None:
+        """Refuse columns the table does not have.
 
-        A scalar sub-select locks every target row (``FOR UPDATE``, in key order) and
-        counts those that pass; PostgreSQL runs it as a one-time filter before the first
-        row is written, and under READ COMMITTED the locking read sees the newest fences.
+        Raises:
+            ConfigurationError: a column is not in the table.
         """
-        params: list[Any] = []
-        columns = sorted({name for _, values in items for name in values})
-        match = sql.SQL("({})").format(self.key_eq)
-        sets = []
-        for name in columns:
-            col = sql.Identifier(name)
-            whens = []
-            for keyvals, values in items:
-                if name in values:
-                    whens.append(sql.SQL("WHEN {} THEN %s").format(match))
-                    params.extend(keyvals)
-                    params.append(values[name])
-            sets.append(
-                sql.SQL("{col} = CASE {whens} ELSE {col} END").format(
-                    col=col, whens=sql.SQL(" ").join(whens)
+        unknown = sorted({n for n in names if n not in types})
+        if unknown:
+            raise ConfigurationError(f"table {self.name} has no columns {unknown}")
+
+    def _carried(self, names: Iterable[str], types: Mapping[str, ColumnType]) -> bool:
+        """Whether arrays can carry these columns: none is itself of an array type."""
+        return not any(types[n].is_array for n in names)
+
+    @staticmethod
+    def _array(
+        param: str, name: str, types: Mapping[str, ColumnType], binary: Mapping[str, bool]
+    ) -> sql.Composed:
+        mark = "b" if binary.get(param) else "s"
+        return sql.SQL("%({}){}::{}[]").format(
+            sql.SQL(param), sql.SQL(mark), sql.SQL(types[name].sql)
+        )
+
+    @staticmethod
+    def _spec(names: Iterable[str], types: Mapping[str, ColumnType]) -> tuple[str, ...]:
+        """The type names a statement casts to: part of its cache key."""
+        return tuple(types[n].sql for n in names)
+
+    def _keys_match(
+        self, params: Sequence[str], types: Mapping[str, ColumnType], binary: Mapping[str, bool]
+    ) -> sql.Composed:
+        arrays = [
+            self._array(p, k, types, binary) for p, k in zip(params, self.key_names, strict=True)
+        ]
+        if len(arrays) == 1:
+            return sql.SQL("{} = ANY({})").format(sql.Identifier(self.key_names[0]), arrays[0])
+        return sql.SQL("({}) IN (SELECT * FROM unnest({}))").format(
+            self.key_cols, sql.SQL(", ").join(arrays)
+        )
+
+    def upsert_set_call(
+        self,
+        token: int,
+        columns: tuple[str, ...],
+        rows: Sequence[Mapping[str, Any]],
+        types: Mapping[str, ColumnType],
+    ) -> tuple[Query, dict[str, Any]] | None:
+        """The set path of ``upsert_many``: the statement and its parameters, or ``None``.
+
+        ``INSERT INTO t (...) SELECT ... FROM unnest(%(a0)s::type[], ...) WHERE (SELECT
+        count(*) FROM t WHERE key = ANY(...) AND (fence IS NULL OR fence > %(tok)s)) = 0
+        ON CONFLICT (key) DO UPDATE SET ... WHERE cur.fence <= EXCLUDED.fence``: the gate
+        is a one-time filter, checked before the first row is written; run it in a
+        savepoint for the race with a concurrent insert of an absent key. ``None`` (the row
+        path) for a column of an array type or one whose values mix Python types.
+        """
+        if not self._carried(columns, types):
+            return None
+        params: dict[str, Any] = {"tok": token}
+        binary: dict[str, bool] = {}
+        for i, name in enumerate(columns):
+            values = [row[name] for row in rows]
+            kind = one_kind(values)
+            if kind is False:
+                return None
+            params[f"a{i}"] = values
+            binary[f"a{i}"] = kind in _BINARY
+        types_ok = self._types_check(columns, types, params)
+        cache_key = (
+            "upsert_set",
+            columns,
+            self._spec(columns, types),
+            tuple(binary.values()),
+        )
+        found = self._cache.get(cache_key)
+        if found is None:
+            names = [*columns, self.fence_name]
+            if self.tombstone_name:
+                names.append(self.tombstone_name)
+            settable = [n for n in names if n not in self.key_names]
+            arrays = sql.SQL(", ").join(
+                self._array(f"a{i}", n, types, binary) for i, n in enumerate(columns)
+            )
+            outputs: list[sql.Composable] = [
+                sql.SQL("fence_rows.{}").format(sql.Identifier(f"a{i}"))
+                for i in range(len(columns))
+            ]
+            outputs.append(sql.SQL("%(tok)s"))
+            if self.tombstone_name:
+                outputs.append(sql.SQL("false"))
+            key_params = [f"a{columns.index(k)}" for k in self.key_names]
+            found = self._cache[cache_key] = _text(
+                sql.SQL(
+                    "INSERT INTO {t} AS cur ({names}) SELECT {outputs} FROM unnest({arrays}) "
+                    "AS fence_rows({aliases}) WHERE (SELECT count(*) FROM {t} WHERE {keys} "
+                    "AND ({f} IS NULL OR {f} > %(tok)s)) = 0 AND {types_ok} "
+                    "ON CONFLICT ({key_cols}) "
+                    "DO UPDATE SET {sets} WHERE cur.{f} <= EXCLUDED.{f}"
+                ).format(
+                    t=self.t,
+                    names=_names(names),
+                    outputs=sql.SQL(", ").join(outputs),
+                    arrays=arrays,
+                    aliases=_names([f"a{i}" for i in range(len(columns))]),
+                    keys=self._keys_match(key_params, types, binary),
+                    f=self.f,
+                    types_ok=types_ok,
+                    key_cols=self.key_cols,
+                    sets=sql.SQL(", ").join(
+                        sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in settable
+                    ),
                 )
             )
-        keys_in = self._keys_in(len(items))
-        flat_keys = [v for keyvals, _ in items for v in keyvals]
-        query = sql.SQL(
-            "UPDATE {t} SET {sets}, {f} = %s WHERE {keys_in} AND {f} <= %s AND {live} "
-            "AND (SELECT count(*) FROM (SELECT {f} AS f, {live} AS live FROM {t} "
-            "WHERE {keys_in} ORDER BY {keys} FOR UPDATE) AS fence_locked "
-            "WHERE fence_locked.f <= %s AND fence_locked.live) = %s "
-            "RETURNING {keys}"
-        ).format(
-            t=self.t,
-            sets=sql.SQL(", ").join(sets),
-            f=self.f,
-            keys_in=keys_in,
-            live=self.live,
-            keys=self.key_cols,
-        )
-        params += [token, *flat_keys, token, *flat_keys, token, len(items)]
-        return _text(query), params
+        return found, params
 
-    def probe_many(self, count: int) -> Query:
-        """Key, fence and tombstone flag of ``count`` rows. Parameters: the key values."""
-        return _text(
-            sql.SQL("SELECT {keys}, {f}, {dead} FROM {t} WHERE {keys_in}").format(
-                keys=self.key_cols, f=self.f, dead=self.dead, t=self.t, keys_in=self._keys_in(count)
-            )
-        )
+    def update_set_call(
+        self,
+        token: int,
+        items: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]],
+        types: Mapping[str, ColumnType],
+    ) -> tuple[Query, dict[str, Any]] | None:
+        """The set path of ``update_many``: the statement and its parameters, or ``None``.
 
-    def upsert_many(self, columns: tuple[str, ...], count: int) -> Query:
-        """A multi-row fenced upsert; run it in a savepoint and check the returned count.
-
-        Parameters: per row, its values and the token.
+        ``UPDATE t AS cur SET c = fence_rows.c, ..., fence = %(tok)s FROM unnest(...) AS
+        fence_rows WHERE cur.key = fence_rows.key AND cur.fence <= %(tok)s [AND live] AND
+        (<rows that pass, locked in key order>) = %(n)s``: the locking count is a one-time
+        filter, run before the first row is written, and sees fences raised concurrently
+        (READ COMMITTED). A column only some rows set comes with an array of booleans
+        (``CASE WHEN fence_rows.s THEN fence_rows.a ELSE cur.c END``). ``None`` as for
+        :meth:`upsert_set_call`.
         """
-        head, tail = self._upsert_head(columns)
-        rows = sql.SQL(", ").join([self._row_marks(len(columns))] * count)
-        return _text(head + rows + tail + sql.SQL(" RETURNING {}").format(self.key_cols))
+        columns = tuple(sorted({name for _, values in items for name in values}))
+        if not self._carried((*self.key_names, *columns), types):
+            return None
+        params: dict[str, Any] = {"tok": token, "n": len(items)}
+        binary: dict[str, bool] = {}
+        for j in range(len(self.key_names)):
+            keys = [k[j] for k, _ in items]
+            kind = one_kind(keys)
+            if kind is False:
+                return None
+            params[f"k{j}"] = keys
+            binary[f"k{j}"] = kind in _BINARY
+        flagged = []
+        for i, name in enumerate(columns):
+            values = [v.get(name) for _, v in items]
+            kind = one_kind(values)
+            if kind is False:
+                return None
+            params[f"a{i}"] = values
+            binary[f"a{i}"] = kind in _BINARY
+            sets = [name in v for _, v in items]
+            flagged.append(not all(sets))
+            if flagged[-1]:
+                params[f"s{i}"] = sets
+        names = (*self.key_names, *columns)
+        types_ok = self._types_check(names, types, params)
+        cache_key = (
+            "update_set",
+            columns,
+            tuple(flagged),
+            self._spec(names, types),
+            tuple(binary.values()),
+        )
+        found = self._cache.get(cache_key)
+        if found is None:
+            key_params = [f"k{j}" for j in range(len(self.key_names))]
+            arrays = [
+                self._array(p, k, types, binary)
+                for p, k in zip(key_params, self.key_names, strict=True)
+            ]
+            aliases = list(key_params)
+            sets_sql = []
+            for i, name in enumerate(columns):
+                arrays.append(self._array(f"a{i}", name, types, binary))
+                aliases.append(f"a{i}")
+                value = sql.SQL("fence_rows.{}").format(sql.Identifier(f"a{i}"))
+                if flagged[i]:
+                    arrays.append(sql.SQL("%({})b::boolean[]").format(sql.SQL(f"s{i}")))
+                    aliases.append(f"s{i}")
+                    value = sql.SQL("CASE WHEN fence_rows.{s} THEN {v} ELSE cur.{c} END").format(
+                        s=sql.Identifier(f"s{i}"), v=value, c=sql.Identifier(name)
+                    )
+                sets_sql.append(sql.SQL("{} = {}").format(sql.Identifier(name), value))
+            sets_sql.append(sql.SQL("{} = %(tok)s").format(self.f))
+            matched = sql.SQL(" AND ").join(
+                sql.SQL("cur.{} = fence_rows.{}").format(sql.Identifier(k), sql.Identifier(p))
+                for k, p in zip(self.key_names, key_params, strict=True)
+            )
+            found = self._cache[cache_key] = _text(
+                sql.SQL(
+                    "UPDATE {t} AS cur SET {sets} FROM unnest({arrays}) AS fence_rows({aliases}) "
+                    "WHERE {matched} AND cur.{f} <= %(tok)s AND {live} "
+                    "AND (SELECT count(*) FROM (SELECT {f} AS f, {live_plain} AS live FROM {t} "
+                    "WHERE {keys} ORDER BY {key_cols} FOR UPDATE) AS fence_locked "
+                    "WHERE fence_locked.f <= %(tok)s AND fence_locked.live) = %(n)s "
+                    "AND {types_ok}"
+                ).format(
+                    t=self.t,
+                    sets=sql.SQL(", ").join(sets_sql),
+                    arrays=sql.SQL(", ").join(arrays),
+                    aliases=_names(aliases),
+                    matched=matched,
+                    f=self.f,
+                    live=self._live_of("cur"),
+                    live_plain=self.live,
+                    keys=self._keys_match(key_params, types, binary),
+                    key_cols=self.key_cols,
+                    types_ok=types_ok,
+                )
+            )
+        return found, params
+
+    def _live_of(self, alias: str) -> sql.Composable:
+        if self.tombstone_name is None:
+            return sql.SQL("true")
+        return sql.SQL("NOT {}.{}").format(
+            sql.Identifier(alias), sql.Identifier(self.tombstone_name)
+        )
+
+    def probe_set_call(
+        self, keys: Sequence[tuple[Any, ...]], types: Mapping[str, ColumnType], *, lock: bool
+    ) -> tuple[Query, dict[str, Any]] | None:
+        """Key, fence and tombstone flag of every row of ``keys`` at once (key arrays).
+
+        With ``lock`` the rows are locked in key order. ``None`` (read in chunks with
+        :meth:`probe_many`) if the keys cannot travel in arrays.
+        """
+        if not self._carried(self.key_names, types):
+            return None
+        params: dict[str, Any] = {}
+        binary: dict[str, bool] = {}
+        for j in range(len(self.key_names)):
+            values = [k[j] for k in keys]
+            kind = one_kind(values)
+            if kind is False:
+                return None
+            params[f"k{j}"] = values
+            binary[f"k{j}"] = kind in _BINARY
+        cache_key = (
+            "probe_set",
+            lock,
+            self._spec(self.key_names, types),
+            tuple(binary.values()),
+        )
+        found = self._cache.get(cache_key)
+        if found is None:
+            found = self._cache[cache_key] = _text(
+                sql.SQL("SELECT {keys}, {f}, {dead} FROM {t} WHERE {match}{lock}").format(
+                    keys=self.key_cols,
+                    f=self.f,
+                    dead=self.dead,
+                    t=self.t,
+                    match=self._keys_match(
+                        [f"k{j}" for j in range(len(self.key_names))], types, binary
+                    ),
+                    lock=self._lock(lock),
+                )
+            )
+        return found, params
+
+    def _lock(self, lock: bool) -> sql.Composable:
+        if not lock:
+            return sql.SQL("")
+        return sql.SQL(" ORDER BY {} FOR UPDATE").format(self.key_cols)
+
+    def probe_many(self, count: int, *, lock: bool = False) -> Query:
+        """Key, fence and tombstone flag of ``count`` rows. Parameters: the key values.
+
+        With ``lock`` the rows are locked in key order.
+        """
+        found = self._cache.get(("probe_many", count, lock))
+        if found is None:
+            one = sql.SQL("({})").format(
+                sql.SQL(", ").join(sql.Placeholder() * len(self.key_names))
+            )
+            found = self._cache[("probe_many", count, lock)] = _text(
+                sql.SQL(
+                    "SELECT {keys}, {f}, {dead} FROM {t} WHERE ({keys}) IN ({rows}){lock}"
+                ).format(
+                    keys=self.key_cols,
+                    f=self.f,
+                    dead=self.dead,
+                    t=self.t,
+                    rows=sql.SQL(", ").join([one] * count),
+                    lock=self._lock(lock),
+                )
+            )
+        return found
+
+
+@functools.lru_cache(maxsize=1024)
+def row_statements(
+    table: TableName,
+    key: tuple[str, ...],
+    fence: str,
+    tombstone: str | None,
+    tombstone_insert: bool,
+) -> PgRowStatements:
+    """The :class:`PgRowStatements` of a table, built once per table and options and shared
+    by every guard (the statements it caches are plain strings).
+
+    Raises:
+        ConfigurationError: as :class:`PgRowStatements`.
+    """
+    return PgRowStatements(
+        table, key=key, fence=fence, tombstone=tombstone, tombstone_insert=tombstone_insert
+    )
 
 
 class PgRegisterStatements:
@@ -313,28 +655,33 @@ class PgRegisterStatements:
     def __init__(self, table: TableName = DEFAULT_REGISTER_TABLE) -> None:
         self.name = ".".join(table) if isinstance(table, tuple) else table
         self.t = _ident(table)
-        self.claim = self.claim_many(1)
-        self.probe = _text(sql.SQL("SELECT scope, fence FROM {} WHERE scope = %s").format(self.t))
-
-    def claim_many(self, count: int) -> Query:
-        """``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = %s WHERE fence <= %s``.
-
-        Parameters: per scope, the scope and the token.
-        """
-        rows = sql.SQL(", ").join([sql.SQL("(%s, %s)")] * count)
-        return _text(
+        self.claim = _text(
             sql.SQL(
-                "INSERT INTO {t} AS cur (scope, fence) VALUES {rows} ON CONFLICT (scope) "
+                "INSERT INTO {t} AS cur (scope, fence) VALUES (%s, %s) ON CONFLICT (scope) "
                 "DO UPDATE SET fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence "
                 "RETURNING scope"
-            ).format(t=self.t, rows=rows)
+            ).format(t=self.t)
         )
-
-    def probe_many(self, count: int) -> Query:
-        """The fences of ``count`` scopes. Parameters: the scopes."""
-        marks = sql.SQL(", ").join(sql.Placeholder() * count)
-        return _text(
-            sql.SQL("SELECT scope, fence FROM {t} WHERE scope IN ({marks})").format(
-                t=self.t, marks=marks
+        self.probe = _text(sql.SQL("SELECT scope, fence FROM {} WHERE scope = %s").format(self.t))
+        self._claim_set = _text(
+            sql.SQL(
+                "INSERT INTO {t} AS cur (scope, fence) SELECT s, %(tok)s FROM "
+                "unnest(%(scopes)b::text[]) AS s WHERE (SELECT count(*) FROM {t} WHERE "
+                "scope = ANY(%(scopes)b::text[]) AND fence > %(tok)s) = 0 ON CONFLICT (scope) "
+                "DO UPDATE SET fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence"
+            ).format(t=self.t)
+        )
+        self._probe_set = _text(
+            sql.SQL("SELECT scope, fence FROM {} WHERE scope = ANY(%(scopes)b::text[])").format(
+                self.t
             )
         )
+
+    def claim_set(self) -> Query:
+        """Every scope of ``claim_many`` from one array, gated: nothing is raised unless every
+        fence passes. Run it in a savepoint. Parameters: ``scopes`` (a list), ``tok``."""
+        return self._claim_set
+
+    def probe_set(self) -> Query:
+        """The fences of the scopes in the list ``scopes``."""
+        return self._probe_set

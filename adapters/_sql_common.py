@@ -6,9 +6,10 @@ The SQLAlchemy Core guard (``fence.adapters.sql``) and the psycopg guard
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import datetime
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fence._core import rejection
 from fence._errors import (
@@ -23,6 +24,8 @@ from fence._events import EventBus, EventKind
 
 __all__ = [
     "ABSENT",
+    "CHUNK_PARAMS",
+    "CHUNK_PARAMS_DEFAULT",
     "DEFAULT_FENCE_COLUMN",
     "DEFAULT_REGISTER_TABLE",
     "DEFAULT_TOMBSTONE_COLUMN",
@@ -32,10 +35,15 @@ __all__ = [
     "Probe",
     "RowScope",
     "batch_rejection",
+    "batch_verdicts",
+    "chunks",
     "closed_connection_error",
+    "key_order",
+    "lock_order",
     "missing_register_error",
     "missing_table",
     "null_fence_error",
+    "one_kind",
     "probe_passes",
     "probe_rejection",
     "report_accepted",
@@ -79,6 +87,14 @@ _RETRYABLE_SQLSTATES = {
 
 # sqlite3 result codes: SQLITE_BUSY, SQLITE_LOCKED (extended codes keep the low byte).
 _SQLITE_BUSY_CODES = {5, 6}
+
+#: Bind parameters per statement when a batch reads its rows by key in chunks: SQLite's
+#: ``SQLITE_MAX_VARIABLE_NUMBER`` was 999 before 3.32, the lowest any build has had;
+#: PostgreSQL's protocol allows 65,535.
+CHUNK_PARAMS = {"sqlite": 999, "postgresql": 30_000}
+CHUNK_PARAMS_DEFAULT = 999
+
+_T = TypeVar("_T")
 
 
 def row_scope(table: str, key: Sequence[Any]) -> str:
@@ -174,6 +190,87 @@ def batch_rejection(scope: str, token: int, errors: Sequence[StaleTokenError]) -
     return StaleTokenError(
         scope, token, max(fences) if fences else None, reason, rejected=tuple(errors)
     )
+
+
+def batch_verdicts(
+    table: str,
+    keys: Sequence[tuple[Any, ...]],
+    found: Mapping[tuple[Any, ...], Probe],
+    token: int,
+    *,
+    need_live: bool,
+    everything: bool,
+) -> list[StaleTokenError]:
+    """One error per row of a batch that the probes show would not pass (C5, C6).
+
+    Args:
+        table: the table name, for the scopes.
+        keys: the batch's keys, in its order.
+        found: the probe of each key that has a row (absent keys are :data:`ABSENT`).
+        token: the presented token.
+        need_live: the batch is an update, which needs live rows.
+        everything: the write already failed, so if no row fails now (a concurrent writer
+            moved on between the write and the read), list every row rather than none.
+    """
+    errors = []
+    for keyvals in keys:
+        probe = found.get(keyvals, ABSENT)
+        if not probe_passes(probe, token, need_live=need_live):
+            errors.append(
+                probe_rejection(row_scope(table, keyvals), token, probe, need_live=need_live)
+            )
+    if not errors and everything:
+        errors = [
+            probe_rejection(row_scope(table, k), token, found.get(k, ABSENT), need_live=need_live)
+            for k in keys
+        ]
+    return errors
+
+
+def chunks(items: Sequence[_T], size: int) -> Iterator[Sequence[_T]]:
+    """``items`` cut into slices of at most ``size``."""
+    for start in range(0, len(items), max(1, size)):
+        yield items[start : start + size]
+
+
+def key_order(pairs: list[tuple[tuple[Any, ...], _T]]) -> list[tuple[tuple[Any, ...], _T]]:
+    """``(key, item)`` pairs sorted by key, as given if the keys do not sort.
+
+    An upsert takes its row locks in the order of its rows; in key order, two batches that
+    share keys wait for each other instead of deadlocking.
+    """
+    try:
+        return sorted(pairs, key=lambda pair: pair[0])
+    except TypeError:
+        return pairs
+
+
+def lock_order(keys: Sequence[_T]) -> list[_T]:
+    """The keys sorted, so that batches lock shared rows in one order; as given if unorderable."""
+    try:
+        return sorted(keys)  # type: ignore[type-var]
+    except TypeError:
+        return list(keys)
+
+
+def one_kind(values: Sequence[Any]) -> type | bool | None:
+    """The one Python type of the values (``None`` aside), ``None`` if all are ``None``, or
+    ``False`` if they mix types (or, for times, naive and aware values).
+
+    psycopg sends a list as one array of one element type and cannot send a list that
+    mixes types (``1`` and ``2.5``), nor keep naive and aware datetimes apart in one array.
+    """
+    kinds = set(map(type, values))
+    kinds.discard(type(None))
+    if len(kinds) > 1:
+        return False
+    if not kinds:
+        return None
+    kind = kinds.pop()
+    mixed_zones = issubclass(kind, datetime.datetime | datetime.time) and (
+        len({v.tzinfo is None for v in values if v is not None}) > 1
+    )
+    return False if mixed_zones else kind
 
 
 def null_fence_error(scope: str) -> ConfigurationError:

@@ -11,19 +11,26 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import (
+    ARRAY,
     BigInteger,
+    BindParameter,
     Boolean,
     Column,
     ColumnElement,
+    Dialect,
+    Enum,
     Insert,
+    Integer,
     MetaData,
     Select,
     String,
     Table,
     Update,
     and_,
+    any_,
     bindparam,
     case,
+    cast,
     false,
     func,
     or_,
@@ -31,10 +38,11 @@ from sqlalchemy import (
     text,
     true,
     tuple_,
-    union_all,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import CompileError
+from sqlalchemy.types import NullType, TypeDecorator, TypeEngine, UserDefinedType
 
 from fence._errors import ConfigurationError
 
@@ -43,6 +51,7 @@ from ._sql_common import (
     DEFAULT_REGISTER_TABLE,
     DEFAULT_TOMBSTONE_COLUMN,
     key_values,
+    one_kind,
     row_scope,
 )
 
@@ -447,111 +456,370 @@ class RowStatements:
         return stmt.returning(*self.table.c) if returning else _counted(stmt)  # type: ignore[no-any-return]
 
     # -- many rows --------------------------------------------------------------------
+    #
+    # A batch takes one of two paths (see docs/sql-guard.md, "Batches"):
+    #
+    # - the set path (PostgreSQL): one statement whose rows come from one array parameter
+    #   per column (``unnest``), so its size never meets a limit on parameters or on the
+    #   depth of the statement;
+    # - the row path (SQLite, and PostgreSQL for what an array cannot carry): a read of every
+    #   fence first, then the single-row statement sent with ``executemany``, in a savepoint.
 
-    def _keys_in(self, keys: Sequence[tuple[Any, ...]]) -> ColumnElement[bool]:
-        if len(self.key) == 1:
-            return self.key[0].in_([k[0] for k in keys])
-        return tuple_(*self.key).in_(keys)
+    def item_sql(self, dialect: Dialect, name: str) -> str | None:
+        """The SQL type to which a batch casts the array of column ``name``, or ``None``.
 
-    def _match(self, keyvals: Sequence[Any]) -> ColumnElement[bool]:
-        return and_(*(c == v for c, v in zip(self.key, keyvals, strict=True)))
-
-    def update_many(
-        self, token: int, items: Sequence[tuple[tuple[Any, ...], dict[str, Any]]], returning: bool
-    ) -> Update:
-        """One statement that updates every row or none (C6).
-
-        A scalar sub-select locks every target row (``FOR UPDATE``, in key order, so two
-        batches cannot deadlock) and counts the rows that pass; it is a one-time filter,
-        run before the first row is written. Under READ COMMITTED the locking read returns
-        the newest version of each row, so the count sees fences raised concurrently.
+        It is the cast SQLAlchemy itself puts on a single value of the column (``VARCHAR``
+        for a ``String(3)``: no length, so a long value fails on the column as it would in
+        a single-row write, where a cast to ``VARCHAR(3)[]`` would cut it silently); for a
+        type without such a cast, its DDL, with a string type's length dropped the same way.
+        ``None`` for a column an array cannot carry: an array type (``unnest`` would flatten
+        it) or a type that does not compile.
         """
-        keys = [k for k, _ in items]
-        locked = (
-            select(self.fence.label("f"), self._live().label("live"))
-            .where(self._keys_in(keys))
-            .order_by(*self.key)
-            .with_for_update()
-            .subquery("fence_locked")
-        )
-        passing = (
-            select(func.count())
-            .select_from(locked)
-            .where(locked.c.f <= token, locked.c.live)
-            .scalar_subquery()
-        )
-        columns = sorted({name for _, values in items for name in values})
-        sets: dict[str, Any] = {}
-        for name in columns:
-            col = self.table.c[name]
-            whens = [
-                (self._match(k), bindparam(None, values[name], type_=col.type))
-                for k, values in items
-                if name in values
-            ]
-            sets[name] = case(*whens, else_=col)
-        sets[self.fence.key] = token
-        stmt = (
-            update(self.table)
-            .where(self._keys_in(keys), self.fence <= token, self._live(), passing == len(keys))
-            .values(sets)
-        )
-        return stmt.returning(*self.key) if returning else _counted(stmt)
+        cache_key = ("item_sql", dialect.name, name)
+        if cache_key in self._cache:
+            found: str | None = self._cache[cache_key]
+            return found
+        found = _item_sql(self.table.c[name].type, dialect)
+        self._cache[cache_key] = found
+        return found
 
-    def probe_many(self, keys: Sequence[tuple[Any, ...]]) -> Select[Any]:
-        """The diagnostic read of a batch: key, fence and tombstone flag of each row."""
-        live = self.tombstone if self.tombstone is not None else false()
-        return select(*self.key, self.fence, live).where(self._keys_in(keys))
+    def processor(self, dialect: Dialect, name: str) -> Any:
+        """The column type's bind processor (``None`` if values go to the driver as they are)."""
+        cache_key = ("processor", dialect.name, name)
+        if cache_key not in self._cache:
+            type_ = self.table.c[name].type
+            self._cache[cache_key] = type_.dialect_impl(dialect).bind_processor(dialect)
+        return self._cache[cache_key]
 
-    def upsert_many(
-        self,
-        dialect: str,
-        token: int,
-        rows: Sequence[dict[str, Any]],
-        keys: Sequence[tuple[Any, ...]],
-        returning: bool,
-    ) -> Insert:
-        """A multi-row fenced upsert, gated by a check of every existing fence (C6).
+    def _array(self, dialect: Dialect, param: str, name: str) -> ColumnElement[Any]:
+        item = self.item_sql(dialect, name)
+        assert item is not None
+        return _array_param(param, item)
 
-        The rows come from a ``SELECT ... WHERE <no existing row of the batch is above
-        the token>``, so a stale batch inserts nothing. SQLite runs the statement under its
-        write lock, which makes the gate exact; on PostgreSQL the caller wraps it in a
-        savepoint for the race with a concurrent insert of an absent key.
+    def _keys_match(self, dialect: Dialect, params: Sequence[str]) -> ColumnElement[bool]:
+        """The rows whose keys are in the key arrays ``params`` (one per key column)."""
+        arrays = [self._array(dialect, p, c.key) for p, c in zip(params, self.key, strict=True)]
+        if len(arrays) == 1:
+            return self.key[0] == any_(arrays[0])
+        keys = func.unnest(*arrays).table_valued(*params).render_derived(name="fence_keys")
+        return tuple_(*self.key).in_(select(*keys.c))
+
+    def upsert_set(self, dialect: Dialect, columns: tuple[str, ...]) -> Insert:
+        """The set path of ``upsert_many``: every row from arrays, gated (C6). PostgreSQL.
+
+        ``INSERT INTO t (...) SELECT ... FROM unnest(:_a0, ...) WHERE (SELECT count(*) FROM
+        t WHERE key = ANY(:_a<key>) AND (fence IS NULL OR fence > :_token)) = 0 ON CONFLICT
+        (key) DO UPDATE SET ... WHERE t.fence <= excluded.fence``. The gate is a one-time
+        filter, run before the first row is written; run the statement in a savepoint for the
+        race with a concurrent insert of an absent key. Parameters: ``_a<i>``, the list of
+        the values of ``columns[i]``, and ``_token``. Proven by its row count.
         """
-        names = list(rows[0])
-        for row in rows:
-            if list(row) != names:
-                raise ConfigurationError(
-                    f"every row of a batch upsert of {self.name} must set the same columns"
+        cache_key = ("upsert_set", dialect.name, columns)
+        found = self._cache.get(cache_key)
+        if found is None:
+            token = bindparam("_token", type_=self.fence.type)
+            params = [f"_a{i}" for i in range(len(columns))]
+            rows = (
+                func.unnest(
+                    *(self._array(dialect, p, n) for p, n in zip(params, columns, strict=True))
                 )
-        extra = {self.fence.key: token}
-        if self.tombstone is not None:
-            extra[self.tombstone.key] = False
-        selects = [
-            select(
-                *(bindparam(None, row[n], type_=self.table.c[n].type).label(n) for n in names),
-                *(
-                    bindparam(None, v, type_=self.table.c[n].type).label(n)
-                    for n, v in extra.items()
-                ),
+                .table_valued(*params)
+                .render_derived(name="fence_rows")
             )
-            for row in rows
-        ]
-        source = (union_all(*selects) if len(selects) > 1 else selects[0]).subquery("fence_rows")
-        blocking = (
-            select(func.count())
-            .select_from(self.table)
-            .where(self._keys_in(keys), or_(self.fence.is_(None), self.fence > token))
-            .scalar_subquery()
-        )
-        gated = select(*source.c).where(blocking == 0)
-        ins = self._insert(dialect).from_select([*names, *extra], gated)
-        stmt = ins.on_conflict_do_update(
-            index_elements=list(self.key),
-            set_={n: ins.excluded[n] for n in [*names, *extra] if n not in self.key_names},
-            where=self.fence <= ins.excluded[self.fence.key],
-        )
-        return stmt.returning(*self.key) if returning else _counted(stmt)  # type: ignore[no-any-return]
+            key_params = [params[columns.index(name)] for name in self.key_names]
+            blocking = (
+                select(func.count())
+                .select_from(self.table)
+                .where(
+                    self._keys_match(dialect, key_params),
+                    or_(self.fence.is_(None), self.fence > token),
+                )
+                .scalar_subquery()
+            )
+            names = [*columns, self.fence.key]
+            values: list[Any] = [*rows.c, token]
+            if self.tombstone is not None:
+                names.append(self.tombstone.key)
+                values.append(false())
+            gated = select(*values).where(blocking == 0)
+            ins = self._insert(dialect.name).from_select(names, gated)
+            stmt = ins.on_conflict_do_update(
+                index_elements=list(self.key),
+                set_={n: ins.excluded[n] for n in names if n not in self.key_names},
+                where=self.fence <= ins.excluded[self.fence.key],
+            )
+            found = self._cache[cache_key] = _counted(stmt)
+        return found  # type: ignore[no-any-return]
+
+    def update_set(
+        self, dialect: Dialect, columns: tuple[str, ...], flagged: tuple[bool, ...]
+    ) -> Update:
+        """The set path of ``update_many``: one statement, every row or none (C6). PostgreSQL.
+
+        ``UPDATE t SET c = rows.c, ..., fence = :_token FROM unnest(:_k0, ..., :_a0, ...)
+        AS rows WHERE t.key = rows.key AND fence <= :_token [AND NOT deleted] AND
+        (<rows that pass, locked>) = :_count``. A scalar sub-select locks every target row
+        (``FOR UPDATE``, in key order, so two batches cannot deadlock) and counts the rows
+        that pass; it is a one-time filter, run before the first row is written. Under READ
+        COMMITTED the locking read returns the newest version of each row, so the count sees
+        fences raised concurrently.
+
+        A column that only some rows set is ``flagged``: its array ``_s<i>`` of booleans
+        tells which rows set it (``CASE WHEN rows.s THEN rows.v ELSE t.c END``).
+
+        Parameters: ``_k<j>`` (the key values of column ``j``), ``_a<i>`` (the values of
+        ``columns[i]``), ``_s<i>`` for flagged columns, ``_token`` and ``_count``. Proven by
+        its row count.
+        """
+        cache_key = ("update_set", dialect.name, columns, flagged)
+        found = self._cache.get(cache_key)
+        if found is None:
+            token = bindparam("_token", type_=self.fence.type)
+            key_params = [f"_k{j}" for j in range(len(self.key))]
+            arrays = [
+                self._array(dialect, p, c.key) for p, c in zip(key_params, self.key, strict=True)
+            ]
+            names = list(key_params)
+            for i, name in enumerate(columns):
+                arrays.append(self._array(dialect, f"_a{i}", name))
+                names.append(f"_a{i}")
+                if flagged[i]:
+                    arrays.append(_array_param(f"_s{i}", "BOOLEAN"))
+                    names.append(f"_s{i}")
+            rows = func.unnest(*arrays).table_valued(*names).render_derived(name="fence_rows")
+            locked = (
+                select(self.fence.label("f"), self._live().label("live"))
+                .where(self._keys_match(dialect, key_params))
+                .order_by(*self.key)
+                .with_for_update()
+                .subquery("fence_locked")
+            )
+            passing = (
+                select(func.count())
+                .select_from(locked)
+                .where(locked.c.f <= token, locked.c.live)
+                .scalar_subquery()
+            )
+            sets: dict[str, Any] = {}
+            for i, name in enumerate(columns):
+                value = rows.c[f"_a{i}"]
+                sets[name] = (
+                    case((rows.c[f"_s{i}"], value), else_=self.table.c[name])
+                    if flagged[i]
+                    else value
+                )
+            sets[self.fence.key] = token
+            matched = and_(*(c == rows.c[p] for c, p in zip(self.key, key_params, strict=True)))
+            stmt = (
+                update(self.table)
+                .where(
+                    matched,
+                    self.fence <= token,
+                    self._live(),
+                    passing == bindparam("_count", type_=Integer()),
+                )
+                .values(sets)
+            )
+            found = self._cache[cache_key] = _counted(stmt)
+        return found
+
+    def _array_values(self, dialect: Dialect, name: str, values: list[Any]) -> list[Any] | None:
+        """``values`` as the column type binds them; ``None`` if they mix Python types."""
+        process = self.processor(dialect, name)
+        if process is not None:
+            values = [process(v) for v in values]
+        return None if one_kind(values) is False else values
+
+    def update_set_call(
+        self,
+        dialect: Dialect,
+        token: int,
+        items: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]],
+    ) -> tuple[Update, dict[str, Any]] | None:
+        """The set path's statement and parameters for ``update_many``, if it applies.
+
+        ``None`` (take the row path) off PostgreSQL, for a column an array cannot carry
+        (:meth:`item_sql`) and for a column whose values mix Python types.
+        """
+        if dialect.name != "postgresql":
+            return None
+        columns = tuple(sorted({name for _, values in items for name in values}))
+        if any(self.item_sql(dialect, n) is None for n in (*self.key_names, *columns)):
+            return None
+        params: dict[str, Any] = {"_token": token, "_count": len(items)}
+        for j, name in enumerate(self.key_names):
+            keys = self._array_values(dialect, name, [k[j] for k, _ in items])
+            if keys is None:
+                return None
+            params[f"_k{j}"] = keys
+        flagged = []
+        for i, name in enumerate(columns):
+            process = self.processor(dialect, name)
+            sets = [name in values for _, values in items]
+            column = [values.get(name) for _, values in items]
+            if process is not None:
+                column = [
+                    process(v) if set_ else None for v, set_ in zip(column, sets, strict=True)
+                ]
+            if one_kind(column) is False:
+                return None
+            params[f"_a{i}"] = column
+            flagged.append(not all(sets))
+            if flagged[-1]:
+                params[f"_s{i}"] = sets
+        return self.update_set(dialect, columns, tuple(flagged)), params
+
+    def upsert_set_call(
+        self,
+        dialect: Dialect,
+        token: int,
+        columns: tuple[str, ...],
+        rows: Sequence[Mapping[str, Any]],
+    ) -> tuple[Insert, dict[str, Any]] | None:
+        """The set path's statement and parameters for ``upsert_many``, if it applies.
+
+        ``None`` when :meth:`update_set_call` would be.
+        """
+        if dialect.name != "postgresql":
+            return None
+        if any(self.item_sql(dialect, n) is None for n in columns):
+            return None
+        params: dict[str, Any] = {"_token": token}
+        for i, name in enumerate(columns):
+            values = self._array_values(dialect, name, [row[name] for row in rows])
+            if values is None:
+                return None
+            params[f"_a{i}"] = values
+        return self.upsert_set(dialect, columns), params
+
+    def upsert_row(self, dialect: str, columns: tuple[str, ...]) -> Insert:
+        """One row's fenced upsert with bind parameters, for ``executemany`` (the row path).
+
+        Parameters: ``_v_<column>`` and ``_token`` (see :meth:`params`). Proven by its row
+        count.
+        """
+        cache_key = ("upsert_row", dialect, columns)
+        found = self._cache.get(cache_key)
+        if found is None:
+            row: dict[str, Any] = {
+                name: bindparam(f"_v_{name}", type_=self.table.c[name].type) for name in columns
+            }
+            row[self.fence.key] = bindparam("_token", type_=self.fence.type)
+            if self.tombstone is not None:
+                row[self.tombstone.key] = False
+            ins = self._insert(dialect).values(row)
+            stmt = ins.on_conflict_do_update(
+                index_elements=list(self.key),
+                set_={name: ins.excluded[name] for name in row if name not in self.key_names},
+                where=self.fence <= ins.excluded[self.fence.key],
+            )
+            found = self._cache[cache_key] = _counted(stmt)
+        return found  # type: ignore[no-any-return]
+
+    def probe_set_call(
+        self, dialect: Dialect, keys: Sequence[tuple[Any, ...]], *, lock: bool
+    ) -> tuple[Select[Any], dict[str, Any]] | None:
+        """On PostgreSQL, :meth:`probe_keys` for every key at once: one array per key column.
+
+        ``None`` (read in chunks) elsewhere, or if the keys cannot travel in arrays.
+        """
+        if dialect.name != "postgresql":
+            return None
+        if any(self.item_sql(dialect, n) is None for n in self.key_names):
+            return None
+        params: dict[str, Any] = {}
+        for j, name in enumerate(self.key_names):
+            values = self._array_values(dialect, name, [k[j] for k in keys])
+            if values is None:
+                return None
+            params[f"_k{j}"] = values
+        cache_key = ("probe_set", dialect.name, lock)
+        found = self._cache.get(cache_key)
+        if found is None:
+            key_params = [f"_k{j}" for j in range(len(self.key))]
+            live = self.tombstone if self.tombstone is not None else false()
+            found = select(*self.key, self.fence, live).where(self._keys_match(dialect, key_params))
+            if lock:
+                found = found.order_by(*self.key).with_for_update()
+            self._cache[cache_key] = found
+        return found, params
+
+    def probe_keys(self, *, lock: bool) -> Select[Any]:
+        """Key, fence and tombstone flag of the rows whose keys are in ``_keys``.
+
+        ``_keys`` is a list of key values (tuples for a composite key), expanded into an
+        ``IN`` list; the caller cuts a batch into chunks that stay under the dialect's limit
+        on bind parameters. With ``lock`` the rows are locked in key order (``FOR UPDATE``;
+        not on SQLite, whose write lock covers the database).
+        """
+        cache_key = ("probe_keys", lock)
+        found = self._cache.get(cache_key)
+        if found is None:
+            keys: BindParameter[Any] = bindparam("_keys", expanding=True)
+            where = self.key[0].in_(keys) if len(self.key) == 1 else tuple_(*self.key).in_(keys)
+            live = self.tombstone if self.tombstone is not None else false()
+            found = select(*self.key, self.fence, live).where(where)
+            if lock:
+                found = found.order_by(*self.key).with_for_update()
+            self._cache[cache_key] = found
+        return found
+
+    def open_write(self) -> Update:
+        """A write that changes nothing, to make SQLite begin the transaction (row path).
+
+        The sqlite3 driver begins a transaction only before a write; a ``SAVEPOINT`` sent
+        first would start one of its own, and releasing it would commit the caller's work.
+        The write also takes SQLite's write lock, so the fences the batch then reads stay
+        as they are until it commits.
+        """
+        found = self._cache.get("open_write")
+        if found is None:
+            stmt = update(self.table).where(false()).values({self.fence.key: self.fence})
+            found = self._cache["open_write"] = stmt
+        return found
+
+
+def _array_param(name: str, item: str) -> ColumnElement[Any]:
+    """``CAST(:name AS item[])``: one list bound as one array of the given item type."""
+    return cast(bindparam(name, type_=NullType()), _SqlType(f"{item}[]"))
+
+
+class _SqlType(UserDefinedType[Any]):
+    """A type known by its SQL name only: the target of a batch array's cast."""
+
+    cache_ok = True
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return self.spec
+
+
+def _is_array(type_: TypeEngine[Any]) -> bool:
+    if isinstance(type_, TypeDecorator):
+        return _is_array(type_.impl_instance)
+    return isinstance(type_, ARRAY)
+
+
+def _item_sql(type_: TypeEngine[Any], dialect: Dialect) -> str | None:
+    """See :meth:`RowStatements.item_sql`."""
+    if _is_array(type_):
+        return None
+    try:
+        rendered = str(bindparam("x", type_=type_).compile(dialect=dialect))
+        if "::" in rendered:
+            spec = rendered.split("::", 1)[1]
+        else:
+            impl = type_.dialect_impl(dialect)
+            plain = impl.impl_instance if isinstance(impl, TypeDecorator) else impl
+            native_enum = isinstance(plain, Enum) and plain.native_enum
+            if isinstance(plain, String) and plain.length is not None and not native_enum:
+                plain = String()
+            spec = plain.compile(dialect=dialect)
+    except CompileError:
+        return None
+    return None if spec.endswith("]") else spec
 
 
 class RegisterStatements:
@@ -571,48 +839,113 @@ class RegisterStatements:
         self.name = table.name
         self.scope = table.c.scope
         self.fence = table.c.fence
+        self._cache: dict[Any, Any] = {}
 
-    def claim(self, dialect: str, scopes: Sequence[str], token: int, returning: bool) -> Insert:
-        """``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = :t WHERE fence <= :t``.
-
-        With several scopes the rows are gated by a check of every existing fence (C6).
-        """
+    def _base(self, dialect: str) -> Any:
         if dialect == "postgresql":
-            base: Any = postgresql.insert(self.table)
-        elif dialect == "sqlite":
-            base = sqlite.insert(self.table)
-        else:
-            raise ConfigurationError(f"a fence register needs PostgreSQL or SQLite, not {dialect}")
-        if len(scopes) == 1:
-            ins = base.values(scope=scopes[0], fence=token)
-        else:
-            selects = [
-                select(
-                    bindparam(None, s, type_=self.scope.type).label("scope"),
-                    bindparam(None, token, type_=self.fence.type).label("fence"),
-                )
-                for s in scopes
-            ]
-            source = union_all(*selects).subquery("fence_scopes")
-            blocking = (
-                select(func.count())
-                .select_from(self.table)
-                .where(self.scope.in_(list(scopes)), self.fence > token)
-                .scalar_subquery()
-            )
-            ins = base.from_select(["scope", "fence"], select(*source.c).where(blocking == 0))
-        stmt = ins.on_conflict_do_update(
+            return postgresql.insert(self.table)
+        if dialect == "sqlite":
+            return sqlite.insert(self.table)
+        raise ConfigurationError(f"a fence register needs PostgreSQL or SQLite, not {dialect}")
+
+    def _on_conflict(self, ins: Any) -> Any:
+        return ins.on_conflict_do_update(
             index_elements=[self.scope],
             set_={"fence": ins.excluded.fence},
             where=self.fence <= ins.excluded.fence,
         )
+
+    def claim(self, dialect: str, scope: str, token: int, returning: bool) -> Insert:
+        """``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = :t WHERE fence <= :t``."""
+        stmt = self._on_conflict(self._base(dialect).values(scope=scope, fence=token))
         return stmt.returning(self.scope, self.fence) if returning else _counted(stmt)  # type: ignore[no-any-return]
 
-    def probe(self, scopes: Sequence[str]) -> Select[Any]:
-        """The fences of ``scopes``."""
-        if len(scopes) == 1:
-            return select(self.scope, self.fence).where(self.scope == scopes[0])
-        return select(self.scope, self.fence).where(self.scope.in_(list(scopes)))
+    def claim_row(self, dialect: str) -> Insert:
+        """The claim of one scope with bind parameters ``_scope`` and ``_token``, for
+        ``executemany`` (the row path of ``claim_many``). Proven by its row count."""
+        cache_key = ("claim_row", dialect)
+        found = self._cache.get(cache_key)
+        if found is None:
+            ins = self._base(dialect).values(
+                scope=bindparam("_scope", type_=self.scope.type),
+                fence=bindparam("_token", type_=self.fence.type),
+            )
+            found = self._cache[cache_key] = _counted(self._on_conflict(ins))
+        return found  # type: ignore[no-any-return]
+
+    def claim_set(self, dialect: Dialect) -> Insert | None:
+        """The set path of ``claim_many`` on PostgreSQL: every scope from one array, gated.
+
+        ``INSERT ... SELECT s, :_token FROM unnest(:_scopes) s WHERE (SELECT count(*) ...
+        WHERE scope = ANY(:_scopes) AND fence > :_token) = 0 ON CONFLICT ...``; run it in a
+        savepoint. ``None`` if the scope column cannot travel in an array.
+        """
+        cache_key = ("claim_set", dialect.name)
+        if cache_key not in self._cache:
+            item = _item_sql(self.scope.type, dialect)
+            stmt = None
+            if item is not None:
+                token = bindparam("_token", type_=self.fence.type)
+                scopes = (
+                    func.unnest(_array_param("_scopes", item))
+                    .table_valued("scope")
+                    .render_derived(name="fence_scopes")
+                )
+                blocking = (
+                    select(func.count())
+                    .select_from(self.table)
+                    .where(self.scope == any_(_array_param("_scopes", item)), self.fence > token)
+                    .scalar_subquery()
+                )
+                gated = select(scopes.c.scope, token).where(blocking == 0)
+                ins = self._base(dialect.name).from_select(["scope", "fence"], gated)
+                stmt = _counted(self._on_conflict(ins))
+            self._cache[cache_key] = stmt
+        return self._cache[cache_key]  # type: ignore[no-any-return]
+
+    def open_write(self) -> Update:
+        """See :meth:`RowStatements.open_write`."""
+        found = self._cache.get("open_write")
+        if found is None:
+            stmt = update(self.table).where(false()).values({"fence": self.fence})
+            found = self._cache["open_write"] = stmt
+        return found
+
+    def probe_scopes_set(self, dialect: Dialect, *, lock: bool) -> Select[Any, Any] | None:
+        """On PostgreSQL, :meth:`probe_scopes` for every scope at once (``scope = ANY(...)``).
+
+        Parameter: ``_scopes``. ``None`` elsewhere, or if the scope column cannot travel in
+        an array.
+        """
+        cache_key = ("probe_scopes_set", dialect.name, lock)
+        if cache_key not in self._cache:
+            item = _item_sql(self.scope.type, dialect) if dialect.name == "postgresql" else None
+            found = None
+            if item is not None:
+                found = select(self.scope, self.fence).where(
+                    self.scope == any_(_array_param("_scopes", item))
+                )
+                if lock:
+                    found = found.order_by(self.scope).with_for_update()
+            self._cache[cache_key] = found
+        return self._cache[cache_key]  # type: ignore[no-any-return]
+
+    def probe(self, scope: str) -> Select[Any, Any]:
+        """The fence of ``scope``."""
+        return select(self.scope, self.fence).where(self.scope == scope)
+
+    def probe_scopes(self, *, lock: bool) -> Select[Any, Any]:
+        """The fences of the scopes in ``_scopes`` (an expanding ``IN``; see
+        :meth:`RowStatements.probe_keys`)."""
+        found = self._cache.get(("probe_scopes", lock))
+        if found is None:
+            found = select(self.scope, self.fence).where(
+                self.scope.in_(bindparam("_scopes", expanding=True))
+            )
+            if lock:
+                found = found.order_by(self.scope).with_for_update()
+            self._cache[("probe_scopes", lock)] = found
+        return found
 
 
 #: The register table used when none is given: ``fence_register``.

@@ -36,6 +36,7 @@ from _harness import ROOT, Context, Row
 SECTIONS: dict[str, str] = {
     "redis-guard": "bench_redis_guard",
     "sql-guard": "bench_sql_guard",
+    "sql-batch": "bench_sql_batch",
     "orm": "bench_orm",
     "managers": "bench_redis_manager",
     "sql-manager": "bench_sql_manager",
@@ -46,6 +47,7 @@ SECTIONS: dict[str, str] = {
 TITLES = {
     "redis-guard": "1. Fenced Redis writes vs SET and a raw EVALSHA (writes/s)",
     "sql-guard": "2. Fenced SQL UPDATE vs the plain UPDATE (updates/s)",
+    "sql-batch": "2a. Fenced SQL batches vs the same plain batch (rows/s)",
     "orm": "2b. ORM flush with the fence hook vs a version_id_col flush (flushes/s)",
     "managers": "3. Acquire+release pairs per second vs redis-py Lock (one process, uncontended)",
     "sql-manager": "3b. The SQL manager vs its floor (two plain UPDATEs) and redis-py Lock",

@@ -27,6 +27,11 @@ REQUIRED = {
     ("psycopg: fenced, row count", "psycopg: plain UPDATE"),
     ("psycopg: fenced, RETURNING *", "psycopg: plain UPDATE RETURNING *"),
     ("Core: fenced, row count", "Core: plain update(), built once"),
+    ("psycopg 10 rows: fenced upsert_many", "psycopg 10 rows: plain upsert"),
+    (
+        "Core SQLite 500 rows: fenced update_many",
+        "Core SQLite 500 rows: plain update (executemany)",
+    ),
     ("ORM: flush with the hook", "ORM: version_id_col flush"),
     ("iofence Redis", "redis-py Lock"),
     ("iofence memory", "redis-py Lock"),

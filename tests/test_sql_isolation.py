@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from sqlalchemy import Column, Integer, MetaData, Table, create_engine, select
+from sqlalchemy import ARRAY, Column, Integer, MetaData, Table, create_engine, select
 
 from fence import Reason, RetryableError, StaleTokenError
 from fence.adapters.psycopg import REGISTER_TABLE_DDL, FenceRegister, RowGuard
@@ -266,3 +266,133 @@ def test_core_guard_under_repeatable_read_is_retryable(
     finally:
         engine.dispose()
     assert _row(conninfo, table, 2) == (2, 35)
+
+
+@pytest.mark.parametrize("path", ["set", "row"])
+@pytest.mark.parametrize("kind", ["psycopg", "core"])
+def test_read_committed_upsert_batch_raced_by_an_insert_is_undone(
+    conninfo: str,
+    postgres_url: str,
+    connect: Any,
+    pool: ThreadPoolExecutor,
+    kind: str,
+    path: str,
+) -> None:
+    # A key absent when the batch checks the fences cannot be locked. A inserts it with a
+    # newer fence; B's batch waits on A's row, and once A commits it skips that row: the
+    # count comes up short and B's savepoint undoes the row it had written (C6). An array
+    # column sends the batch down the row path (fences read first, then executemany).
+    name = f"race_{secrets.token_hex(4)}"
+    with psycopg.connect(conninfo, autocommit=True) as c:
+        c.execute(
+            sql.SQL(
+                "CREATE TABLE {} (id INT PRIMARY KEY, v INT, tags INT[], "
+                "fence BIGINT NOT NULL DEFAULT 0)"
+            ).format(sql.Identifier(name))
+        )
+        c.execute(
+            sql.SQL("INSERT INTO {} (id, v, fence) VALUES (1, 0, 30)").format(sql.Identifier(name))
+        )
+    rows = [{"id": 1, "v": 7}, {"id": 3, "v": 7}]
+    if path == "row":
+        rows = [{**r, "tags": [7]} for r in rows]
+    a = connect()
+    a.execute(
+        sql.SQL("INSERT INTO {} (id, v, fence) VALUES (3, 0, 40)").format(sql.Identifier(name))
+    )
+    engine = create_engine(postgres_url)
+    table = Table(
+        name,
+        MetaData(),
+        Column("id", Integer, primary_key=True),
+        Column("v", Integer),
+        Column("tags", ARRAY(Integer)),
+        fence_column(),
+    )
+    try:
+        if kind == "psycopg":
+            b = connect()
+            pid = b.info.backend_pid
+
+            def batch_b() -> Any:
+                result = _outcome(lambda: RowGuard(b, name).upsert_many(35, rows))
+                b.commit()
+                return result
+
+        else:
+            core = engine.connect()
+            pid = core.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+
+            def batch_b() -> Any:
+                result = _outcome(lambda: CoreRowGuard(core, table).upsert_many(35, rows))
+                core.commit()
+                return result
+
+        future = pool.submit(batch_b)
+        wait_until_blocked(conninfo, pid, future)
+        a.commit()
+        outcome = future.result(timeout=30)
+        if kind == "core":
+            core.close()
+    finally:
+        engine.dispose()
+    assert isinstance(outcome, StaleTokenError)
+    assert [(e.scope, e.reason, e.fence) for e in outcome.rejected] == [
+        (f"{name}(3)", Reason.STALE, 40)
+    ]
+    assert [_row(conninfo, name, k) for k in (1, 3)] == [(0, 30), (0, 40)]
+
+
+@pytest.mark.parametrize("kind", ["psycopg", "core"])
+def test_upsert_batch_locks_rows_in_key_order(
+    conninfo: str, table: str, postgres_url: str, connect: Any, pool: ThreadPoolExecutor, kind: str
+) -> None:
+    # A holds row 1. B's batch lists row 2 first: taken in that order, it would lock row 2
+    # and wait for row 1, and A's write to row 2 would close a deadlock. In key order B
+    # waits for row 1 holding nothing; A writes row 2 and commits; B's batch is then judged
+    # against A's fences (STALE both) instead of failing with a deadlock.
+    a = connect()
+    RowGuard(a, table).update(1, 40, {"v": 1})
+    rows = [{"id": 2, "v": 7}, {"id": 1, "v": 7}]
+    engine = create_engine(postgres_url)
+    core_table = Table(
+        table,
+        MetaData(),
+        Column("id", Integer, primary_key=True),
+        Column("v", Integer),
+        fence_column(),
+    )
+    try:
+        if kind == "psycopg":
+            b = connect()
+            pid = b.info.backend_pid
+
+            def batch_b() -> Any:
+                result = _outcome(lambda: RowGuard(b, table).upsert_many(35, rows))
+                b.commit()
+                return result
+
+        else:
+            core = engine.connect()
+            pid = core.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+
+            def batch_b() -> Any:
+                result = _outcome(lambda: CoreRowGuard(core, core_table).upsert_many(35, rows))
+                core.commit()
+                return result
+
+        future = pool.submit(batch_b)
+        wait_until_blocked(conninfo, pid, future)
+        RowGuard(a, table).update(2, 40, {"v": 2})  # would wait for B, closing the cycle
+        a.commit()
+        outcome = future.result(timeout=30)
+        if kind == "core":
+            core.close()
+    finally:
+        engine.dispose()
+    assert isinstance(outcome, StaleTokenError)
+    assert sorted((e.scope, e.reason, e.fence) for e in outcome.rejected) == [
+        (f"{table}(1)", Reason.STALE, 40),
+        (f"{table}(2)", Reason.STALE, 40),
+    ]
+    assert [_row(conninfo, table, k) for k in (1, 2)] == [(1, 40), (2, 40)]

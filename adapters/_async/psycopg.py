@@ -7,7 +7,8 @@ their statements on the connection they are given, and a rejected write changes 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -19,15 +20,28 @@ from fence._core import validate_resource, validate_token
 from fence._errors import BackendError, ConfigurationError, StaleTokenError
 from fence._events import EventBus, default_bus
 
-from .._pg_statements import PgRegisterStatements, PgRowStatements, TableName
+from .._pg_statements import (
+    TYPES_QUERY,
+    ColumnType,
+    PgRegisterStatements,
+    PgRowStatements,
+    TableName,
+    read_types,
+    row_statements,
+)
 from .._sql_common import (
     ABSENT,
+    CHUNK_PARAMS,
     DEFAULT_FENCE_COLUMN,
     DEFAULT_REGISTER_TABLE,
     Probe,
     RowScope,
     batch_rejection,
+    batch_verdicts,
+    chunks,
     closed_connection_error,
+    key_order,
+    lock_order,
     null_fence_error,
     probe_passes,
     probe_rejection,
@@ -46,6 +60,15 @@ Rows = list[dict[str, Any]]
 #: A statement psycopg can run: a string or a :mod:`psycopg.sql` composition.
 Query = str | bytes | sql.SQL | sql.Composed
 
+#: Its parameters: positional, or named (``%(name)s``).
+Params = Sequence[Any] | Mapping[str, Any]
+
+# The column types of each table a batch wrote, per connection (search_path is per
+# connection): read once, and again when a batch finds that one has changed.
+_TYPES: weakref.WeakKeyDictionary[Any, dict[str, dict[str, ColumnType]]] = (
+    weakref.WeakKeyDictionary()
+)
+
 
 class _Base:
     """Statement execution, error mapping and verdict reporting shared by both guards."""
@@ -55,7 +78,7 @@ class _Base:
         self.events = events or default_bus
 
     async def _run(
-        self, query: Query, params: Sequence[Any], action: str, scope: str | RowScope
+        self, query: Query, params: Params, action: str, scope: str | RowScope
     ) -> tuple[int, Rows]:
         """Run one statement; return its row count and the rows it returned (as dicts)."""
         if self.conn.closed:
@@ -68,9 +91,7 @@ class _Base:
         except psycopg.Error as exc:
             raise translate_error(exc, action, str(scope)) from exc
 
-    async def _count(
-        self, query: Query, params: Sequence[Any], action: str, scope: str | RowScope
-    ) -> int:
+    async def _count(self, query: Query, params: Params, action: str, scope: str | RowScope) -> int:
         """Run one statement that returns no rows; return its row count."""
         if self.conn.closed:
             raise closed_connection_error()
@@ -80,14 +101,29 @@ class _Base:
         except psycopg.Error as exc:
             raise translate_error(exc, action, str(scope)) from exc
 
-    async def _run_in_savepoint(
-        self, query: str, params: Sequence[Any], expected: int, action: str, scope: str
+    async def _many(
+        self, query: Query, params: Sequence[Sequence[Any]], action: str, scope: str
     ) -> int:
-        """Run ``query`` in a savepoint; undo it and return 0 unless it changed ``expected``.
+        """Send one statement with ``executemany``; return the rows it changed in all."""
+        try:
+            async with self.conn.cursor() as cur:
+                await cur.executemany(query, params)
+                return cur.rowcount
+        except psycopg.Error as exc:
+            raise translate_error(exc, action, scope) from exc
+
+    async def _atomically(
+        self,
+        body: Callable[[], Awaitable[bool]],  # unasync: body: Callable[[], bool],
+        action: str,
+        scope: str,
+    ) -> bool:
+        """Run ``body`` in a savepoint, kept if it returns ``True``, else undone.
 
         Inside a transaction (the usual case) this is ``SAVEPOINT`` ... ``RELEASE`` or
         ``ROLLBACK TO``; the caller's transaction goes on. On an autocommit connection
-        outside any transaction the statement is its own transaction anyway.
+        outside any transaction it is a transaction of its own. An error in ``body`` undoes
+        it too, and propagates.
         """
         if self.conn.closed:
             raise closed_connection_error()
@@ -95,26 +131,25 @@ class _Base:
         if self.conn.autocommit and idle:
             try:
                 async with self.conn.transaction():
-                    count, _ = await self._run(query, params, action, scope)
-                    if count != expected:
+                    keep = await body()
+                    if not keep:
                         raise psycopg.Rollback()
-                return count
+                return keep
             except psycopg.Error as exc:
                 raise translate_error(exc, action, scope) from exc
         await self._run(f"SAVEPOINT {_SAVEPOINT}", (), action, scope)
         try:
-            count, _ = await self._run(query, params, action, scope)
+            keep = await body()
         except BaseException:
             # Undo the batch; an error here (a dead connection) must not hide the first.
             with contextlib.suppress(psycopg.Error, BackendError):
                 await self.conn.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
+                await self.conn.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
             raise
-        if count == expected:
-            await self._run(f"RELEASE SAVEPOINT {_SAVEPOINT}", (), action, scope)
-            return count
-        await self._run(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", (), action, scope)
+        if not keep:
+            await self._run(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", (), action, scope)
         await self._run(f"RELEASE SAVEPOINT {_SAVEPOINT}", (), action, scope)
-        return 0
+        return keep
 
     def _accepted(self, scopes: Sequence[str], token: int) -> None:
         if self.events.active:
@@ -169,12 +204,12 @@ class AsyncRowGuard(_Base):
     ) -> None:
         super().__init__(conn, events)
         self.returning = returning
-        self.statements = PgRowStatements(
+        self.statements: PgRowStatements = row_statements(
             table,
-            key=(key,) if isinstance(key, str) else tuple(key),
-            fence=fence,
-            tombstone=tombstone,
-            tombstone_insert=tombstone_insert,
+            (key,) if isinstance(key, str) else tuple(key),
+            fence,
+            tombstone,
+            tombstone_insert,
         )
 
     async def _probe(self, keyvals: tuple[Any, ...], scope: str) -> Probe:
@@ -361,28 +396,54 @@ class AsyncRowGuard(_Base):
             out[keyvals] = values
         return list(out.items())
 
+    async def _column_types(self, *, again: bool = False) -> Mapping[str, ColumnType]:
+        """The table's column types, read once per connection (again, with ``again``)."""
+        s = self.statements
+        known = _TYPES.setdefault(self.conn, {})
+        types = None if again else known.get(s.regclass)
+        if types is None:
+            _, rows = await self._run(TYPES_QUERY, (s.regclass,), "column types", s.name)
+            if not rows:
+                raise ConfigurationError(f"table {s.name} has no columns")
+            types = known[s.regclass] = read_types(rows)
+        s.check_types(types)
+        return types
+
+    async def _read_fences(
+        self, keys: Sequence[tuple[Any, ...]], *, lock: bool, action: str
+    ) -> dict[tuple[Any, ...], Probe]:
+        """Fence and tombstone flag of each row of ``keys`` that exists.
+
+        One statement with the keys in arrays, or, if they cannot travel in arrays,
+        statements of at most :data:`CHUNK_PARAMS` parameters each.
+        """
+        s = self.statements
+        width = len(s.key_names)
+        reads: list[tuple[Query, Any]]
+        types = _TYPES.get(self.conn, {}).get(s.regclass)
+        call = None if types is None else s.probe_set_call(keys, types, lock=lock)
+        if call is not None:
+            reads = [call]
+        else:
+            per = CHUNK_PARAMS["postgresql"] // width
+            reads = [
+                (s.probe_many(len(chunk), lock=lock), [v for k in chunk for v in k])
+                for chunk in chunks(keys, per)
+            ]
+        found: dict[tuple[Any, ...], Probe] = {}
+        for query, params in reads:
+            _, rows = await self._run(query, params, action, s.name)
+            for row in rows:
+                values = list(row.values())
+                found[tuple(values[:width])] = Probe(True, values[width], not values[width + 1])
+        return found
+
     async def _batch_rejection(
         self, keys: Sequence[tuple[Any, ...]], token: int, *, need_live: bool
     ) -> StaleTokenError:
         s = self.statements
-        flat = [v for k in keys for v in k]
-        _, rows = await self._run(s.probe_many(len(keys)), flat, "diagnostic read", s.name)
-        width = len(s.key_names)
-        found = {}
-        for row in rows:
-            values = list(row.values())
-            found[tuple(values[:width])] = Probe(True, values[width], not values[width + 1])
-        errors = []
-        for keyvals in keys:
-            probe = found.get(keyvals, ABSENT)
-            if probe_passes(probe, token, need_live=need_live):
-                continue
-            errors.append(probe_rejection(s.scope(keyvals), token, probe, need_live=need_live))
-        if not errors:  # a concurrent writer moved on between the write and the read
-            errors = [
-                probe_rejection(s.scope(k), token, found.get(k, ABSENT), need_live=need_live)
-                for k in keys
-            ]
+        found = await self._read_fences(keys, lock=False, action="diagnostic read")
+        errors = batch_verdicts(s.name, keys, found, token, need_live=need_live, everything=True)
         return batch_rejection(s.name, token, errors)
 
     def _partial(self, count: int, total: int) -> BackendError:
@@ -392,18 +453,57 @@ class AsyncRowGuard(_Base):
             code="PARTIAL",
         )
 
-    async def update_many(self, token: int, items: Mapping[Any, Mapping[str, Any]]) -> None:
-        """Fenced update of many rows in one statement, all or nothing (C6).
+    def _accepted_rows(self, keys: Sequence[tuple[Any, ...]], token: int) -> None:
+        if self.events.active:
+            self._accepted([self.statements.scope(k) for k in keys], token)
 
-        The statement locks every target row (in key order) and counts those that pass
-        before it writes any; unless all pass it writes none, and the error lists every
-        rejected row.
+    async def _row_path(
+        self,
+        keys: Sequence[tuple[Any, ...]],
+        token: int,
+        writes: Sequence[tuple[Query, list[tuple[Any, ...]]]],
+        *,
+        need_live: bool,
+        action: str,
+    ) -> bool:
+        """Write a batch row by row, all or nothing (C6), for what arrays cannot carry.
+
+        In a savepoint: read and lock every row (in key order) and refuse the batch before
+        the first write if one fails; else send each single-row statement with
+        ``executemany`` and keep the savepoint only if the rows written add up to the
+        batch (``False`` otherwise).
+        """
+        s = self.statements
+
+        async def body() -> bool:
+            found = await self._read_fences(lock_order(keys), lock=True, action=action)
+            errors = batch_verdicts(
+                s.name, keys, found, token, need_live=need_live, everything=False
+            )
+            if errors:
+                raise self._rejected(batch_rejection(s.name, token, errors))
+            count = 0
+            for query, params in writes:
+                count += await self._many(query, params, action, s.name)
+            return count == len(keys)
+
+        return await self._atomically(body, action, s.name)
+
+    async def update_many(self, token: int, items: Mapping[Any, Mapping[str, Any]]) -> None:
+        """Fenced update of many rows, all or nothing (C6), of any size.
+
+        Every fence is checked before the first row is written; unless every row passes,
+        none is written, and the error lists every rejected row. It is one statement with
+        one array per column, cast to the column's type: the guard reads the types from the
+        catalogue once, before its first batch (see the docs, "Batches").
 
         Args:
             token: the fencing token.
             items: key to column values; rows may set different columns.
 
         Raises:
+            ConfigurationError: a key twice, a column the table lacks, the key or the fence
+                among the values; nothing was written.
             StaleTokenError: ``.rejected`` holds one error per rejected row; nothing
                 was written.
             InvalidTokenError, RetryableError, BackendError: as for :meth:`update`.
@@ -414,20 +514,42 @@ class AsyncRowGuard(_Base):
         if not keyed:
             return
         keys = [k for k, _ in keyed]
-        query, params = s.update_many(keyed, token)
-        count, _ = await self._run(query, params, "fenced batch update", s.name)
-        if count == len(keys):
-            self._accepted([s.scope(k) for k in keys], token)
-            return
-        if count:
-            raise self._partial(count, len(keys))
+        types = await self._column_types()
+        s.check_known({name for _, values in keyed for name in values}, types)
+        action = "fenced batch update"
+        while True:
+            call = s.update_set_call(token, keyed, types)
+            if call is None:
+                groups: dict[tuple[str, ...], list[tuple[Any, ...]]] = {}
+                for keyvals, values in keyed:
+                    columns = tuple(sorted(values))
+                    row = (*(values[c] for c in columns), token, *keyvals, token)
+                    groups.setdefault(columns, []).append(row)
+                writes = [(s.update(columns, False), rows) for columns, rows in groups.items()]
+                if await self._row_path(keys, token, writes, need_live=True, action=action):
+                    self._accepted_rows(keys, token)
+                    return
+                break
+            query, params = call
+            count = await self._count(query, params, action, s.name)
+            if count == len(keys):
+                self._accepted_rows(keys, token)
+                return
+            if count:
+                raise self._partial(count, len(keys))
+            fresh = await self._column_types(again=True)
+            if fresh == types:
+                break
+            types = fresh
         raise self._rejected(await self._batch_rejection(keys, token, need_live=True))
 
     async def upsert_many(self, token: int, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Fenced insert-or-replace of many rows, all or nothing (C6).
+        """Fenced insert-or-replace of many rows, all or nothing (C6), of any size.
 
-        The rows are written by one statement inside a savepoint, which is rolled back
-        unless every row passed; the caller's transaction goes on either way.
+        Every existing fence of the batch is checked before the first row is written. It is
+        one statement with one array per column, cast to the column's type, in a savepoint
+        that also undoes the batch if a concurrent transaction inserts one of its absent
+        keys with a newer fence; the caller's transaction goes on either way.
 
         Args:
             token: the fencing token.
@@ -435,7 +557,8 @@ class AsyncRowGuard(_Base):
 
         Raises:
             StaleTokenError: ``.rejected`` lists every rejected row; nothing was written.
-            ConfigurationError: rows set different columns.
+            ConfigurationError: rows set different columns, a key twice, a column the table
+                lacks; nothing was written.
             InvalidTokenError, RetryableError, BackendError: as for :meth:`update`.
         """
         token = validate_token(token)
@@ -444,19 +567,38 @@ class AsyncRowGuard(_Base):
         if not data:
             return
         columns = tuple(data[0])
-        if any(tuple(row) != columns for row in data):
+        names = set(columns)
+        if any(row.keys() != names for row in data):
             raise ConfigurationError(
                 f"every row of a batch upsert of {s.name} must set the same columns"
             )
-        keyed = self._keyed([(tuple(row[n] for n in s.key_names), row) for row in data])
+        keyed = key_order(self._keyed([(tuple(row[n] for n in s.key_names), row) for row in data]))
         keys = [k for k, _ in keyed]
-        params = [v for row in data for v in (*row.values(), token)]
-        count = await self._run_in_savepoint(
-            s.upsert_many(columns, len(data)), params, len(keys), "fenced batch upsert", s.name
-        )
-        if count == len(keys):
-            self._accepted([s.scope(k) for k in keys], token)
-            return
+        data = [row for _, row in keyed]
+        types = await self._column_types()
+        s.check_known(columns, types)
+        action = "fenced batch upsert"
+        while True:
+            call = s.upsert_set_call(token, columns, data, types)
+            if call is None:
+                params = [(*(row[c] for c in columns), token) for row in data]
+                writes = [(s.upsert(columns, False), params)]
+                if await self._row_path(keys, token, writes, need_live=False, action=action):
+                    self._accepted_rows(keys, token)
+                    return
+                break
+            query, named = call
+
+            async def body(query: Query = query, named: Params = named) -> bool:
+                return await self._count(query, named, action, s.name) == len(keys)
+
+            if await self._atomically(body, action, s.name):
+                self._accepted_rows(keys, token)
+                return
+            fresh = await self._column_types(again=True)
+            if fresh == types:
+                break
+            types = fresh
         raise self._rejected(await self._batch_rejection(keys, token, need_live=False))
 
 
@@ -540,14 +682,18 @@ class AsyncFenceRegister(_Base):
         if not unique:
             return
         s = self.statements
-        params = [v for scope in unique for v in (scope, token)]
-        count = await self._run_in_savepoint(
-            s.claim_many(len(unique)), params, len(unique), "fence claim", s.name
-        )
-        if count == len(unique):
+        action = "fence claim"
+
+        async def body() -> bool:
+            count = await self._count(
+                s.claim_set(), {"scopes": unique, "tok": token}, action, s.name
+            )
+            return count == len(unique)
+
+        if await self._atomically(body, action, s.name):
             self._accepted(unique, token)
             return
-        _, rows = await self._run(s.probe_many(len(unique)), unique, "diagnostic read", s.name)
+        _, rows = await self._run(s.probe_set(), {"scopes": unique}, "diagnostic read", s.name)
         fences = {row["scope"]: row["fence"] for row in rows}
         probes = {scope: Probe(scope in fences, fences.get(scope), True) for scope in unique}
         errors = [

@@ -7,7 +7,7 @@ their statements on the connection they are given, and a rejected write changes 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import CursorResult, Executable, Row, Table
@@ -25,10 +25,16 @@ from fence._events import EventBus, default_bus
 
 from .._sql_common import (
     ABSENT,
+    CHUNK_PARAMS,
+    CHUNK_PARAMS_DEFAULT,
     Probe,
     RowScope,
     batch_rejection,
+    batch_verdicts,
+    chunks,
     closed_connection_error,
+    key_order,
+    lock_order,
     null_fence_error,
     probe_passes,
     probe_rejection,
@@ -59,6 +65,9 @@ class _Base:
         self.events = events or default_bus
         self.dialect = conn.dialect.name
         self.sane_rowcount = conn.dialect.supports_sane_rowcount
+        self.sane_multi_rowcount = conn.dialect.supports_sane_multi_rowcount
+        # Bind parameters per statement when a batch reads its rows in chunks.
+        self.chunk_params = CHUNK_PARAMS.get(self.dialect, CHUNK_PARAMS_DEFAULT)
 
     def _returning(self, choice: bool | None, supported: bool, what: str) -> bool:
         if choice is None:
@@ -97,7 +106,13 @@ class _Base:
             raise translate_error(exc, action, str(scope)) from exc
 
     async def _in_savepoint(
-        self, stmt: Executable, expected: int, returning: bool, action: str, scope: str
+        self,
+        stmt: Executable,
+        params: Mapping[str, Any] | None,
+        expected: int,
+        returning: bool,
+        action: str,
+        scope: str,
     ) -> int:
         """Run ``stmt`` in a savepoint; undo it and return 0 unless it changed ``expected``."""
         if self.conn.closed:
@@ -105,7 +120,7 @@ class _Base:
         try:
             savepoint = await self.conn.begin_nested()
             try:
-                result = await self.conn.execute(stmt, execution_options=OWN_OPTIONS)
+                result = await self.conn.execute(stmt, params, execution_options=OWN_OPTIONS)
                 count, _ = _changed(result, returning)
             except BaseException:
                 # Undo the batch; an error here (a dead connection) must not hide the first.
@@ -119,6 +134,63 @@ class _Base:
             return 0
         except SQLAlchemyError as exc:
             raise translate_error(exc, action, scope) from exc
+
+    async def _row_path(
+        self,
+        name: str,
+        token: int,
+        expected: int,
+        writes: Sequence[tuple[Executable, list[dict[str, Any]]]],
+        check: Callable[[], Awaitable[None]],  # unasync: check: Callable[[], None],
+        opener: Executable,
+        action: str,
+    ) -> bool:
+        """Write a batch row by row, all or nothing (C6): SQLite, or what arrays cannot carry.
+
+        In a savepoint: ``check`` reads every fence and raises the rejection before the first
+        write; then each single-row statement goes with ``executemany``, and unless the rows
+        written add up to ``expected`` the savepoint undoes the batch (``False``). No
+        statement holds more than a chunk of the batch, so no limit on parameters applies.
+        On SQLite ``opener``, a write that changes nothing, comes first: it begins the caller's
+        transaction (the sqlite3 driver begins one only before a write; a savepoint sent
+        first would be a transaction of its own, and releasing it would commit) and takes
+        the write lock, so the fences read stay as they are until the transaction ends.
+        """
+        if not self.sane_multi_rowcount:
+            raise StaleTokenError(
+                name,
+                token,
+                None,
+                Reason.UNVERIFIABLE,
+                message=(
+                    f"{name}: the {self.dialect} driver does not report the row count of "
+                    "executemany, so a batch cannot be verified; nothing was written"
+                ),
+            )
+        if self.conn.closed:
+            raise closed_connection_error()
+        try:
+            if self.dialect == "sqlite":
+                await self.conn.execute(opener, execution_options=OWN_OPTIONS)
+            savepoint = await self.conn.begin_nested()
+            try:
+                await check()
+                count = 0
+                for stmt, params in writes:
+                    result = await self.conn.execute(stmt, params, execution_options=OWN_OPTIONS)
+                    count += _changed(result, False)[0]
+            except BaseException:
+                # Undo the batch; an error here (a dead connection) must not hide the first.
+                with contextlib.suppress(SQLAlchemyError):
+                    await savepoint.rollback()
+                raise
+            if count == expected:
+                await savepoint.commit()
+                return True
+            await savepoint.rollback()
+            return False
+        except SQLAlchemyError as exc:
+            raise translate_error(exc, action, name) from exc
 
     def _accepted(self, scopes: Sequence[str], token: int) -> None:
         if self.events.active:
@@ -406,33 +478,45 @@ class AsyncRowGuard(_Base):
 
     # -- many rows --------------------------------------------------------------------
 
-    def _keyed(self, items: Mapping[Key, Mapping[str, Any]]) -> list[tuple[tuple[Any, ...], Any]]:
+    def _keyed(self, pairs: Iterable[tuple[Key, Any]]) -> list[tuple[tuple[Any, ...], Any]]:
+        """Normalise the keys of ``(key, item)`` pairs; refuse a key given twice."""
         out: dict[tuple[Any, ...], Any] = {}
-        for key, values in items.items():
+        for key, values in pairs:
             keyvals = self.statements.key_values(key)
             if keyvals in out:
                 raise ConfigurationError(f"key {keyvals!r} appears twice in the batch")
             out[keyvals] = values
         return list(out.items())
 
+    async def _read_fences(
+        self, keys: Sequence[tuple[Any, ...]], *, lock: bool, action: str
+    ) -> dict[tuple[Any, ...], Probe]:
+        """Fence and tombstone flag of each row of ``keys`` that exists, read in chunks."""
+        s = self.statements
+        width = len(s.key)
+        reads: list[tuple[Executable, dict[str, Any]]]
+        call = s.probe_set_call(self.conn.dialect, keys, lock=lock)
+        if call is not None:
+            reads = [call]
+        else:
+            stmt = s.probe_keys(lock=lock)
+            reads = [
+                (stmt, {"_keys": [k[0] for k in chunk] if width == 1 else list(chunk)})
+                for chunk in chunks(keys, self.chunk_params // width)
+            ]
+        found: dict[tuple[Any, ...], Probe] = {}
+        for read, params in reads:
+            result = await self._execute(read, params, action, s.name)
+            for row in result:
+                found[tuple(row[:width])] = Probe(True, row[width], not row[width + 1])
+        return found
+
     async def _batch_rejection(
         self, keys: Sequence[tuple[Any, ...]], token: int, *, need_live: bool
     ) -> StaleTokenError:
         s = self.statements
-        result = await self._execute(s.probe_many(keys), None, "diagnostic read", s.name)
-        width = len(s.key)
-        found = {tuple(row[:width]): Probe(True, row[width], not row[width + 1]) for row in result}
-        errors = []
-        for keyvals in keys:
-            probe = found.get(keyvals, ABSENT)
-            if probe_passes(probe, token, need_live=need_live):
-                continue
-            errors.append(probe_rejection(s.scope(keyvals), token, probe, need_live=need_live))
-        if not errors:  # a concurrent writer moved on between the write and the read
-            errors = [
-                probe_rejection(s.scope(k), token, found.get(k, ABSENT), need_live=need_live)
-                for k in keys
-            ]
+        found = await self._read_fences(keys, lock=False, action="diagnostic read")
+        errors = batch_verdicts(s.name, keys, found, token, need_live=need_live, everything=True)
         return batch_rejection(s.name, token, errors)
 
     def _partial(self, count: int, total: int) -> BackendError:
@@ -442,11 +526,28 @@ class AsyncRowGuard(_Base):
             code="PARTIAL",
         )
 
-    async def update_many(self, token: int, items: Mapping[Key, Mapping[str, Any]]) -> None:
-        """Fenced update of many rows in one statement, all or nothing (C6).
+    def _accepted_rows(self, keys: Sequence[tuple[Any, ...]], token: int) -> None:
+        if self.events.active:
+            self._accepted([self.statements.scope(k) for k in keys], token)
 
-        The statement first locks every target row (in key order) and counts those that
-        pass; unless all do, it writes none. The error then lists every rejected row.
+    async def _check_fences(
+        self, keys: Sequence[tuple[Any, ...]], token: int, *, need_live: bool, action: str
+    ) -> None:
+        """Read every fence of a batch (locking the rows, off SQLite); raise if one fails."""
+        s = self.statements
+        lock = self.dialect != "sqlite"
+        found = await self._read_fences(lock_order(keys), lock=lock, action=action)
+        errors = batch_verdicts(s.name, keys, found, token, need_live=need_live, everything=False)
+        if errors:
+            raise self._rejected(batch_rejection(s.name, token, errors))
+
+    async def update_many(self, token: int, items: Mapping[Key, Mapping[str, Any]]) -> None:
+        """Fenced update of many rows, all or nothing (C6), of any size.
+
+        Every fence is checked before the first row is written; unless every row passes,
+        none is written, and the error lists every rejected row. On PostgreSQL it is one
+        statement (one array per column); on SQLite, a read of the fences and then the
+        single-row update, in a savepoint (see the docs, "Batches").
 
         Args:
             token: the fencing token.
@@ -454,35 +555,55 @@ class AsyncRowGuard(_Base):
 
         Raises:
             InvalidTokenError: ``token`` is not a valid token; nothing was sent.
+            ConfigurationError: a key twice, an unknown column, the key or the fence among
+                the values; nothing was sent.
             StaleTokenError: with ``.rejected`` holding one error per rejected row
                 (``STALE``, ``MISSING`` or ``UNVERIFIABLE``); nothing was written.
             RetryableError, BackendError: as for :meth:`update`.
         """
         token = validate_token(token)
         s = self.statements
-        keyed = [(k, s.check_values(v, upsert=False)) for k, v in self._keyed(items)]
+        keyed = [(k, s.check_values(v, upsert=False)) for k, v in self._keyed(items.items())]
         if not keyed:
             return
         keys = [k for k, _ in keyed]
-        returning = self.update_returning
-        self._check_rowcount(returning, s.name, token)
-        result = await self._execute(
-            s.update_many(token, keyed, returning), None, "fenced batch update", s.name
-        )
-        count, _ = _changed(result, returning)
+        self._check_rowcount(False, s.name, token)
+        call = s.update_set_call(self.conn.dialect, token, keyed)
+        if call is None:
+            groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+            for keyvals, values in keyed:
+                columns = tuple(sorted(values))
+                groups.setdefault(columns, []).append(s.params(keyvals, token, values))
+            writes = [(s.update(columns, False), rows) for columns, rows in groups.items()]
+            action = "fenced batch update"
+
+            async def check() -> None:
+                await self._check_fences(keys, token, need_live=True, action=action)
+
+            if await self._row_path(
+                s.name, token, len(keys), writes, check, s.open_write(), action
+            ):
+                self._accepted_rows(keys, token)
+                return
+            raise self._rejected(await self._batch_rejection(keys, token, need_live=True))
+        stmt, params = call
+        result = await self._execute(stmt, params, "fenced batch update", s.name)
+        count, _ = _changed(result, False)
         if count == len(keys):
-            self._accepted([s.scope(k) for k in keys], token)
+            self._accepted_rows(keys, token)
             return
         if count:
             raise self._partial(count, len(keys))
         raise self._rejected(await self._batch_rejection(keys, token, need_live=True))
 
     async def upsert_many(self, token: int, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Fenced insert-or-replace of many rows, all or nothing (C6).
+        """Fenced insert-or-replace of many rows, all or nothing (C6), of any size.
 
-        Every existing fence of the batch is checked before the first row is written; on
-        PostgreSQL a savepoint also undoes the batch if a concurrent transaction inserts
-        one of its absent keys with a newer fence.
+        Every existing fence of the batch is checked before the first row is written. On
+        PostgreSQL it is one statement (one array per column) in a savepoint, which also
+        undoes the batch if a concurrent transaction inserts one of its absent keys with a
+        newer fence; on SQLite, a read of the fences and then the single-row upsert, in a
+        savepoint (see the docs, "Batches").
 
         Args:
             token: the fencing token.
@@ -490,32 +611,44 @@ class AsyncRowGuard(_Base):
 
         Raises:
             StaleTokenError: with ``.rejected`` listing every rejected row; nothing written.
-            ConfigurationError: not PostgreSQL or SQLite, or rows with different columns.
+            ConfigurationError: not PostgreSQL or SQLite, rows with different columns, a key
+                twice, an unknown column; nothing was sent.
             RetryableError, BackendError: as for :meth:`update`.
         """
         token = validate_token(token)
         s = self.statements
         data = [s.check_values(row, upsert=True) for row in rows]
-        keyed = self._keyed({tuple(row[n] for n in s.key_names): row for row in data})
+        keyed = self._keyed((tuple(row[n] for n in s.key_names), row) for row in data)
         if not keyed:
             return
-        keys = [k for k, _ in keyed]
-        returning = self.insert_returning
-        self._check_rowcount(returning, s.name, token)
-        stmt = s.upsert_many(self.dialect, token, data, keys, returning)
-        if self.dialect != "postgresql":
-            # SQLite runs the statement under its single write lock: the gate is exact.
-            result = await self._execute(stmt, None, "fenced batch upsert", s.name)
-            count, _ = _changed(result, returning)
-        else:
-            count = await self._in_savepoint(
-                stmt, len(keys), returning, "fenced batch upsert", s.name
+        columns = tuple(data[0])
+        names = set(columns)
+        if any(row.keys() != names for row in data):
+            raise ConfigurationError(
+                f"every row of a batch upsert of {s.name} must set the same columns"
             )
-        if count == len(keys):
-            self._accepted([s.scope(k) for k in keys], token)
+        keyed = key_order(keyed)
+        keys = [k for k, _ in keyed]
+        data = [row for _, row in keyed]
+        self._check_rowcount(False, s.name, token)
+        call = s.upsert_set_call(self.conn.dialect, token, columns, data)
+        action = "fenced batch upsert"
+        if call is None:
+            stmt = s.upsert_row(self.dialect, columns)
+            params = [{**{f"_v_{n}": row[n] for n in columns}, "_token": token} for row in data]
+
+            async def check() -> None:
+                await self._check_fences(keys, token, need_live=False, action=action)
+
+            written = await self._row_path(
+                s.name, token, len(keys), [(stmt, params)], check, s.open_write(), action
+            )
+        else:
+            count = await self._in_savepoint(call[0], call[1], len(keys), False, action, s.name)
+            written = count == len(keys)
+        if written:
+            self._accepted_rows(keys, token)
             return
-        if count:
-            raise self._partial(count, len(keys))
         raise self._rejected(await self._batch_rejection(keys, token, need_live=False))
 
 
@@ -566,10 +699,40 @@ class AsyncFenceRegister(_Base):
         )
         self.returning = self._returning(returning, conn.dialect.insert_returning, "INSERT")
 
-    async def _probe(self, scopes: Sequence[str]) -> dict[str, int]:
+    async def _read_scopes(self, scopes: Sequence[str], *, lock: bool) -> dict[str, Probe]:
+        """The fence of each scope that has one, read in chunks."""
         s = self.statements
-        result = await self._execute(s.probe(scopes), None, "diagnostic read", s.name)
-        return dict(tuple(row) for row in result)
+        whole = s.probe_scopes_set(self.conn.dialect, lock=lock)
+        reads: list[tuple[Executable, dict[str, Any]]]
+        if whole is not None:
+            reads = [(whole, {"_scopes": list(scopes)})]
+        else:
+            stmt = s.probe_scopes(lock=lock)
+            reads = [(stmt, {"_scopes": list(c)}) for c in chunks(scopes, self.chunk_params)]
+        found: dict[str, Probe] = {}
+        for read, params in reads:
+            result = await self._execute(read, params, "diagnostic read", s.name)
+            for row in result:
+                scope, fence = tuple(row)
+                found[scope] = Probe(True, fence, True)
+        return found
+
+    def _rejections(
+        self, scopes: Sequence[str], token: int, found: Mapping[str, Probe], *, everything: bool
+    ) -> list[StaleTokenError]:
+        """One error per scope above ``token``; with ``everything``, every scope if none is
+        (a concurrent writer moved on between the claim and the read)."""
+        errors = [
+            probe_rejection(scope, token, found.get(scope, ABSENT), need_live=False)
+            for scope in scopes
+            if not probe_passes(found.get(scope, ABSENT), token, need_live=False)
+        ]
+        if not errors and everything:
+            errors = [
+                probe_rejection(scope, token, found.get(scope, ABSENT), need_live=False)
+                for scope in scopes
+            ]
+        return errors
 
     async def fence(self, scope: str) -> int | None:
         """The fence of ``scope``, ``None`` if it was never claimed.
@@ -579,7 +742,11 @@ class AsyncFenceRegister(_Base):
             BackendError: the database failed.
         """
         scope = validate_resource(scope, what="scope")
-        return (await self._probe([scope])).get(scope)
+        result = await self._execute(
+            self.statements.probe(scope), None, "diagnostic read", self.statements.name
+        )
+        row = result.first()
+        return None if row is None else tuple(row)[1]
 
     async def claim(self, scope: str, token: int) -> int:
         """Check ``token`` against the fence of ``scope`` and raise the fence to it (C4, C8).
@@ -602,11 +769,21 @@ class AsyncFenceRegister(_Base):
         """
         token = validate_token(token)
         scope = validate_resource(scope, what="scope")
-        await self._claim([scope], token)
-        return token
+        self._check_rowcount(self.returning, scope, token)
+        stmt = self.statements.claim(self.dialect, scope, token, self.returning)
+        result = await self._execute(stmt, None, "fence claim", scope)
+        if _changed(result, self.returning)[0] == 1:
+            self._accepted((scope,), token)
+            return token
+        found = await self._read_scopes([scope], lock=False)
+        raise self._rejected(self._rejections([scope], token, found, everything=True)[0])
 
     async def claim_many(self, scopes: Sequence[str], token: int) -> None:
-        """Claim several scopes with one token, all or nothing (C6).
+        """Claim several scopes with one token, all or nothing (C6), any number of them.
+
+        Every fence is checked before the first is raised. On PostgreSQL it is one
+        statement (the scopes in one array) in a savepoint; on SQLite, a read of the fences
+        and then the single claim, in a savepoint (see the docs, "Batches").
 
         Args:
             scopes: the scopes (duplicates are ignored).
@@ -620,41 +797,41 @@ class AsyncFenceRegister(_Base):
         """
         token = validate_token(token)
         unique = sorted({validate_resource(s, what="scope") for s in scopes})
-        if unique:
-            await self._claim(unique, token)
-
-    async def _claim(self, scopes: list[str], token: int) -> None:
+        if not unique:
+            return
         s = self.statements
-        label = scopes[0] if len(scopes) == 1 else s.name
-        self._check_rowcount(self.returning, label, token)
-        stmt = s.claim(self.dialect, scopes, token, self.returning)
-        if len(scopes) > 1 and self.dialect == "postgresql":
-            count = await self._in_savepoint(
-                stmt, len(scopes), self.returning, "fence claim", label
+        self._check_rowcount(False, s.name, token)
+        action = "fence claim"
+        stmt = s.claim_set(self.conn.dialect) if self.dialect == "postgresql" else None
+        if stmt is None:
+            params = [{"_scope": scope, "_token": token} for scope in unique]
+
+            async def check() -> None:
+                found = await self._read_scopes(unique, lock=self.dialect != "sqlite")
+                errors = self._rejections(unique, token, found, everything=False)
+                if errors:
+                    raise self._rejected(batch_rejection(s.name, token, errors))
+
+            written = await self._row_path(
+                s.name,
+                token,
+                len(unique),
+                [(s.claim_row(self.dialect), params)],
+                check,
+                s.open_write(),
+                action,
             )
         else:
-            result = await self._execute(stmt, None, "fence claim", label)
-            count, _ = _changed(result, self.returning)
-        if count == len(scopes):
-            self._accepted(scopes, token)
+            params_set = {"_scopes": unique, "_token": token}
+            count = await self._in_savepoint(stmt, params_set, len(unique), False, action, s.name)
+            written = count == len(unique)
+        if written:
+            if self.events.active:
+                self._accepted(unique, token)
             return
-        if count:
-            raise BackendError(
-                f"a claim of {len(scopes)} scopes raised {count}; roll the transaction back",
-                code="PARTIAL",
-            )
-        fences = await self._probe(scopes)
-        probes = {scope: Probe(scope in fences, fences.get(scope), True) for scope in scopes}
-        # Every scope above the token; if none is (a concurrent writer moved on between
-        # the claim and the read), every scope of the claim.
-        errors = [
-            probe_rejection(scope, token, probe, need_live=False)
-            for scope, probe in probes.items()
-            if not probe_passes(probe, token, need_live=False)
-        ] or [probe_rejection(scope, token, probes[scope], need_live=False) for scope in scopes]
-        raise self._rejected(
-            errors[0] if len(scopes) == 1 else batch_rejection(s.name, token, errors)
-        )
+        found = await self._read_scopes(unique, lock=False)
+        errors = self._rejections(unique, token, found, everything=True)
+        raise self._rejected(batch_rejection(s.name, token, errors))
 
     async def read(
         self,
