@@ -420,7 +420,7 @@ def sides(
 @pytest.mark.redis
 @pytest.mark.postgres
 @settings(
-    max_examples=40,
+    max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
