@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", ROOT / "docs" / "orm.md", ROOT / "docs" / "redis-guard.md"]
+DOCS = [
+    ROOT / "README.md",
+    *(ROOT / "docs" / n for n in ("orm.md", "redis-guard.md", "sql-guard.md")),
+]
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
