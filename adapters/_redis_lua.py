@@ -38,6 +38,7 @@ from fence import (
 __all__ = [
     "HSET",
     "HSET_MAX_ARGS",
+    "MANY",
     "MAX_TTL_MS",
     "MAX_XADD_FIELDS",
     "READ",
@@ -54,6 +55,7 @@ __all__ = [
     "WriteRefusedError",
     "command",
     "hash_tag",
+    "many_part",
     "resource_of",
 ]
 
@@ -512,9 +514,70 @@ return r
 #: which applies them in chunks (Lua's ``unpack`` stops near 8000 values).
 HSET_MAX_ARGS = 1000
 
+#: Several independent fenced sets and hsets in one call: a pipeline's run of them.
+MANY_LUA = """
+-- KEYS[2i-1] the fence key of write i     KEYS[2i] its data key
+-- ARGV: for each write i: its token (a decimal string), 's' (set), 'p' (set with px) or
+--   'h' (hset), then its arguments: the value; the value and px; or argc, then argc
+--   fields and values (at most HSET_MAX_ARGS).
+-- Returns one reply per write, as SET_LUA and HSET_LUA would: 1 or the number of fields
+-- added when written, else {0, 1, reason, fence, ''}, {2, 1, code, detail} (nothing of
+-- that write was written) or {3, 1, 'ERROR', error}. Each write stands alone: a refused
+-- write does not stop the others.
+local out, a = {}, 1
+local match, call, pcall = string.match, redis.call, redis.pcall
+for i = 1, #KEYS / 2 do
+  local fkey, dkey = KEYS[2 * i - 1], KEYS[2 * i]
+  local token, kind = ARGV[a], ARGV[a + 1]
+  local first, last
+  if kind == 'h' then
+    first, last = a + 3, a + 2 + tonumber(ARGV[a + 2])
+  elseif kind == 'p' then
+    first, last = a + 2, a + 3
+  else
+    first, last = a + 2, a + 2
+  end
+  a = last + 1
+  local fstr = call('GET', fkey)
+  local reply
+  if fstr ~= token and fstr then
+    if not match(fstr, '^%d+$') then
+      reply = {0, 1, 'UNVERIFIABLE', fstr, ''}
+    elseif tonumber(token) < tonumber(fstr) then
+      reply = {0, 1, 'STALE', fstr, ''}
+    end
+  end
+  if reply == nil and fstr ~= token and not redis.acl_check_cmd('SET', fkey, token) then
+    reply = {2, 1, 'NOPERM', 'the user may not SET the fence key ' .. fkey}
+  end
+  if reply == nil then
+    local r
+    if kind == 'h' then
+      r = pcall('HSET', dkey, unpack(ARGV, first, last))
+    elseif kind == 'p' then
+      r = pcall('SET', dkey, ARGV[first], 'PX', ARGV[last])
+    else
+      r = pcall('SET', dkey, ARGV[first])
+    end
+    if type(r) == 'table' and r.err then
+      reply = {2, 1, 'ERROR', r.err}
+    else
+      reply = (kind == 'h') and r or 1
+      if fstr ~= token then
+        local w = pcall('SET', fkey, token)
+        if w.err then reply = {3, 1, 'ERROR', w.err} end
+      end
+    end
+  end
+  out[i] = reply
+end
+return out
+"""
+
 WRITE = Script.of("fenced-write", WRITE_LUA)
 SET = Script.of("fenced-set", SET_LUA)
 HSET = Script.of("fenced-hset", HSET_LUA)
+MANY = Script.of("fenced-many", MANY_LUA)
 READ = Script.of("fenced-read", READ_LUA)
 
 
@@ -1052,6 +1115,24 @@ def command(
             return HSET, [layout.fence_key(op.key), op.key], [b"%d" % token, *op.args]
     keys, argv = encode(layout, token, (op,), issuer=issuer, one_slot=False)
     return WRITE, keys, argv
+
+
+def many_part(layout: KeyLayout, token: int, op: Op, *, issuer: bool) -> list[Any] | None:
+    """The ``KEYS`` and ``ARGV`` of one write inside a :data:`MANY` call, or ``None``.
+
+    Returns ``[fence_key, key, argv...]`` for a plain set or a small hset (the writes
+    :data:`MANY` knows); ``None`` for any other write, which goes on its own.
+    """
+    if op.must_exist or issuer:
+        return None
+    if op.code == "set":
+        value, px = op.args
+        head = [layout.fence_key(op.key), op.key, b"%d" % token]
+        return [*head, b"p", value, px] if px else [*head, b"s", value]
+    if op.code == "hset" and len(op.args) <= HSET_MAX_ARGS:
+        key = op.key
+        return [layout.fence_key(key), key, b"%d" % token, b"h", b"%d" % len(op.args), *op.args]
+    return None
 
 
 def check_one_slot(keys: Sequence[str]) -> None:

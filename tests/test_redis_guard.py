@@ -401,6 +401,44 @@ def test_pipeline_gives_one_result_per_write(client: redis.Redis, guard: RedisGu
     assert pipe.execute() == []
 
 
+def test_a_run_of_sets_and_hsets_in_one_call_keeps_each_verdict(
+    client: redis.Redis, guard: RedisGuard
+) -> None:
+    """Consecutive plain sets and hsets travel as one script call; each still stands alone,
+    in order, with its own token."""
+    guard.set("r1", "old", token=10)
+    client.set("r4", "a string")
+    client.set("fence:{r5}:key:r5", "not a number")
+    pipe = guard.pipeline()
+    pipe.set("r1", "stale", token=9)  # STALE
+    pipe.set("r2", "v", token=3, ttl=60)  # with PX
+    pipe.hset("r3", {"a": 1, "b": 2}, token=3)  # 2 fields added
+    pipe.hset("r4", {"a": 1}, token=3)  # WRONGTYPE: nothing written
+    pipe.set("r5", "v", token=3)  # UNVERIFIABLE fence
+    pipe.set("r2", "w", token=4)  # the same key again, later in the run, newer token
+    pipe.incr("r6", token=1)  # another kind: its own call, in order
+    pipe.set("r2", "x", token=3)  # now stale: r2's fence is 4
+    client.script_flush()  # the calls meet NOSCRIPT and are sent again
+    results = pipe.execute()
+    assert isinstance(results[0], StaleTokenError)
+    assert (results[0].reason, results[0].fence) == (Reason.STALE, 10)
+    assert results[1:3] == [1, 2]
+    assert isinstance(results[3], WriteRefusedError)
+    assert results[3].refused[0].reason == "WRONGTYPE"
+    assert isinstance(results[4], StaleTokenError)
+    assert results[4].reason is Reason.UNVERIFIABLE
+    assert results[5:7] == [1, 1]
+    assert isinstance(results[7], StaleTokenError)
+    assert results[7].fence == 4
+    assert client.get("r1") == b"old"
+    assert client.get("r2") == b"w"
+    assert client.pttl("r2") == -1  # the later plain set of "w" dropped the expiry
+    assert client.hgetall("r3") == {b"a": b"1", b"b": b"2"}
+    assert client.get("r4") == b"a string"
+    assert guard.fence("r3") == 3
+    assert guard.fence("r4") is None
+
+
 def test_pipeline_reports_per_write_failures(client: redis.Redis, guard: RedisGuard) -> None:
     client.set("text", "x")
     results = guard.pipeline().incr("text", token=1).set("ok", 1, token=1).execute()

@@ -46,6 +46,7 @@ from fence import (
 )
 
 from .._redis_lua import (
+    MANY,
     READ,
     SERVER_STATES,
     WRITE,
@@ -57,6 +58,7 @@ from .._redis_lua import (
     command,
     decode,
     encode,
+    many_part,
     op_claim,
     op_delete,
     op_hset,
@@ -686,8 +688,13 @@ class FencedPipeline:
         # Validate and build now: a bad token or key is the caller's bug and costs no I/O.
         token = validate_token(token)
         guard = self.guard
-        script, keys, argv = command(guard.layout, token, op, issuer=guard.check_issuer)
-        self._queued.append((token, op, script, [script.sha, len(keys), *keys, *argv]))
+        layout, issuer = guard.layout, guard.check_issuer
+        part = None if layout.cluster else many_part(layout, token, op, issuer=issuer)
+        if part is not None:
+            self._queued.append((token, op, MANY, part))
+        else:
+            script, keys, argv = command(layout, token, op, issuer=issuer)
+            self._queued.append((token, op, script, [script.sha, len(keys), *keys, *argv]))
         return self
 
     def set(
@@ -787,10 +794,41 @@ class FencedPipeline:
         return out
 
     def _send(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
+        """One round trip; a run of plain sets and hsets goes as one :data:`MANY` call.
+
+        Returns one reply per queued write (an error object for a call that failed).
+        """
         pipe = self.guard.client.pipeline(transaction=False)
-        for *_, args in queued:
-            pipe.execute_command("EVALSHA", *args)
+        runs: list[int] = []  # per call: 0 for one write on its own, else the MANY's count
+        i, n = 0, len(queued)
+        while i < n:
+            script, args = queued[i][2], queued[i][3]
+            if script is not MANY:
+                pipe.execute_command("EVALSHA", *args)
+                runs.append(0)
+                i += 1
+                continue
+            j = i
+            keys: list[Any] = []
+            argv: list[Any] = []
+            while j < n and queued[j][2] is MANY:
+                part = queued[j][3]
+                keys += part[:2]
+                argv += part[2:]
+                j += 1
+            pipe.execute_command("EVALSHA", MANY.sha, len(keys), *keys, *argv)
+            runs.append(j - i)
+            i = j
         try:
-            return list(pipe.execute(raise_on_error=False))
+            replies = pipe.execute(raise_on_error=False)
         except RedisError as err:
             raise _translate(err, "fenced pipeline") from err
+        out: list[Any] = []
+        for count, reply in zip(runs, replies, strict=True):
+            if not count:
+                out.append(reply)
+            elif isinstance(reply, list):
+                out += reply
+            else:  # the call failed as a whole (NOSCRIPT, a lost connection): each write did
+                out += [reply] * count
+        return out
