@@ -482,12 +482,14 @@ class AsyncZooKeeperDriver:
         *,
         safe: bool = True,
         on_late: Callable[[Any], None] | None = None,
+        uncertain: list[str] | None = None,
     ) -> Any:
         """Run one kazoo request, after the connection is there.
 
         A request interrupted by a dropped connection is sent again once the connection
-        is back if ``safe``; otherwise its unknown outcome is raised. One that gets no
-        answer in time raises; ``on_late(result)`` then sees it complete.
+        is back if ``safe`` (with a note in ``uncertain``); otherwise its unknown outcome is
+        raised. One that gets no answer in time raises; ``on_late(result)`` then sees it
+        complete.
 
         Raises:
             KazooException: ZooKeeper's verdict (no node, bad version...).
@@ -510,6 +512,8 @@ class AsyncZooKeeperDriver:
                     retryable=True,
                 ) from exc
             except _TRANSIENT as exc:
+                if uncertain is not None:
+                    uncertain.append(type(exc).__name__)
                 if not safe:
                     raise BackendError(
                         f"the connection to ZooKeeper dropped during the {what} "
@@ -699,6 +703,10 @@ class AsyncZooKeeperDriver:
                 watcher.deleted = True
             else:
                 await watcher.waiter.wait(seconds)
+        except BackendError as exc:
+            if not exc.retryable:
+                raise
+            # The next attempt reports a real outage; this one only ends the wait.
         finally:
             self._watches.remove(path, watcher)
         node.place = None
@@ -746,14 +754,26 @@ class AsyncZooKeeperDriver:
             self._reaper.hold(node.path, 0.0, -1)
             return False
         self._reaper.forget(node.path)
+        uncertain: list[str] = []
         try:
+            # A delete interrupted by a dropped connection is sent again once it is back, so
+            # the node does not block the queue.
             await self._op(
                 "release",
                 lambda: self._client.delete_async(node.path),
                 self._deadline(),
-                safe=False,
+                uncertain=uncertain,
             )
-        except NoNodeError:
+        except NoNodeError as exc:
+            if uncertain:
+                # The first delete probably went through; the node may also have been
+                # revoked, reaped or expired just before.
+                raise BackendError(
+                    f"ZooKeeper did not confirm the release ({uncertain[0]}) and the node is "
+                    "gone now: the lock is free, but whether it was still held when released "
+                    "is unknown",
+                    code="CONNECTION",
+                ) from exc
             return False
         except BackendError:
             self._reaper.hold(node.path, 0.0, -1)  # delete it once the connection is back

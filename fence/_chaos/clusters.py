@@ -73,6 +73,8 @@ class _Cluster:
     name = "cluster"
     members: list[_Member]
     dir: Path
+    #: Whether a member was signalled or started since the cluster last proved it works.
+    dirty = True
 
     def _spawn(self, member: _Member) -> None:
         raise NotImplementedError
@@ -94,6 +96,7 @@ class _Cluster:
         if member.running:
             self.resume(index)
             return
+        self.dirty = True
         self._spawn(member)
         assert member.proc is not None
         (member.dir / PID_FILE).write_text(str(member.proc.pid))
@@ -105,6 +108,7 @@ class _Cluster:
 
     def kill(self, index: int) -> None:
         """``SIGKILL`` member ``index``: no shutdown at all."""
+        self.dirty = True
         member = self.members[index]
         _signal(member.proc, signal.SIGCONT)
         _signal(member.proc, signal.SIGKILL)
@@ -115,11 +119,13 @@ class _Cluster:
 
     def pause(self, index: int) -> None:
         """``SIGSTOP`` member ``index``: it keeps its sockets and answers nothing."""
+        self.dirty = True
         _signal(self.members[index].proc, signal.SIGSTOP)
         self.members[index].paused = True
 
     def resume(self, index: int) -> None:
         """``SIGCONT`` member ``index``."""
+        self.dirty = True
         _signal(self.members[index].proc, signal.SIGCONT)
         self.members[index].paused = False
 
@@ -129,15 +135,17 @@ class _Cluster:
         self.start_member(index)
 
     def heal(self, timeout: float = 60.0) -> None:
-        """Bring every member back (resume the stopped, start the killed) and wait for a
-        leader."""
+        """Bring every member back (resume the stopped, start the killed) and, if anything
+        happened to a member since the last check, wait until the cluster works again."""
         for member in self.members:
             if member.running:
                 if member.paused:
                     self.resume(member.index)
             else:
                 self.start_member(member.index)
-        self.wait_ready(timeout)
+        if self.dirty:
+            self.wait_ready(timeout)
+            self.dirty = False
 
     def start(self) -> Any:
         """Start every member and wait until the cluster serves clients."""
@@ -374,7 +382,8 @@ class ZooKeeperEnsemble(_Cluster):
             member = _ZooKeeperMember(index, folder)
             (folder / "data" / "myid").write_text(f"{member.myid}\n")
             self.members.append(member)
-        for member in self.members:
+        for index in range(size):
+            member = self._zk(index)
             self._configure(member)
             if self._user is not None:
                 for path in (member.dir, member.dir / "data", *member.dir.rglob("*")):
@@ -406,8 +415,8 @@ class ZooKeeperEnsemble(_Cluster):
         )
         (member.dir / "zoo.cfg").write_text(
             f"tickTime={self.tick_ms}\n"
-            "initLimit=50\n"
-            "syncLimit=25\n"
+            "initLimit=20\n"
+            "syncLimit=10\n"
             f"dataDir={member.dir / 'data'}\n"
             f"clientPort={member.client_port}\n"
             "clientPortAddress=127.0.0.1\n"
@@ -431,8 +440,10 @@ class ZooKeeperEnsemble(_Cluster):
             "-XX:-UsePerfData",
             "-Djava.net.preferIPv4Stack=true",
             "-Dzookeeper.cnxTimeout=1000",
+            "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+            "-Dorg.slf4j.simpleLogger.showDateTime=true",
             "-cp",
-            str(self.jar),
+            self._classpath(),
             "org.apache.zookeeper.server.quorum.QuorumPeerMain",
             str(member.dir / "zoo.cfg"),
         ]
@@ -446,6 +457,12 @@ class ZooKeeperEnsemble(_Cluster):
             )
         finally:
             log.close()
+
+    def _classpath(self) -> str:
+        # The jar's manifest names its libraries; slf4j-simple (when the package brought
+        # it) sends ZooKeeper's warnings to the server's log instead of nowhere.
+        simple = self.jar.parent / "slf4j-simple.jar"
+        return f"{self.jar}:{simple}" if simple.exists() else str(self.jar)
 
     def mode(self, index: int, timeout: float = 1.0) -> str | None:
         """``leader``, ``follower`` or ``standalone`` from member ``index``'s ``srvr``, or
@@ -474,13 +491,43 @@ class ZooKeeperEnsemble(_Cluster):
         return None
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Wait until every running member serves, one of them as the leader."""
+        """Wait until every running member serves, one of them as the leader, and a write
+        through each running member commits.
+
+        The write matters: a leader that was frozen still calls itself leader for a while
+        after it wakes, until it finds out that its followers moved on.
+        """
         end = time.monotonic() + timeout
         while True:
-            modes = [self.mode(m.index) for m in self.members if m.running and not m.paused]
-            if modes and all(modes) and modes.count("leader") == 1:
+            running = [m.index for m in self.members if m.running and not m.paused]
+            modes = [self.mode(index) for index in running]
+            formed = bool(modes) and all(modes) and modes.count("leader") == 1
+            if formed and all(self._write(index, end) for index in running):
                 return
             if time.monotonic() > end:
                 tails = "\n".join(self.tail(i, 800) for i in range(len(self.members)))
                 raise TimeoutError(f"the ZooKeeper ensemble did not form in {timeout} s:\n{tails}")
             time.sleep(0.05)
+
+    def _write(self, index: int, end: float) -> bool:
+        """Whether a write through member ``index`` commits (kazoo, the zookeeper extra)."""
+        from kazoo.client import KazooClient
+        from kazoo.exceptions import KazooException
+        from kazoo.handlers.threading import KazooTimeoutError
+
+        client = KazooClient(
+            hosts=f"127.0.0.1:{self._zk(index).client_port}",
+            timeout=4.0,
+            connection_retry={"max_tries": 0},
+        )
+        try:
+            client.start(timeout=max(0.5, min(3.0, end - time.monotonic())))
+            client.ensure_path("/iofence-ready")
+            client.set("/iofence-ready", b"")
+        except (KazooException, KazooTimeoutError, OSError):
+            return False
+        finally:
+            with contextlib.suppress(Exception):
+                client.stop()
+                client.close()
+        return True

@@ -141,11 +141,20 @@ class EtcdDriver:
     def _rotate(self) -> None:
         self._current = (self._current + 1) % len(self.endpoints)
 
-    def _call(self, path: str, body: dict[str, Any], what: str, *, safe: bool) -> dict[str, Any]:
+    def _call(
+        self,
+        path: str,
+        body: dict[str, Any],
+        what: str,
+        *,
+        safe: bool,
+        uncertain: list[str] | None = None,
+    ) -> dict[str, Any]:
         """POST ``body`` to ``path``; on a member that is down or has no leader, try the next.
 
         A request etcd may have applied is repeated only when ``safe`` (reads, keepalives,
-        the idempotent acquire transaction); otherwise its unknown outcome is raised.
+        the idempotent acquire transaction); otherwise its unknown outcome is raised. When a
+        repeated request's first try may have been applied, a note goes to ``uncertain``.
 
         Raises:
             EtcdReplyError: etcd answered with an error that is a verdict (lease not found).
@@ -173,6 +182,8 @@ class EtcdDriver:
                 if not safe:
                     raise self._unknown(what, endpoint, exc) from exc
                 failures.append(f"{endpoint}: {exc or type(exc).__name__}")
+                if uncertain is not None:
+                    uncertain.append(failures[-1])
                 continue
             else:
                 data = self._decode(response, what)
@@ -185,6 +196,8 @@ class EtcdDriver:
                 if not (safe or error.not_applied):
                     self._rotate()
                     raise self._unknown(what, endpoint, error) from error
+                if uncertain is not None and not error.not_applied:
+                    uncertain.append(failures[-1])
             self._rotate()
             tries += 1
             if tries % len(self.endpoints) == 0:
@@ -332,7 +345,12 @@ class EtcdDriver:
             return
         start = queue_prefix(self.prefix, resource)
         if queued.place is None:
-            got = self._read(predecessor_range(start, queued.created), "wait")
+            try:
+                got = self._read(predecessor_range(start, queued.created), "wait")
+            except BackendError as exc:
+                if not exc.retryable:
+                    raise
+                return  # the next attempt reports a real outage; this one only ends the wait
             before, count = range_kvs(got)
             queued.place = Place(count, before[0].key if before else None)
             queued.seen = revision(got)
@@ -432,10 +450,31 @@ class EtcdDriver:
 
     def release(self, resource: str, secret: str) -> bool:
         """Revoke the holder's lease, which deletes its key and wakes the next waiter;
-        see :meth:`fence.abc.Driver.release`."""
+        see :meth:`fence.abc.Driver.release`.
+
+        A revoke whose reply is lost (the member died, the leader changed) is sent again,
+        so that the key does not block the queue until its lease expires. If the repeat
+        finds the lease gone, the first one probably revoked it, but it may also have
+        expired or been revoked just before: that is reported as a :class:`BackendError`
+        (the lock is free now; whether it was held to the end is unknown).
+        """
         self._queued.pop((resource, secret), None)
         lease = self._moved.pop((resource, secret), None) or lease_id(secret, resource)
-        return self._revoke_lease(lease, "release", safe=False) is not None
+        uncertain: list[str] = []
+        try:
+            self._call("/v3/lease/revoke", {"ID": lease}, "release", safe=True, uncertain=uncertain)
+        except EtcdReplyError as exc:
+            if not exc.lease_not_found:
+                raise self._refused("release", exc) from exc
+            if uncertain:
+                raise BackendError(
+                    f"etcd did not confirm the release ({uncertain[0]}) and the lease is gone "
+                    "now: the lock is free, but whether it was still held when released is "
+                    "unknown",
+                    code="CONNECTION",
+                ) from exc
+            return False
+        return True
 
     def inspect(self, resource: str) -> LockInfo | None:
         """The first key of the queue and its lease's TTL (whole seconds, rounded down by
