@@ -490,6 +490,12 @@ class ZooKeeperEnsemble(_Cluster):
                 return index
         return None
 
+    def version(self) -> str:
+        """The servers' version, from the package's jar name (``zookeeper-3.8.0.jar``)."""
+        for jar in sorted(self.jar.resolve().parent.glob("zookeeper-[0-9]*.jar")):
+            return jar.stem.removeprefix("zookeeper-")
+        return "?"
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Wait until every running member serves, one of them as the leader, and a write
         through each running member commits.
