@@ -509,7 +509,10 @@ class AsyncEtcdDriver:
         and below every token issued after; see :meth:`fence.abc.AsyncDriver.revoke`.
 
         The waiters lose their place: their keys were created before the returned token,
-        so none of them may become the owner with it. They join the queue again.
+        so none of them may become the owner with it. They join the queue again. The
+        leases go one by one: a waiter granted the lock while this runs (its predecessor's
+        lease went first) has its lease revoked too, in a later round, because the revoke
+        returns only once no key created before its token is left.
         """
         start = queue_prefix(self.prefix, resource)
         latest = 0
