@@ -545,10 +545,18 @@ class ZooKeeperDriver:
                 )
                 return list(children), int(stat.version)
             except NoNodeError:
-                try:
-                    self._op(what, lambda: self._client.ensure_path_async(parent), end)
-                except NodeExistsError:
-                    pass
+                self._make_path(parent, end, what)
+
+    def _make_path(self, path: str, end: float, what: str) -> None:
+        """Create ``path`` and its missing ancestors, as persistent empty nodes (one
+        request each; kazoo's ``ensure_path`` reads every level first)."""
+        parts = path.strip("/").split("/")
+        for depth in range(1, len(parts) + 1):
+            node = "/" + "/".join(parts[:depth])
+            try:
+                self._op(what, functools.partial(self._client.create_async, node, b""), end)
+            except NodeExistsError:
+                pass
 
     def _join(self, parent: str, guid: str, data: bytes, version: int, end: float) -> Any:
         """One multi-operation: create the contender's node and bump the resource node's
