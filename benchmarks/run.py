@@ -7,8 +7,9 @@
     python benchmarks/run.py --render benchmarks/results.json   # redo the docs table only
 
 Starts one throwaway redis-server and one PostgreSQL cluster on loopback (the tests' own,
-``tests.servers``; the quorum section adds two more redis-servers) and runs every section
-against them. Every row is a ratio to a baseline measured in the same run, interleaved, as
+``tests.servers``; the quorum section adds two more redis-servers, the consensus section a
+3-member etcd cluster and a 3-server ZooKeeper ensemble) and runs every section against
+them. Every row is a ratio to a baseline measured in the same run, interleaved, as
 the median of several repetitions; see ``benchmarks/_harness.py``.
 
 Writes ``benchmarks/results.json`` (machine, versions, rows) and the generated part of
@@ -41,6 +42,7 @@ SECTIONS: dict[str, str] = {
     "managers": "bench_redis_manager",
     "sql-manager": "bench_sql_manager",
     "quorum": "bench_quorum",
+    "consensus": "bench_consensus",
     "memory": "bench_memory",
 }
 
@@ -52,7 +54,9 @@ TITLES = {
     "managers": "3. Acquire+release pairs per second vs redis-py Lock (one process, uncontended)",
     "sql-manager": "3b. The SQL manager vs its floor (two plain UPDATEs) and redis-py Lock",
     "quorum": "3c. The quorum manager vs pottery Redlock over three nodes",
+    "consensus": "3d. The etcd and ZooKeeper managers (3 servers each) vs the Redis manager",
     "handoff": "4. Contended hand-off, 4 processes, vs python-redis-lock",
+    "consensus-handoff": "4b. Contended hand-off on etcd and ZooKeeper vs the Redis manager",
     "memory": "5. Memory after many acquire/release cycles (lower is better)",
 }
 

@@ -58,18 +58,22 @@ from fence._sync.memory import MemoryLockManager
 from fence.abc import AsyncGuard, AsyncLockManager, Guard, LockInfo, LockManager
 
 if TYPE_CHECKING:
+    from fence._async.etcd import AsyncEtcdLockManager
     from fence._async.quorum import AsyncQuorumLockManager
     from fence._async.redis import AsyncRedisLockManager
     from fence._async.sql import AsyncSQLLockManager
+    from fence._async.zookeeper import AsyncZooKeeperLockManager
     from fence._sql_schema import lease_table, lease_table_ddl
+    from fence._sync.etcd import EtcdLockManager
     from fence._sync.quorum import QuorumLockManager
     from fence._sync.redis import RedisLockManager
     from fence._sync.sql import SQLLockManager
+    from fence._sync.zookeeper import ZooKeeperLockManager
 
 __version__ = "0.1.0"
 
 # Backends whose driver packages are optional extras load on first use, so that
-# ``import fence`` needs neither redis-py nor SQLAlchemy.
+# ``import fence`` needs neither redis-py, SQLAlchemy, httpx nor kazoo.
 _LAZY = {
     "AsyncRedisLockManager": "fence._async.redis",
     "RedisLockManager": "fence._sync.redis",
@@ -77,6 +81,10 @@ _LAZY = {
     "SQLLockManager": "fence._sync.sql",
     "AsyncQuorumLockManager": "fence._async.quorum",
     "QuorumLockManager": "fence._sync.quorum",
+    "AsyncEtcdLockManager": "fence._async.etcd",
+    "EtcdLockManager": "fence._sync.etcd",
+    "AsyncZooKeeperLockManager": "fence._async.zookeeper",
+    "ZooKeeperLockManager": "fence._sync.zookeeper",
     "lease_table": "fence._sql_schema",
     "lease_table_ddl": "fence._sql_schema",
 }
@@ -96,6 +104,7 @@ __all__ = [
     "MAX_TOKEN",
     "AcquireTimeout",
     "AsyncBaseLockManager",
+    "AsyncEtcdLockManager",
     "AsyncGuard",
     "AsyncLease",
     "AsyncLockManager",
@@ -103,10 +112,12 @@ __all__ = [
     "AsyncQuorumLockManager",
     "AsyncRedisLockManager",
     "AsyncSQLLockManager",
+    "AsyncZooKeeperLockManager",
     "BackendError",
     "BaseLockManager",
     "Clock",
     "ConfigurationError",
+    "EtcdLockManager",
     "Event",
     "EventBus",
     "EventKind",
@@ -134,6 +145,7 @@ __all__ = [
     "TokenMode",
     "TokenRequiredError",
     "UnfencedWriteError",
+    "ZooKeeperLockManager",
     "accepts",
     "client_deadline",
     "connect",

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 __all__ = [
     "FanOut",
     "Task",
+    "ThreadResult",
     "Waiter",
     "cancel_after",
+    "completed",
     "current_owner",
     "shield",
     "sleep",
@@ -145,3 +147,52 @@ class FanOut:
 
     def close(self) -> None:
         """Nothing to stop: the calls ran as tasks."""
+
+
+class ThreadResult(Protocol):
+    """A result that a client library's own thread completes (kazoo's ``IAsyncResult``)."""
+
+    def rawlink(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(self)`` once the result is set (on the library's thread)."""
+        ...
+
+    def unlink(self, callback: Callable[[Any], None]) -> None:
+        """Forget a callback given to :meth:`rawlink`."""
+        ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The value, or raise the stored exception."""
+        ...
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def completed(result: ThreadResult, timeout: float) -> Any:
+    """Wait up to ``timeout`` seconds for ``result`` without blocking the event loop.
+
+    The library's thread wakes the loop through ``call_soon_threadsafe``: no thread of the
+    pool is parked on the wait. The thread twin in :mod:`fence._compat` blocks on it instead.
+
+    Raises:
+        TimeoutError: ``result`` was not set in time (the operation may still complete).
+        Exception: whatever the operation failed with.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+
+    def done(_: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(_settle, future)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    result.rawlink(done)
+    try:
+        async with asyncio.timeout(max(timeout, 0.0)):
+            await future
+    finally:
+        result.unlink(done)
+    return result.get(block=False)

@@ -7,13 +7,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 __all__ = [
     "FanOut",
     "Task",
+    "ThreadResult",
     "Waiter",
     "cancel_after",
+    "completed",
     "current_owner",
     "shield",
     "sleep",
@@ -123,3 +125,27 @@ class FanOut:
     def close(self) -> None:
         """Stop the pool's threads once the calls under way finish."""
         self._pool.shutdown(wait=True)
+
+
+class ThreadResult(Protocol):
+    """A result that a client library's own thread completes (kazoo's ``IAsyncResult``)."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the result is set or ``timeout`` passes; return whether it is set."""
+        ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The value, or raise the stored exception."""
+        ...
+
+
+def completed(result: ThreadResult, timeout: float) -> Any:
+    """Block up to ``timeout`` seconds for ``result``; the twin of the asyncio bridge.
+
+    Raises:
+        TimeoutError: ``result`` was not set in time (the operation may still complete).
+        Exception: whatever the operation failed with.
+    """
+    if not result.wait(max(timeout, 0.0)):
+        raise TimeoutError(f"no answer within {timeout:.3f} s")
+    return result.get(block=False)

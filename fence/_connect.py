@@ -1,4 +1,5 @@
-"""Pick a lock manager by URL: ``memory://``, ``redis://``, ``postgresql://``, ``sqlite://``."""
+"""Pick a lock manager by URL: ``memory://``, ``redis://``, ``postgresql://``, ``sqlite://``,
+``etcd://``, ``zookeeper://``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ __all__ = ["connect", "connect_async"]
 
 _REDIS = {"redis", "rediss", "unix"}
 _SQL = {"postgresql", "postgres", "sqlite"}
+_ETCD = {"etcd", "etcds"}
+_ZOOKEEPER = {"zookeeper", "zk"}
 _named: dict[str, MemoryBackend] = {}
 _named_lock = threading.Lock()
 
@@ -46,9 +49,14 @@ def _kind(url: str | Sequence[str]) -> tuple[str, str | list[str]]:
         if base == "postgres":
             url = "postgresql" + url[len("postgres") :]
         return "sql", url
+    if base in _ETCD:
+        return "etcd", url
+    if base in _ZOOKEEPER:
+        return "zookeeper", url
     raise ConfigurationError(
         f"no lock manager for {scheme!r}: use memory://, redis://, redis+cluster://, "
-        "postgresql://, sqlite:// or a list of redis:// URLs for a quorum"
+        "postgresql://, sqlite://, etcd://, zookeeper:// or a list of redis:// URLs for a "
+        "quorum"
     )
 
 
@@ -61,7 +69,10 @@ def connect(url: str | Sequence[str], **options: Any) -> BaseLockManager:
             ``rediss://``, ``unix://`` (``RedisLockManager``); ``redis+cluster://``
             (a Redis Cluster); ``postgresql://`` or ``sqlite://`` (``SQLLockManager``,
             with any SQLAlchemy driver suffix such as ``postgresql+psycopg://``); or a
-            list of 3 or more ``redis://`` URLs (``QuorumLockManager``).
+            list of 3 or more ``redis://`` URLs (``QuorumLockManager``);
+            ``etcd://h1:2379,h2:2379,h3:2379`` (``EtcdLockManager``; ``etcds://`` for TLS,
+            a path sets the key prefix); ``zookeeper://h1:2181,h2:2181,h3:2181/prefix``
+            (``ZooKeeperLockManager``; the path is the root node).
         **options: the manager's keyword arguments (``ttl``, ``renew``, ``token_mode``...).
 
     Raises:
@@ -87,6 +98,16 @@ def connect(url: str | Sequence[str], **options: Any) -> BaseLockManager:
 
         assert isinstance(target, str)
         return SQLLockManager(target, **options)
+    if kind == "etcd":
+        from fence._sync.etcd import EtcdLockManager
+
+        assert isinstance(target, str)
+        return EtcdLockManager(target, **options)
+    if kind == "zookeeper":
+        from fence._sync.zookeeper import ZooKeeperLockManager
+
+        assert isinstance(target, str)
+        return ZooKeeperLockManager(target, **options)
     from fence._sync.quorum import QuorumLockManager
 
     assert isinstance(target, list)
@@ -114,6 +135,16 @@ def connect_async(url: str | Sequence[str], **options: Any) -> AsyncBaseLockMana
 
         assert isinstance(target, str)
         return AsyncSQLLockManager(target, **options)
+    if kind == "etcd":
+        from fence._async.etcd import AsyncEtcdLockManager
+
+        assert isinstance(target, str)
+        return AsyncEtcdLockManager(target, **options)
+    if kind == "zookeeper":
+        from fence._async.zookeeper import AsyncZooKeeperLockManager
+
+        assert isinstance(target, str)
+        return AsyncZooKeeperLockManager(target, **options)
     from fence._async.quorum import AsyncQuorumLockManager
 
     assert isinstance(target, list)

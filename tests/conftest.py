@@ -6,7 +6,7 @@ import pytest
 
 from tests.registry import GUARD_HARNESSES, MANAGER_BACKENDS, load_all
 
-pytest_plugins = ["tests.fix_servers", "tests.fix_quorum"]
+pytest_plugins = ["tests.fix_servers", "tests.fix_quorum", "tests.fix_consensus"]
 
 load_all()
 

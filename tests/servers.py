@@ -4,6 +4,9 @@ Each runs on a free loopback port in a temporary directory and is stopped at the
 classes also expose the faults the tests cause for real: SIGKILL, SIGSTOP/SIGCONT, restart.
 PostgreSQL never runs as root: when the suite runs as root it runs the cluster as the
 ``postgres`` OS user (created by the system package).
+
+The consensus clusters (three etcd members, three ZooKeeper servers) are shared with the
+chaos harness and the benchmarks: :mod:`fence._chaos.clusters`, re-exported here.
 """
 
 from __future__ import annotations
@@ -19,7 +22,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from fence._chaos.clusters import PID_FILE, EtcdCluster, ZooKeeperEnsemble
 from fence._chaos.servers import free_port, pg_bindir, wait_for_port
+
+__all__ = [
+    "EtcdCluster",
+    "PostgresServer",
+    "RedisServer",
+    "ZooKeeperEnsemble",
+    "claim_dir",
+    "free_port",
+    "reap_orphans",
+    "wait_for_port",
+]
 
 OWNER_FILE = "owner.pid"
 
@@ -43,7 +58,8 @@ def reap_orphans() -> list[str]:
     """Stop servers left behind by test runs that died (killed by a timeout, say).
 
     A server directory whose owner process is gone is stopped (PostgreSQL with an immediate
-    shutdown, redis-server with SIGKILL) and removed. Returns the directories reaped.
+    shutdown, redis-server and the members of a consensus cluster with SIGKILL) and
+    removed. Returns the directories reaped.
     """
     reaped = []
     for path in Path(tempfile.gettempdir()).glob("iofence-*"):
@@ -62,6 +78,9 @@ def reap_orphans() -> list[str]:
         if redis_pid.exists():
             with contextlib.suppress(OSError, ValueError):
                 os.kill(int(redis_pid.read_text()), signal.SIGKILL)
+        for member_pid in path.glob(f"*/{PID_FILE}"):  # etcd members, ZooKeeper servers
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(member_pid.read_text()), signal.SIGKILL)
         shutil.rmtree(path, ignore_errors=True)
         reaped.append(str(path))
     return reaped

@@ -41,6 +41,12 @@ REQUIRED = {
     ("iofence Redis: hand-off latency p50", "python-redis-lock"),
     ("iofence Redis: hand-offs per second", "python-redis-lock"),
     ("redis-py Lock: hand-off latency p50", "python-redis-lock"),
+    ("iofence etcd", "iofence Redis"),
+    ("iofence ZooKeeper", "iofence Redis"),
+    ("iofence etcd: hand-off latency p50", "iofence Redis"),
+    ("iofence ZooKeeper: hand-off latency p50", "iofence Redis"),
+    ("iofence etcd: hand-offs per second", "iofence Redis"),
+    ("iofence ZooKeeper: hand-offs per second", "iofence Redis"),
 }
 
 
@@ -103,6 +109,7 @@ def test_the_rows_the_issue_asks_for_are_there(quick_run: tuple[dict, str]) -> N
     assert present >= REQUIRED, sorted(REQUIRED - present)
     groups = {row["group"] for row in results["rows"]}
     expected = {"redis-guard", "sql-guard", "managers", "sql-manager", "quorum", "handoff"}
+    expected |= {"consensus", "consensus-handoff"}
     assert groups >= expected | {"memory"}
     memory = [row for row in results["rows"] if row["group"] == "memory"]
     assert {row["better"] for row in memory} == {"lower"}

@@ -71,3 +71,41 @@ def test_quorum_urls(quorum_urls: list[str]) -> None:
     with manager.lock("r") as lease:
         assert lease.valid
     manager.close()
+
+
+def test_etcd_url(etcd_url: str) -> None:
+    manager = fence.connect(etcd_url, ttl=5)
+    assert isinstance(manager, fence.EtcdLockManager)
+    assert manager.driver.prefix.startswith("t-")  # the URL's path is the key prefix
+    assert len(manager.driver.endpoints) == 3
+    with manager.lock("r") as lease:
+        assert lease.valid
+    manager.close()
+
+
+def test_zookeeper_url(zookeeper_url: str) -> None:
+    manager = fence.connect(zookeeper_url, ttl=5)
+    assert isinstance(manager, fence.ZooKeeperLockManager)
+    assert manager.driver.root.startswith("/t-")  # the URL's path is the root node
+    with manager.lock("r") as lease:
+        assert lease.valid
+    manager.close()
+
+
+async def test_async_consensus_urls(etcd_url: str, zookeeper_url: str) -> None:
+    etcd = fence.connect_async(etcd_url)
+    assert isinstance(etcd, fence.AsyncEtcdLockManager)
+    zookeeper = fence.connect_async(zookeeper_url.replace("zookeeper://", "zk://"))
+    assert isinstance(zookeeper, fence.AsyncZooKeeperLockManager)
+    for manager in (etcd, zookeeper):
+        async with manager.lock("r") as lease:
+            assert lease.valid
+        await manager.close()
+
+
+@pytest.mark.parametrize(
+    "url", ["etcd://", "etcd:///prefix", "zookeeper://", "zookeeper:///root", "zk://h:1/a//b"]
+)
+def test_consensus_urls_without_hosts(url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        fence.connect(url)

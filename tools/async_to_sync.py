@@ -33,6 +33,7 @@ HEADER = (
 SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\basync def\b", "def"),
     (r"\basync with\b", "with"),
+    (r"\basync for\b", "for"),
     (r"\bawait ", ""),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
@@ -44,6 +45,7 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\bsqlalchemy\.ext\.asyncio\b", "sqlalchemy"),
     (r"\bredis\.asyncio\b", "redis"),
     (r"\baclose\b", "close"),
+    (r"\baiter_lines\b", "iter_lines"),
     (r"\basync_sessionmaker\b", "sessionmaker"),
     (r"\bcreate_async_engine\b", "create_engine"),
 ]

@@ -449,14 +449,18 @@ class AsyncBaseLockManager:
         start = clock.monotonic()
         wait_end = None if timeout is None else start + timeout
         waited = False
+        queued = False
         try:
             while True:
                 sent = clock.monotonic()
                 reply = await self.driver.acquire(resource, secret, ttl, holder)
                 if reply.token is not None:
                     break
+                queued = queued or reply.queued
                 now = clock.monotonic()
                 if not blocking:
+                    if queued:
+                        await self._abandon(resource, secret)
                     return None
                 if wait_end is not None and now >= wait_end:
                     raise AcquireTimeout(
@@ -472,7 +476,7 @@ class AsyncBaseLockManager:
                     slice_ = min(slice_, max(reply.holder_ttl, 0.001))
                 await self.driver.wait(resource, slice_, reply)
         except BaseException:
-            if waited:
+            if waited or queued:
                 await self._abandon(resource, secret)
             raise
 

@@ -16,7 +16,8 @@ than the ttl::
 for each server, dropped client connections (``CLIENT KILL TYPE normal`` on Redis,
 ``pg_terminate_backend`` on PostgreSQL), then a crash and restart (``kill -9`` of
 ``redis-server``, which reloads its AOF; ``pg_ctl stop -m immediate`` and start, which
-runs crash recovery).
+runs crash recovery). A consensus cluster loses its leader to ``kill -9`` (the member is
+started again from its data) and has a member frozen with ``SIGSTOP`` for a second.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class Pauser:
         prefer_read: the chance of picking a worker between its read and its write when
             there is one; 1.0 stops only such workers.
         gap: seconds between two new pauses, at most.
+        extra: seconds added to every pause: how much longer than the ttl the server may
+            keep a frozen holder's lease (see :attr:`LockerKind.overhang`).
     """
 
     board: Board
@@ -102,6 +105,7 @@ class Pauser:
     max_inflight: int = 2
     prefer_read: float = 0.75
     gap: float = 0.05
+    extra: float = 0.0
     attempted: int = 0
     counted: int = 0
     between_read_and_write: int = 0
@@ -151,7 +155,7 @@ class Pauser:
             return
         self.attempted += 1
         self._last_cycle[index] = cycle
-        length = self.ttl * self.rng.uniform(*self.pause)
+        length = self.ttl * self.rng.uniform(*self.pause) + self.extra
         name = self.records[record] if 0 <= record < len(self.records) else None
         self._active[index] = _Pause(
             index, stopped_at, stopped_at + length, held, phase, token, name
@@ -264,19 +268,65 @@ def _kill_postgres(server: Any, down: float) -> Callable[[], str]:
     return kill
 
 
-def fault_plan(servers: Sequence[Any], down: float = 0.3) -> list[Fault]:
+def _leader(cluster: Any) -> int:
+    end = time.monotonic() + 10.0
+    while True:
+        found = cluster.leader()
+        if found is not None:
+            return int(found)
+        if time.monotonic() > end:
+            raise RuntimeError(f"the {cluster.name} cluster has no leader")
+        time.sleep(0.05)
+
+
+def _kill_leader(cluster: Any, down: float) -> Callable[[], str]:
+    def kill() -> str:
+        leader = _leader(cluster)
+        cluster.kill(leader)
+        time.sleep(down)
+        cluster.start_member(leader)
+        return f"kill -9 the {cluster.name} leader (member {leader + 1}), restart it from disk"
+
+    return kill
+
+
+def _pause_member(cluster: Any, length: float, rng: random.Random) -> Callable[[], str]:
+    def pause() -> str:
+        index = rng.randrange(len(cluster.members))
+        cluster.pause(index)
+        try:
+            time.sleep(length)
+        finally:
+            cluster.resume(index)
+        return f"SIGSTOP {cluster.name} member {index + 1} for {length:.1f} s"
+
+    return pause
+
+
+def fault_plan(servers: Sequence[Any], down: float = 0.3, seed: int = 0) -> list[Fault]:
     """One cycle of faults over ``servers``: for each, dropped connections then a kill.
 
+    A consensus cluster (etcd, ZooKeeper) gets its own pair: its leader killed with
+    ``kill -9`` and started again from its data, and a member frozen with ``SIGSTOP`` for a
+    second; the other members carry on meanwhile.
+
     Args:
-        servers: :class:`fence._chaos.servers.RedisServer` or
-            :class:`fence._chaos.servers.PostgresServer` objects.
+        servers: :class:`fence._chaos.servers.RedisServer`,
+            :class:`fence._chaos.servers.PostgresServer`,
+            :class:`fence._chaos.clusters.EtcdCluster` or
+            :class:`fence._chaos.clusters.ZooKeeperEnsemble` objects.
         down: seconds a killed server stays down before it is started again.
+        seed: the random source of the member to freeze.
     """
     plan: list[Fault] = []
+    rng = random.Random(seed)
     for server in servers:
         if server.name == "redis":
             plan.append(Fault("drop-connections", "redis", _drop_redis(server)))
             plan.append(Fault("kill", "redis", _kill_redis(server, down)))
+        elif server.name in ("etcd", "zookeeper"):
+            plan.append(Fault("kill", server.name, _kill_leader(server, down)))
+            plan.append(Fault("pause", server.name, _pause_member(server, 1.0, rng)))
         else:
             plan.append(Fault("drop-connections", "postgres", _drop_postgres(server)))
             plan.append(Fault("kill", "postgres", _kill_postgres(server, down)))

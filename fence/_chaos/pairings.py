@@ -58,21 +58,28 @@ class Endpoints:
     Attributes:
         redis: a ``redis://`` URL, if the run has a Redis server.
         postgres: a SQLAlchemy ``postgresql+psycopg://`` URL, if it has PostgreSQL.
+        etcd: an ``etcd://`` URL of the run's 3-member cluster, if it has one.
+        zookeeper: a ``zookeeper://`` URL of the run's 3-server ensemble, if it has one.
     """
 
     redis: str | None = None
     postgres: str | None = None
+    etcd: str | None = None
+    zookeeper: str | None = None
 
     def url(self, server: str) -> str:
-        """The URL of ``server`` (``"redis"`` or ``"postgres"``).
+        """The URL of ``server`` (``"redis"``, ``"postgres"``, ``"etcd"``, ``"zookeeper"``).
 
         Raises:
             ConfigurationError: the run has no such server.
         """
-        found = self.redis if server == "redis" else self.postgres
+        found = getattr(self, server, None) if server in _SERVERS else None
         if found is None:
             raise ConfigurationError(f"this chaos run has no {server} server")
-        return found
+        return str(found)
+
+
+_SERVERS = ("redis", "postgres", "etcd", "zookeeper")
 
 
 class Held(Protocol):
@@ -145,12 +152,17 @@ class LockerKind:
         server: the server it needs.
         open: ``open(endpoints, ttl)`` builds one (in a worker).
         setup: ``setup(endpoints)`` prepares the server once per run (tables).
+        overhang: ``overhang(ttl)``: how much longer than ``ttl`` the server may keep the
+            lease of a frozen holder (etcd rounds leases up to whole seconds; ZooKeeper
+            keeps a frozen client's nodes until its session expires). Pauses last that
+            much longer, so that they outlast the lease on the server too.
     """
 
     name: str
     server: str
     open: Callable[[Endpoints, float], Locker]
     setup: Callable[[Endpoints], None]
+    overhang: Callable[[float], float] = lambda ttl: 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,6 +360,41 @@ class _RedisPyLocker:
 
 def _open_redis_py_lock(endpoints: Endpoints, ttl: float) -> Locker:
     return _RedisPyLocker(endpoints.url("redis"), ttl)
+
+
+def _open_etcd_manager(endpoints: Endpoints, ttl: float) -> Locker:
+    from fence._sync.etcd import EtcdLockManager
+
+    return _FenceLocker(EtcdLockManager(endpoints.url("etcd") + "/chaos/", ttl=ttl))
+
+
+def _etcd_overhang(ttl: float) -> float:
+    from fence._etcd import lease_seconds
+
+    # The whole seconds etcd grants, the half second its leader takes to notice, and the
+    # election timeout (1 s) by which a new leader extends every lease.
+    return lease_seconds(ttl) - ttl + 1.5
+
+
+def zookeeper_session(ttl: float) -> float:
+    """The session timeout of the chaos run's ZooKeeper workers: short, so that a frozen
+    worker's session (and its node) ends soon after its lease."""
+    return max(1.0, ttl)
+
+
+def _open_zookeeper_manager(endpoints: Endpoints, ttl: float) -> Locker:
+    from fence._sync.zookeeper import ZooKeeperLockManager
+
+    manager = ZooKeeperLockManager(
+        endpoints.url("zookeeper") + "/chaos", ttl=ttl, session_timeout=zookeeper_session(ttl)
+    )
+    return _FenceLocker(manager)
+
+
+def _zookeeper_overhang(ttl: float) -> float:
+    # A frozen worker's node goes when its session expires (rounded up to the next tick);
+    # a new leader gives every session its full timeout again.
+    return 2 * zookeeper_session(ttl) - ttl + 0.5
 
 
 # -- Redis stores -------------------------------------------------------------------------
@@ -562,6 +609,16 @@ LOCKERS: dict[str, LockerKind] = {
         "fence.SQLLockManager (PostgreSQL)", "postgres", _open_sql_manager, _setup_sql_manager
     ),
     "redis-py-lock": LockerKind("redis-py Lock (no token)", "redis", _open_redis_py_lock, _nothing),
+    "etcd-manager": LockerKind(
+        "fence.EtcdLockManager (3 members)", "etcd", _open_etcd_manager, _nothing, _etcd_overhang
+    ),
+    "zookeeper-manager": LockerKind(
+        "fence.ZooKeeperLockManager (3 servers)",
+        "zookeeper",
+        _open_zookeeper_manager,
+        _nothing,
+        _zookeeper_overhang,
+    ),
 }
 
 #: Store kinds, by name.
@@ -639,6 +696,7 @@ _FENCED = [
 #: Pairings the issue asks for whose pieces are not in this tree: name -> what is missing.
 PLANNED: dict[str, str] = {}
 
+
 if _orm_hook_available():
     STORES["orm-hook"] = StoreKind(
         "fence.adapters.orm session hook (PostgreSQL)",
@@ -662,6 +720,49 @@ else:
         "the SQLAlchemy ORM session hook (fence.adapters.orm) is not installed; the "
         "pairing runs once it is"
     )
+
+
+def _missing_for(server: str) -> str | None:
+    """What this machine lacks to run ``server`` and its client, or ``None``."""
+    import shutil
+
+    if server == "etcd":
+        if importlib.util.find_spec("httpx") is None:
+            return "httpx is not installed (pip install iofence[etcd])"
+        if shutil.which("etcd") is None:
+            return "etcd is not installed (apt-get install etcd-server)"
+    if server == "zookeeper":
+        if importlib.util.find_spec("kazoo") is None:
+            return "kazoo is not installed (pip install iofence[zookeeper])"
+        from fence._chaos.clusters import zookeeper_jar
+
+        if shutil.which("java") is None:
+            return "java is not installed (apt-get install default-jre-headless)"
+        try:
+            zookeeper_jar()
+        except RuntimeError as exc:
+            return str(exc)
+    return None
+
+
+for _server, _short in (("etcd", "e"), ("zookeeper", "z")):
+    _missing = _missing_for(_server)
+    for _store, _label in (("redis-guard", "Redis guard"), ("sql-guard", "SQL row guard")):
+        _name = f"{_server}+{'redis' if _store == 'redis-guard' else 'sql'}"
+        if _missing is not None:
+            PLANNED[_name] = f"{_missing}; the pairing runs once it is"
+            continue
+        _FENCED.append(
+            Pairing(
+                _name,
+                _short + ("r" if _store == "redis-guard" else "s"),
+                f"{_server}-manager",
+                _store,
+                True,
+                f"{LOCKERS[_server + '-manager'].name}, {_label}",
+            )
+        )
+
 
 #: Every pairing, by name; the fenced ones first, the unfenced baseline last.
 PAIRINGS: dict[str, Pairing] = {

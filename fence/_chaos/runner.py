@@ -31,6 +31,7 @@ from typing import Any
 
 from fence._chaos import pairings as _pairings
 from fence._chaos.checker import Record, check
+from fence._chaos.clusters import EtcdCluster, ZooKeeperEnsemble
 from fence._chaos.controller import FaultInjector, Pauser, fault_plan
 from fence._chaos.pairings import PAIRINGS, PLANNED, Endpoints, Pairing
 from fence._chaos.servers import PostgresServer, RedisServer
@@ -39,6 +40,8 @@ from fence._chaos.worker import Board, Phase, WorkerConfig
 from fence._chaos.worker import main as worker_main
 
 __all__ = ["Settings", "main", "run"]
+
+_ENDPOINTS = ("redis", "postgres", "etcd", "zookeeper")
 
 _LONG = {"duration": 600.0, "workers": 8, "records": 4}
 _DEFAULT = {"duration": 20.0, "workers": 5, "records": 3}
@@ -119,8 +122,7 @@ def run_pairing(
 ) -> tuple[dict[str, Any], list[Record]]:
     """Run one pairing; return its summary and its whole log."""
     endpoints = Endpoints(
-        redis=servers["redis"].url if "redis" in servers else None,
-        postgres=servers["postgres"].url if "postgres" in servers else None,
+        **{name: server.url for name, server in servers.items() if name in _ENDPOINTS}
     )
     records = pairing.records(settings.records)
     _pairings.setup(pairing, endpoints, records)
@@ -176,9 +178,10 @@ def run_pairing(
             # The baseline is stopped only between read and write, so that every pause
             # can cost it an update: its loss is shown, not left to luck.
             prefer_read=0.75 if pairing.fenced else 1.0,
+            extra=_pairings.LOCKERS[pairing.locker].overhang(settings.ttl),
         )
         if settings.faults and pairing.fenced:
-            plan = fault_plan([servers[name] for name in pairing.servers])
+            plan = fault_plan([servers[name] for name in pairing.servers], seed=settings.seed)
             injector = FaultInjector(plan, settings.fault_every, first=1.0, log=log)
         board.start()
         started = time.monotonic()
@@ -289,6 +292,10 @@ def run(settings: Settings, workdir: Path, timeline: Path | None = None) -> dict
             servers["redis"] = RedisServer().start()
         if "postgres" in wanted:
             servers["postgres"] = PostgresServer().start()
+        if "etcd" in wanted:
+            servers["etcd"] = EtcdCluster().start()
+        if "zookeeper" in wanted:
+            servers["zookeeper"] = ZooKeeperEnsemble().start()
         for pairing in chosen:
             _say(f"fence chaos: {pairing.name}: {pairing.description} ...")
             summary, log = run_pairing(pairing, servers, settings, workdir)
@@ -345,7 +352,8 @@ def _parser() -> argparse.ArgumentParser:
             "Run lock holders under SIGSTOP pauses past their lease and server crashes, "
             "for every pairing of lock manager and storage guard, and check that no stale "
             "write was accepted and no update lost. Starts its own redis-server and "
-            "PostgreSQL."
+            "PostgreSQL, and for the consensus pairings a 3-member etcd cluster and a "
+            "3-server ZooKeeper ensemble."
         ),
     )
     names = [*PAIRINGS]

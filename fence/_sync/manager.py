@@ -451,14 +451,18 @@ class BaseLockManager:
         start = clock.monotonic()
         wait_end = None if timeout is None else start + timeout
         waited = False
+        queued = False
         try:
             while True:
                 sent = clock.monotonic()
                 reply = self.driver.acquire(resource, secret, ttl, holder)
                 if reply.token is not None:
                     break
+                queued = queued or reply.queued
                 now = clock.monotonic()
                 if not blocking:
+                    if queued:
+                        self._abandon(resource, secret)
                     return None
                 if wait_end is not None and now >= wait_end:
                     raise AcquireTimeout(
@@ -474,7 +478,7 @@ class BaseLockManager:
                     slice_ = min(slice_, max(reply.holder_ttl, 0.001))
                 self.driver.wait(resource, slice_, reply)
         except BaseException:
-            if waited:
+            if waited or queued:
                 self._abandon(resource, secret)
             raise
 

@@ -1,0 +1,950 @@
+"""The ZooKeeper lock manager for asyncio: ephemeral sequential nodes, tokens from zxids.
+
+Built on kazoo, ZooKeeper's maintained Python client, which runs its connection on threads
+of its own. The asyncio code never blocks on it: every request is one of kazoo's
+``*_async`` calls, whose completion wakes the event loop through
+``loop.call_soon_threadsafe`` (:func:`fence._acompat.completed`); no thread of a pool is
+parked on a wait. The generated sync twin blocks on the same calls instead.
+
+The node layout and the data are in :mod:`fence._zookeeper`, the queue logic in
+:mod:`fence._queue`, the deadlines, reentrancy, waiting loop and renewal watchdog in
+:mod:`fence._async.manager`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionLoss,
+    KazooException,
+    NodeExistsError,
+    NoNodeError,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
+from kazoo.retry import KazooRetry
+
+from fence._acompat import Waiter, completed
+from fence._async.manager import AsyncBaseLockManager
+from fence._clock import Clock
+from fence._core import client_deadline, validate_ttl
+from fence._errors import BackendError, ConfigurationError
+from fence._events import EventBus
+from fence._queue import Place, owner_after_predecessor_left, place_in
+from fence._zookeeper import (
+    DEFAULT_ROOT,
+    MARK,
+    SessionTimeoutProbe,
+    decode_data,
+    encode_data,
+    guid_of,
+    parse_hosts,
+    queue_order,
+    resource_path,
+    token_of,
+    validate_root,
+)
+from fence.abc import AcquireReply, LockInfo
+
+__all__ = ["AsyncZooKeeperDriver", "AsyncZooKeeperLockManager"]
+
+_log = logging.getLogger("fence.zookeeper")
+
+#: Longest single wait. The manager re-attempts after it, so it bounds what a wake-up lost
+#: with a dropped connection can cost.
+_WAIT_CAP = 5.0
+
+#: Errors after which the connection (or the session) is being re-established.
+_TRANSIENT = (ConnectionLoss, OperationTimeoutError, SessionExpiredError)
+
+#: How often :meth:`AsyncZooKeeperDriver.revoke` retries when the queue changes under it.
+_REVOKE_ROUNDS = 5
+
+_BLATHER = 5  # kazoo's most verbose level: the session line the probe reads
+
+
+@dataclass(eq=False)
+class _Node:
+    """One of this session's lock nodes, between the calls of its contender.
+
+    Attributes:
+        resource: the resource.
+        parent: the resource's node.
+        name: the node's name (``<guid>-lock-<sequence>``).
+        czxid: the zxid that created it (the token, once it owns the lock).
+        version: its data version as of this session's last write to it.
+        ttl: the lease time asked for, in seconds.
+        holder: the holder's label.
+        place: where it stood at the last read (``None``: read again before waiting).
+        owner: known to own the lock (the predecessor it watched was the owner, and left).
+        granted: it holds the lock (acquire returned its token).
+    """
+
+    resource: str
+    parent: str
+    name: str
+    czxid: int
+    version: int
+    ttl: float
+    holder: str
+    place: Place[str] | None = None
+    owner: bool = False
+    granted: bool = False
+
+    @property
+    def path(self) -> str:
+        """The node's path."""
+        return f"{self.parent}/{self.name}"
+
+
+@dataclass
+class _Hold:
+    until: float
+    version: int
+    busy: bool = False
+    generation: int = 0
+    settle: float = 0.0
+
+
+class _Reaper:
+    """Deletes this session's lock nodes that their owner no longer keeps.
+
+    ZooKeeper deletes an ephemeral node only when its session ends, and a session lives as
+    long as its process talks to the ensemble. A lease, though, ends after its ttl when the
+    holder stops renewing, and a waiter's node must leave the queue when the waiter stops
+    waiting. So the driver keeps, for every node it created, the monotonic time until which
+    its contender keeps it, and this thread deletes the node after that:
+
+    - a holder's node: ``ttl`` after the last acquire or renewal was *sent*, so never
+      before the holder's own deadline (C10) ends; deleted only at the data version of
+      the last renewal this session saw succeed, so a renewal that lands first wins;
+    - a waiter's node: a while after the waiter's last attempt (it tries every few seconds);
+    - a node whose creation answered too late for its caller, or whose release failed.
+
+    A holder that is frozen (``SIGSTOP``, a VM pause) freezes this thread too; then the
+    session expires on the ensemble's side after the session timeout (at least the ttl),
+    and ZooKeeper deletes the node itself.
+    """
+
+    def __init__(self, client: Any, request_timeout: float) -> None:
+        self._client = client
+        self._request_timeout = request_timeout
+        self._cond = threading.Condition()
+        self._holds: dict[str, _Hold] = {}
+        self._sweeps: dict[tuple[str, str], float] = {}
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(
+                    target=self._run, name="fence-zookeeper-reaper", daemon=True
+                )
+                self._thread.start()
+
+    def hold(self, path: str, until: float, version: int) -> None:
+        """Keep ``path`` until ``until`` (monotonic), then delete it at ``version`` (-1: any)."""
+        with self._cond:
+            old = self._holds.get(path)
+            generation = old.generation + 1 if old else 0
+            self._holds[path] = _Hold(until, version, generation=generation)
+            self._cond.notify()
+
+    def busy(self, path: str) -> None:
+        """A write to ``path`` is under way: do not delete it until :meth:`idle`."""
+        with self._cond:
+            hold = self._holds.get(path)
+            if hold is not None:
+                hold.busy = True
+                hold.generation += 1
+
+    def idle(self, path: str) -> None:
+        """The write to ``path`` failed: the last known hold applies again."""
+        with self._cond:
+            hold = self._holds.get(path)
+            if hold is not None:
+                hold.busy = False
+                hold.generation += 1
+                self._cond.notify()
+
+    def forget(self, path: str) -> None:
+        """Stop looking after ``path`` (released, or known gone)."""
+        with self._cond:
+            self._holds.pop(path, None)
+
+    def orphan(self, result: Any) -> None:
+        """Delete whatever the multi-operation ``result`` creates, once it completes: its
+        caller gave up waiting for the answer."""
+        result.rawlink(self._adopt)
+
+    def _adopt(self, result: Any) -> None:
+        try:
+            created = result.get(block=False)
+        except Exception:  # the create failed: nothing to delete
+            return
+        if isinstance(created, list) and created and isinstance(created[0], str):
+            self.hold(created[0], 0.0, -1)
+
+    def sweep(self, parent: str, guid: str) -> None:
+        """Delete the nodes of contender ``guid`` under ``parent`` once connected: a
+        create whose answer was lost may have made one."""
+        with self._cond:
+            self._sweeps[(parent, guid)] = 0.0
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._request_timeout + 1.0)
+
+    def _next(self) -> tuple[list[tuple[str, _Hold, int]], list[tuple[str, str]], float]:
+        now = time.monotonic()
+        due = []
+        wake = now + 60.0
+        for path, hold in self._holds.items():
+            if hold.busy:
+                continue
+            at = max(hold.until, hold.settle)
+            if at <= now:
+                due.append((path, _Hold(hold.until, hold.version), hold.generation))
+            else:
+                wake = min(wake, at)
+        sweeps = [key for key, at in self._sweeps.items() if at <= now]
+        for at in self._sweeps.values():
+            if at > now:
+                wake = min(wake, at)
+        return due, sweeps, wake
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                due, sweeps, wake = self._next()
+                if not due and not sweeps:
+                    self._cond.wait(max(0.0, wake - time.monotonic()))
+                    continue
+            for path, hold, generation in due:
+                self._reap(path, hold, generation)
+            for parent, guid in sweeps:
+                self._sweep(parent, guid)
+
+    def _call(self, result: Any) -> Any:
+        if not result.wait(self._request_timeout):
+            raise OperationTimeoutError()
+        return result.get(block=False)
+
+    def _retry_later(self, path: str, generation: int, delay: float) -> None:
+        with self._cond:
+            hold = self._holds.get(path)
+            if hold is not None and hold.generation == generation:
+                hold.settle = time.monotonic() + delay
+
+    def _reap(self, path: str, hold: _Hold, generation: int) -> None:
+        version = hold.version
+        try:
+            if version == -2:  # a renewal changed the node without this session hearing back
+                stat = self._call(self._client.exists_async(path))
+                if stat is None:
+                    raise NoNodeError()
+                with self._cond:
+                    current = self._holds.get(path)
+                    if current is None or current.generation != generation or current.busy:
+                        return  # a renewal came through, or is under way: it decides
+                version = stat.version
+            self._call(self._client.delete_async(path, version))
+        except NoNodeError:
+            pass
+        except BadVersionError:
+            # A write landed that this session did not see succeed (its reply was lost,
+            # or it is on the way). Let it settle, then delete at the version found then.
+            with self._cond:
+                current = self._holds.get(path)
+                if current is not None and current.generation == generation:
+                    current.version = -2
+                    current.settle = time.monotonic() + 2 * self._request_timeout
+            return
+        except (KazooException, OperationTimeoutError):
+            self._retry_later(path, generation, 0.5)
+            return
+        with self._cond:
+            current = self._holds.get(path)
+            if current is not None and current.generation == generation:
+                del self._holds[path]
+
+    def _sweep(self, parent: str, guid: str) -> None:
+        try:
+            children = self._call(self._client.get_children_async(parent))
+            for name in children:
+                if name.startswith(guid + MARK):
+                    try:
+                        self._call(self._client.delete_async(f"{parent}/{name}"))
+                    except NoNodeError:
+                        pass
+        except NoNodeError:
+            pass
+        except (KazooException, OperationTimeoutError):
+            with self._cond:
+                if (parent, guid) in self._sweeps:
+                    self._sweeps[(parent, guid)] = time.monotonic() + 0.5
+            return
+        with self._cond:
+            self._sweeps.pop((parent, guid), None)
+
+
+class _Watches:
+    """Local waiters per predecessor path, woken by one kazoo watch callback."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[str, list[_Watcher]] = {}
+
+    def add(self, path: str, watcher: _Watcher) -> None:
+        with self._lock:
+            self._waiters.setdefault(path, []).append(watcher)
+
+    def remove(self, path: str, watcher: _Watcher) -> None:
+        with self._lock:
+            found = self._waiters.get(path, [])
+            if watcher in found:
+                found.remove(watcher)
+            if not found:
+                self._waiters.pop(path, None)
+
+    def fire(self, event: Any) -> None:
+        """A kazoo watch event (on kazoo's thread): wake the waiters of its path."""
+        with self._lock:
+            if event.path is None:  # a connection event: every watch is gone
+                woken = [w for ws in self._waiters.values() for w in ws]
+            else:
+                woken = list(self._waiters.get(event.path, ()))
+        for watcher in woken:
+            watcher.deleted = watcher.deleted or event.type == "DELETED"
+            watcher.waiter.wake()
+
+    def wake_all(self) -> None:
+        """The connection dropped: let every waiter look again."""
+        with self._lock:
+            woken = [w for ws in self._waiters.values() for w in ws]
+        for watcher in woken:
+            watcher.waiter.wake()
+
+
+@dataclass(eq=False)
+class _Watcher:
+    waiter: Any
+    deleted: bool = False
+
+
+class AsyncZooKeeperDriver:
+    """Moves the bytes of :class:`AsyncZooKeeperLockManager`.
+
+    One kazoo client (one session) per driver. Every contender joins the resource's queue
+    with one multi-operation (an ephemeral sequential node and a version bump of the
+    resource node); on a free lock the same round trip proves the node is alone, after one
+    read of the queue. A waiter watches only its predecessor. Renewal is one write to the
+    holder's node; release is one delete.
+
+    Args:
+        hosts: ``zookeeper://h1:2181,h2:2181/root`` (the path sets the root), a kazoo hosts
+            string ``h1:2181,h2:2181`` or a list of ``host:port``.
+        root: the parent of every resource node (default: the URL's path, else ``/fence``).
+        session_timeout: the session timeout to ask for, in seconds. The server may grant
+            less (``maxSessionTimeout``); a lease may not be longer than what it granted.
+        request_timeout: how long one call may take, waiting for a connection included.
+
+    Raises:
+        ConfigurationError: a bad argument.
+    """
+
+    source = "zookeeper"
+
+    def __init__(
+        self,
+        hosts: str | list[str] | tuple[str, ...],
+        *,
+        root: str | None = None,
+        session_timeout: float = 30.0,
+        request_timeout: float = 5.0,
+    ) -> None:
+        found, url_root = parse_hosts(hosts)
+        self.hosts = found
+        self.root = validate_root(root if root is not None else url_root or DEFAULT_ROOT)
+        self.session_timeout = validate_ttl(session_timeout, what="session_timeout")
+        self.request_timeout = validate_ttl(request_timeout, what="request_timeout")
+        self._probe = SessionTimeoutProbe()
+        # A logger of its own, outside logging's registry: the probe reads the granted
+        # session timeout from it; warnings go on to the "fence" logger's handlers.
+        self._logger = logging.Logger("fence.zookeeper.kazoo", _BLATHER)
+        self._logger.parent = _log
+        self._logger.addFilter(self._probe)
+        self._client: Any = KazooClient(
+            hosts=found,
+            timeout=self.session_timeout,
+            logger=self._logger,
+            connection_retry=KazooRetry(
+                max_tries=-1, delay=0.05, backoff=2, max_jitter=0.2, max_delay=1.0
+            ),
+        )
+        self._reaper = _Reaper(self._client, self.request_timeout)
+        self._watches = _Watches()
+        self._nodes: dict[tuple[str, str], _Node] = {}
+        self._lock = threading.Lock()
+        self._connect_waiters: list[Any] = []
+        self._started = False
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.hosts} root={self.root!r}>"
+
+    @property
+    def granted_session_timeout(self) -> float | None:
+        """The session timeout the ensemble granted, in seconds (``None`` before a session)."""
+        return self._probe.granted
+
+    # -- the connection ----------------------------------------------------------------------
+
+    def _on_state(self, state: str) -> None:
+        """kazoo's state listener (on its connection thread; must not block)."""
+        if state == KazooState.CONNECTED:
+            self._logger.setLevel(logging.WARNING)  # the probe has what it needs
+            with self._lock:
+                waiters, self._connect_waiters = self._connect_waiters, []
+            for waiter in waiters:
+                waiter.wake()
+        else:  # SUSPENDED or LOST: the next session line must reach the probe again
+            self._logger.setLevel(_BLATHER)
+            self._watches.wake_all()
+
+    async def _connected(self, what: str, end: float) -> None:
+        if self._closed:
+            raise ConfigurationError(f"{self!r} is closed")
+        if not self._started:
+            self._started = True
+            self._client.add_listener(self._on_state)
+            self._client.start_async()
+            self._reaper.start()
+        while not self._client.connected:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise BackendError(
+                    f"ZooKeeper at {self.hosts} gave no connection for the {what} within "
+                    f"{self.request_timeout:g} s. A majority of the ensemble may be down or cut "
+                    "off (a server without a quorum refuses clients); the lock state is "
+                    "unknown until it answers, and the call may be retried",
+                    code="UNAVAILABLE",
+                    retryable=True,
+                )
+            waiter = Waiter()
+            with self._lock:
+                self._connect_waiters.append(waiter)
+            if self._client.connected:
+                break
+            await waiter.wait(min(left, 0.25))
+
+    async def _ready(self, ttl: float, what: str, end: float) -> None:
+        """Connected, and ``ttl`` fits in the session the ensemble granted."""
+        await self._connected(what, end)
+        granted = self._probe.granted
+        if granted is None:
+            raise ConfigurationError(
+                "could not learn the session timeout ZooKeeper granted (kazoo did not log "
+                "it); without it a lease could outlive the session that keeps its node"
+            )
+        if ttl > granted:
+            raise ConfigurationError(
+                f"ttl {ttl:g} s is longer than the ZooKeeper session ({granted:g} s granted): "
+                "a holder that stops answering loses its node when its session expires, "
+                f"before its lease would end. Use a ttl of at most {granted:g} s, or ask for a "
+                "longer session_timeout (the server caps it at its maxSessionTimeout)"
+            )
+
+    async def _op(
+        self,
+        what: str,
+        start: Callable[[], Any],
+        end: float,
+        *,
+        safe: bool = True,
+        on_late: Callable[[Any], None] | None = None,
+        uncertain: list[str] | None = None,
+    ) -> Any:
+        """Run one kazoo request, after the connection is there.
+
+        A request interrupted by a dropped connection is sent again once the connection
+        is back if ``safe`` (with a note in ``uncertain``); otherwise its unknown outcome is
+        raised. One that gets no answer in time raises; ``on_late(result)`` then sees it
+        complete.
+
+        Raises:
+            KazooException: ZooKeeper's verdict (no node, bad version...).
+            BackendError: no connection or no answer in time; an unsafe request's outcome
+                is unknown.
+        """
+        while True:
+            await self._connected(what, end)
+            result = start()
+            try:
+                return await completed(result, end - time.monotonic())
+            except TimeoutError as exc:
+                if on_late is not None:
+                    on_late(result)
+                raise BackendError(
+                    f"ZooKeeper at {self.hosts} did not answer the {what} within "
+                    f"{self.request_timeout:g} s; the lock state is unknown until it does, "
+                    "and the call may be retried",
+                    code="CONNECTION",
+                    retryable=True,
+                ) from exc
+            except _TRANSIENT as exc:
+                if uncertain is not None:
+                    uncertain.append(type(exc).__name__)
+                if not safe:
+                    raise BackendError(
+                        f"the connection to ZooKeeper dropped during the {what} "
+                        f"({type(exc).__name__}); it may or may not have happened",
+                        code="CONNECTION",
+                        retryable=True,
+                    ) from exc
+                if time.monotonic() >= end:
+                    raise BackendError(
+                        f"ZooKeeper at {self.hosts} could not serve the {what} within "
+                        f"{self.request_timeout:g} s ({type(exc).__name__})",
+                        code="UNAVAILABLE",
+                        retryable=True,
+                    ) from exc
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.request_timeout
+
+    # -- the queue -------------------------------------------------------------------------
+
+    async def _children(self, parent: str, end: float, what: str) -> tuple[list[str], int]:
+        """The resource node's children and its data version (creating it if missing)."""
+        while True:
+            try:
+                children, stat = await self._op(
+                    what, lambda: self._client.get_children_async(parent, include_data=True), end
+                )
+                return list(children), int(stat.version)
+            except NoNodeError:
+                await self._make_path(parent, end, what)
+
+    async def _make_path(self, path: str, end: float, what: str) -> None:
+        """Create ``path`` and its missing ancestors, as persistent empty nodes (one
+        request each; kazoo's ``ensure_path`` reads every level first)."""
+        parts = path.strip("/").split("/")
+        for depth in range(1, len(parts) + 1):
+            node = "/" + "/".join(parts[:depth])
+            try:
+                await self._op(what, functools.partial(self._client.create_async, node, b""), end)
+            except NodeExistsError:
+                pass
+
+    async def _join(self, parent: str, guid: str, data: bytes, version: int, end: float) -> Any:
+        """One multi-operation: create the contender's node and bump the resource node's
+        version (only from ``version``, unless it is -1). Returns ``(name, czxid)``, or
+        ``None`` when ``version`` was stale (somebody joined since the read)."""
+
+        def start() -> Any:
+            txn = self._client.transaction()
+            txn.create(f"{parent}/{guid}{MARK}", data, ephemeral=True, sequence=True)
+            txn.set_data(parent, b"", version=version)
+            return txn.commit_async()
+
+        try:
+            results = await self._op("acquire", start, end, on_late=self._reaper.orphan)
+        except BackendError:
+            # Lost with the connection: the node may exist. Find it (below) or delete it.
+            self._reaper.sweep(parent, guid)
+            raise
+        failed = [r for r in results if isinstance(r, Exception)]
+        if not failed:
+            name = str(results[0]).rsplit("/", 1)[1]
+            return name, int(results[1].mzxid)  # one zxid for the whole multi
+        if any(isinstance(r, BadVersionError) for r in failed):
+            return None
+        if any(isinstance(r, NoNodeError) for r in failed):
+            raise NoNodeError()
+        raise BackendError(f"ZooKeeper refused the acquire: {failed!r}", code="RESPONSE")
+
+    async def _stamp(self, node: _Node, end: float, what: str) -> bool:
+        """Write the node's data through the leader: proves the node (and the session) is
+        still there after the call began, and dates the lease (``mtime``). Returns whether
+        the node existed."""
+        path = node.path
+        self._reaper.busy(path)
+        try:
+            stat = await self._op(
+                what,
+                lambda: self._client.set_async(path, encode_data(node.holder, node.ttl), -1),
+                end,
+            )
+        except NoNodeError:
+            self._reaper.forget(path)
+            return False
+        except BaseException:
+            self._reaper.idle(path)
+            raise
+        node.version = int(stat.version)
+        return True
+
+    def _hold_waiter(self, node: _Node, sent: float) -> None:
+        # A waiter tries again every few seconds; its node stays that long and more.
+        self._reaper.hold(node.path, sent + 3 * _WAIT_CAP + 2 * self.request_timeout, -1)
+
+    def _grant(self, key: tuple[str, str], node: _Node, sent: float) -> AcquireReply:
+        node.granted = True
+        node.place = None
+        self._reaper.hold(node.path, sent + node.ttl, node.version)
+        self._nodes[key] = node
+        return AcquireReply(token_of(node.czxid))
+
+    # -- the driver protocol ---------------------------------------------------------------
+
+    async def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
+        """One attempt; see :meth:`fence.abc.AsyncDriver.acquire`.
+
+        The first attempt reads the queue and joins it in one multi-operation; on a free
+        lock that multi-operation itself proves the node alone (two round trips). A later
+        attempt of a waiter whose predecessor, the owner, left is one write.
+        """
+        sent = time.monotonic()
+        end = sent + self.request_timeout
+        await self._ready(ttl, "acquire", end)
+        key = (resource, secret)
+        node = self._nodes.get(key)
+        if node is not None:
+            return await self._again(key, node, sent, end)
+        parent = resource_path(self.root, resource)
+        guid = guid_of(secret)
+        data = encode_data(holder, ttl)
+        children, version = await self._children(parent, end, "acquire")
+        alone = not queue_order(children)
+        joined = await self._join(parent, guid, data, version if alone else -1, end)
+        if joined is None:  # somebody joined between the read and the write
+            alone = False
+            joined = await self._join(parent, guid, data, -1, end)
+        name, czxid = joined
+        node = _Node(resource, parent, name, czxid, 0, ttl, holder)
+        self._nodes[key] = node
+        if alone:  # the resource node's version proves nobody joined since it was empty
+            return self._grant(key, node, sent)
+        self._hold_waiter(node, sent)
+        return await self._look(key, node, sent, end)
+
+    async def _look(
+        self, key: tuple[str, str], node: _Node, sent: float, end: float
+    ) -> AcquireReply:
+        children, _ = await self._children(node.parent, end, "acquire")
+        place = place_in(queue_order(children), node.name)
+        if place is None:  # the node is gone (revoked, or the session expired)
+            return await self._rejoin(key, node, end)
+        if place.owner:
+            # This read may lag the leader; the write confirms the node is still there.
+            if not await self._stamp(node, end, "acquire"):
+                return await self._rejoin(key, node, end)
+            return self._grant(key, node, sent)
+        node.place = place
+        return AcquireReply(None, cookie=node, queued=True)
+
+    async def _again(
+        self, key: tuple[str, str], node: _Node, sent: float, end: float
+    ) -> AcquireReply:
+        self._hold_waiter(node, sent)
+        if node.owner:
+            if not await self._stamp(node, end, "acquire"):
+                return await self._rejoin(key, node, end)
+            return self._grant(key, node, sent)
+        return await self._look(key, node, sent, end)
+
+    async def _rejoin(self, key: tuple[str, str], node: _Node, end: float) -> AcquireReply:
+        self._nodes.pop(key, None)
+        self._reaper.forget(node.path)
+        resource, secret = key
+        if time.monotonic() >= end:
+            raise BackendError(
+                f"the queue node of {resource!r} vanished twice within one call "
+                "(revoked, or the session expired); try again",
+                code="UNAVAILABLE",
+                retryable=True,
+            )
+        return await self.acquire(resource, secret, node.ttl, node.holder)
+
+    async def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
+        """Watch the predecessor node until it is deleted, or ``timeout`` seconds pass (at
+        most a few seconds)."""
+        node = reply.cookie
+        if not isinstance(node, _Node) or node.place is None:
+            return
+        place = node.place
+        if place.predecessor is None:
+            node.owner = True
+            return
+        seconds = min(timeout, _WAIT_CAP)
+        if seconds <= 0.001:
+            return
+        path = f"{node.parent}/{place.predecessor}"
+        watcher = _Watcher(Waiter())
+        self._watches.add(path, watcher)
+        try:
+            end = time.monotonic() + min(seconds, self.request_timeout)
+            stat = await self._op(
+                "wait", lambda: self._client.exists_async(path, watch=self._watches.fire), end
+            )
+            if stat is None:
+                watcher.deleted = True
+            else:
+                await watcher.waiter.wait(seconds)
+        except BackendError as exc:
+            if not exc.retryable:
+                raise
+            # The next attempt reports a real outage; this one only ends the wait.
+        finally:
+            self._watches.remove(path, watcher)
+        node.place = None
+        if watcher.deleted:
+            node.owner = owner_after_predecessor_left(place)
+
+    async def abandon(self, resource: str, secret: str) -> None:
+        """A waiter gave up: delete its node, which wakes the waiter behind it."""
+        node = self._nodes.pop((resource, secret), None)
+        if node is None:
+            return
+        self._reaper.forget(node.path)
+        try:
+            await self._op(
+                "abandon", lambda: self._client.delete_async(node.path), self._deadline()
+            )
+        except NoNodeError:
+            pass
+        except BackendError:
+            self._reaper.hold(node.path, 0.0, -1)
+            raise
+
+    async def renew(self, resource: str, secret: str, ttl: float) -> bool:
+        """One write to the holder's node; see :meth:`fence.abc.AsyncDriver.renew`."""
+        node = self._nodes.get((resource, secret))
+        if node is None or not node.granted:
+            return False
+        sent = time.monotonic()
+        end = sent + self.request_timeout
+        await self._ready(ttl, "renewal", end)
+        node.ttl = ttl
+        if not await self._stamp(node, end, "renewal"):
+            self._nodes.pop((resource, secret), None)
+            return False
+        self._reaper.hold(node.path, sent + ttl, node.version)
+        return True
+
+    async def release(self, resource: str, secret: str) -> bool:
+        """Delete the holder's node, which wakes the next waiter; see
+        :meth:`fence.abc.AsyncDriver.release`."""
+        node = self._nodes.pop((resource, secret), None)
+        if node is None:
+            return False
+        if not node.granted:  # a waiter's node: it holds nothing
+            self._reaper.hold(node.path, 0.0, -1)
+            return False
+        self._reaper.forget(node.path)
+        uncertain: list[str] = []
+        try:
+            # A delete interrupted by a dropped connection is sent again once it is back, so
+            # the node does not block the queue.
+            await self._op(
+                "release",
+                lambda: self._client.delete_async(node.path),
+                self._deadline(),
+                uncertain=uncertain,
+            )
+        except NoNodeError as exc:
+            if uncertain:
+                # The first delete probably went through; the node may also have been
+                # revoked, reaped or expired just before.
+                raise BackendError(
+                    f"ZooKeeper did not confirm the release ({uncertain[0]}) and the node is "
+                    "gone now: the lock is free, but whether it was still held when released "
+                    "is unknown",
+                    code="CONNECTION",
+                ) from exc
+            return False
+        except BackendError:
+            self._reaper.hold(node.path, 0.0, -1)  # delete it once the connection is back
+            raise
+        return True
+
+    async def inspect(self, resource: str) -> LockInfo | None:
+        """The first node of the queue; ``remaining`` by the leader's clock (the node's
+        ``mtime`` and a write's); see :meth:`fence.abc.AsyncDriver.inspect`."""
+        end = self._deadline()
+        parent = resource_path(self.root, resource)
+        for _ in range(3):
+            children, _ = await self._children(parent, end, "inspect")
+            order = queue_order(children)
+            if not order:
+                return None
+            first = f"{parent}/{order[0]}"
+            try:
+                data, stat = await self._op(
+                    "inspect", functools.partial(self._client.get_async, first), end
+                )
+            except NoNodeError:
+                continue
+            holder, ttl = decode_data(data)
+            clock = await self._op("inspect", lambda: self._client.set_async(parent, b""), end)
+            left = (int(stat.mtime) + (ttl or 0.0) * 1000 - int(clock.mtime)) / 1000
+            return LockInfo(resource, token_of(int(stat.czxid)), max(left, 0.0), holder)
+        return None
+
+    async def revoke(self, resource: str) -> int:
+        """Delete the holder's node and every waiter's, and bump the resource node, in one
+        multi-operation; return its zxid, above every token issued for ``resource`` and
+        below every token issued after; see :meth:`fence.abc.AsyncDriver.revoke`.
+
+        The waiters lose their place: their nodes were created before the returned token,
+        so none of them may become the owner with it. They join the queue again.
+        """
+        end = self._deadline()
+        parent = resource_path(self.root, resource)
+        for _ in range(_REVOKE_ROUNDS):
+            children, version = await self._children(parent, end, "revoke")
+            order = queue_order(children)
+
+            def start(order: list[str] = order, version: int = version) -> Any:
+                txn = self._client.transaction()
+                for name in order:
+                    txn.delete(f"{parent}/{name}")
+                txn.set_data(parent, b"", version=version)
+                return txn.commit_async()
+
+            results = await self._op("revoke", start, end)
+            if not any(isinstance(r, Exception) for r in results):
+                return token_of(int(results[-1].mzxid))
+        raise BackendError(
+            f"{resource!r} kept gaining contenders during the revoke; try again",
+            code="CONTENDED",
+            retryable=True,
+        )
+
+    async def close(self) -> None:
+        """Stop the reaper, close the session (ZooKeeper deletes its nodes) and the client."""
+        if self._closed:
+            return
+        self._closed = True
+        self._nodes.clear()
+        self._reaper.close()
+        if not self._started:
+            return
+        done = Waiter()
+
+        def stop() -> None:
+            try:
+                self._client.stop()
+                self._client.close()
+            except Exception:  # pragma: no cover - kazoo logs its own trouble
+                _log.debug("closing the ZooKeeper client failed", exc_info=True)
+            finally:
+                done.wake()
+
+        # kazoo's stop() joins its threads: off the event loop, on a thread of its own.
+        threading.Thread(target=stop, name="fence-zookeeper-close", daemon=True).start()
+        await done.wait(self.request_timeout + 15.0)
+
+
+class AsyncZooKeeperLockManager(AsyncBaseLockManager):
+    """A lock manager on ZooKeeper: ephemeral sequential nodes, tokens from the ``czxid``.
+
+    The token of a lease is the zxid that created its node: it comes from the ensemble's
+    atomic broadcast, grows across leader elections and restarts, and needs no clock
+    (C2, C3). Waiters queue in sequence order and each watches only its predecessor (FIFO,
+    no herd). A lease ends when its holder releases it, when it is not renewed within its
+    ttl (the holder's own driver deletes the node, never before the holder's deadline), or
+    when the holder's session expires (the holder stopped, or lost its connections for the
+    session timeout), whichever comes first; a renewal that finds the node gone reports the
+    lease lost (C10).
+
+    Args:
+        hosts: ``zookeeper://h1:2181,h2:2181,h3:2181/root`` (the path sets the root), a
+            hosts string or a list of ``host:port``.
+        root: the parent node of the resources (default ``/fence``).
+        session_timeout: the ZooKeeper session timeout to ask for, in seconds (default: the
+            ttl, at least 4 s). A frozen or cut-off holder keeps its locks that long. Every
+            lease's ttl must fit in the session the server grants, or acquire raises
+            :class:`ConfigurationError`.
+        request_timeout: how long one call may take, waiting for a connection included
+            (default ``ttl / 3`` between 1 and 5 s); then a retryable
+            :class:`BackendError` is raised, e.g. when a majority is down.
+        ttl: default lease time in seconds.
+        renew: default for the renewal watchdog (one write at about ``ttl / 3``).
+        drift: fraction of the ttl the client gives up for clock rate differences (C10).
+        margin: seconds the client gives up for the request's own latency (C10).
+        clock: the monotonic clock for client deadlines.
+        events: where to report events.
+        reentrant: whether a second acquire by the same owner returns the held lease.
+
+    Raises:
+        ConfigurationError: a bad argument.
+
+    Example::
+
+        manager = AsyncZooKeeperLockManager("zookeeper://zk1:2181,zk2:2181,zk3:2181/locks")
+        async with manager.lock("order:42", ttl=10) as lease:
+            await guard.claim("order:42", lease.token)
+            ...
+        await manager.close()
+    """
+
+    driver: AsyncZooKeeperDriver
+
+    def __init__(
+        self,
+        hosts: str | list[str] | tuple[str, ...],
+        *,
+        root: str | None = None,
+        session_timeout: float | None = None,
+        request_timeout: float | None = None,
+        ttl: float = 30.0,
+        renew: bool = False,
+        drift: float = 0.01,
+        margin: float = 0.002,
+        clock: Clock | None = None,
+        events: EventBus | None = None,
+        reentrant: bool = True,
+    ) -> None:
+        ttl = validate_ttl(ttl)
+        client_deadline(0.0, ttl, drift=drift, margin=margin)  # fail before any client exists
+        if session_timeout is None:
+            session_timeout = max(ttl, 4.0)
+        if request_timeout is None:
+            request_timeout = min(5.0, max(1.0, ttl / 3))
+        driver = AsyncZooKeeperDriver(
+            hosts,
+            root=root,
+            session_timeout=session_timeout,
+            request_timeout=request_timeout,
+        )
+        super().__init__(
+            driver,
+            ttl=ttl,
+            renew=renew,
+            drift=drift,
+            margin=margin,
+            clock=clock,
+            events=events,
+            reentrant=reentrant,
+        )

@@ -1,0 +1,181 @@
+"""The ZooKeeper lock manager's protocol, without I/O: node layout, data, order, hosts.
+
+Layout of resource ``R`` under the root ``/fence`` (the root is configurable)::
+
+    /fence/<R, percent-encoded>                   persistent; its data version counts joins
+    /fence/<R>/<guid>-lock-0000000042             ephemeral sequential, one per contender
+
+Every join is one multi-operation: create the contender's node *and* set the resource
+node's data (a version bump). So the resource node's data version changes with every join,
+and a join that names the version it read (``set(R, version=v)``) succeeds only if nobody
+joined since: that is how a first attempt on a free lock knows, in the same round trip,
+that its node is the only one. All operations of a multi share one zxid, so the stat the
+``set`` returns carries the new node's ``czxid``: the fencing token.
+
+The node that comes first (smallest sequence number; ZooKeeper assigns sequence numbers
+and zxids in the same order) holds the lock; see :mod:`fence._queue`. The ``guid`` is
+derived from the owner secret, so a contender can find its own node again after a lost
+connection; the secret itself is never stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from urllib.parse import quote, urlsplit
+
+from fence._core import MAX_TOKEN
+from fence._errors import ConfigurationError, InvalidTokenError
+
+__all__ = [
+    "DEFAULT_ROOT",
+    "MARK",
+    "SessionTimeoutProbe",
+    "decode_data",
+    "encode_data",
+    "guid_of",
+    "parse_hosts",
+    "queue_order",
+    "resource_path",
+    "token_of",
+    "validate_root",
+]
+
+DEFAULT_ROOT = "/fence"
+
+#: Between the contender's guid and the sequence number in a node's name.
+MARK = "-lock-"
+
+_SEQUENCE_DIGITS = 10
+
+
+def validate_root(root: object) -> str:
+    """The root path, if it is absolute, without a trailing ``/``, and not ``/`` itself."""
+    if not isinstance(root, str) or not root.startswith("/") or root == "/":
+        raise ConfigurationError(f"root must be an absolute ZooKeeper path, got {root!r}")
+    if root.endswith("/") or "//" in root or "\x00" in root:
+        raise ConfigurationError(f"root must be a plain path like /fence, got {root!r}")
+    return root
+
+
+def resource_path(root: str, resource: str) -> str:
+    """The node of ``resource``: one path segment, percent-encoded (``.`` too, so that
+    no resource names ``.`` or ``..``)."""
+    return f"{root}/{quote(resource, safe='').replace('.', '%2E')}"
+
+
+def guid_of(secret: str) -> str:
+    """The contender's node-name prefix: 16 hex digits derived from its secret."""
+    return hashlib.blake2b(secret.encode(), digest_size=8, person=b"iofence-zk").hexdigest()
+
+
+def _sequence(name: str) -> int | None:
+    head, mark, digits = name.rpartition(MARK)
+    if not mark or not head or len(digits) != _SEQUENCE_DIGITS or not digits.isdigit():
+        return None
+    return int(digits)
+
+
+def queue_order(children: Iterable[str]) -> list[str]:
+    """The lock nodes among ``children``, first come first (by sequence number)."""
+    nodes = [(seq, name) for name in children if (seq := _sequence(name)) is not None]
+    return [name for _, name in sorted(nodes)]
+
+
+def token_of(zxid: int) -> int:
+    """A node's ``czxid`` as a fencing token (C1).
+
+    A zxid is ``epoch << 32 | counter``: below ``2**53`` until the ensemble has elected
+    about two million leaders. Past that it is refused, never rounded.
+
+    Raises:
+        InvalidTokenError: the zxid is not in ``1 .. 2**53 - 1``.
+    """
+    if not 1 <= zxid <= MAX_TOKEN:
+        raise InvalidTokenError(
+            f"ZooKeeper zxid {zxid:#x} is not a usable token (1 .. 2**53 - 1)", value=zxid
+        )
+    return zxid
+
+
+def encode_data(holder: str, ttl: float) -> bytes:
+    """A node's data: the holder's label and its lease time (never its secret)."""
+    return json.dumps({"holder": holder, "ttl": ttl}, separators=(",", ":")).encode()
+
+
+def decode_data(data: bytes) -> tuple[str | None, float | None]:
+    """The holder's label and lease time from a node's data (``None`` where unreadable)."""
+    try:
+        value = json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError):
+        return None, None
+    if not isinstance(value, dict):
+        return None, None
+    holder = value.get("holder")
+    ttl = value.get("ttl")
+    return (
+        holder if isinstance(holder, str) else None,
+        float(ttl) if isinstance(ttl, int | float) and not isinstance(ttl, bool) else None,
+    )
+
+
+def parse_hosts(spec: str | Sequence[str]) -> tuple[str, str | None]:
+    """The kazoo hosts string and the root from a ``zookeeper://`` URL or a host list.
+
+    ``zookeeper://h1:2181,h2:2181,h3:2181/app/locks`` gives ``("h1:2181,h2:2181,h3:2181",
+    "/app/locks")``; without a path the root is ``None`` (the default applies). A plain
+    ``"h1:2181,h2:2181"`` string or a list of ``host:port`` items works too.
+
+    Raises:
+        ConfigurationError: no host, or another scheme.
+    """
+    root: str | None = None
+    if isinstance(spec, str):
+        if "://" in spec:
+            parts = urlsplit(spec)
+            if parts.scheme.lower() not in ("zookeeper", "zk"):
+                raise ConfigurationError(
+                    f"not a ZooKeeper URL: {spec!r} (use zookeeper://host:2181,...)"
+                )
+            hosts = [h.strip() for h in parts.netloc.split(",") if h.strip()]
+            if parts.path not in ("", "/"):
+                root = validate_root(parts.path.rstrip("/"))
+        else:
+            hosts = [h.strip() for h in spec.split(",") if h.strip()]
+    else:
+        hosts = []
+        for item in spec:
+            if not isinstance(item, str) or not item.strip():
+                raise ConfigurationError(f"not a ZooKeeper host: {item!r}")
+            hosts.append(item.strip())
+    if not hosts or any("/" in host for host in hosts):
+        raise ConfigurationError(f"no ZooKeeper hosts in {spec!r}")
+    return ",".join(hosts), root
+
+
+class SessionTimeoutProbe(logging.Filter):
+    """Learns the session timeout the server granted from kazoo's own log line.
+
+    ZooKeeper may grant a shorter session than asked (``maxSessionTimeout``), and kazoo
+    keeps the granted value to itself: it only logs it. The lock manager must know it,
+    because a holder's node vanishes when its session expires. This filter sits on the
+    private logger the driver gives kazoo; it records the value and drops kazoo's chatter
+    below WARNING.
+
+    Attributes:
+        granted: the last granted session timeout in seconds, ``None`` before a session.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.granted: float | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Record a negotiated timeout; let warnings and errors through."""
+        if "negotiated session timeout" in str(record.msg):
+            args = record.args
+            if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], int | float):
+                self.granted = float(args[2]) / 1000.0
+        return record.levelno >= logging.WARNING

@@ -1,0 +1,29 @@
+"""The ZooKeeper manager in the manager conformance suite, on the session's 3-server
+ensemble.
+
+The managers ask for 60 s sessions (the ensemble grants up to 120 s), so that every ttl
+the suite uses fits in the session. The faults are in ``tests/test_consensus_faults.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fence._async.zookeeper import AsyncZooKeeperLockManager
+from fence._sync.zookeeper import ZooKeeperLockManager
+from tests.registry import ManagerBackend, register_manager_backend
+
+
+def _setup(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue("zookeeper_url"))
+
+
+def _make(url: str, is_async: bool, **options: Any) -> Any:
+    cls = AsyncZooKeeperLockManager if is_async else ZooKeeperLockManager
+    options.setdefault("session_timeout", 60.0)
+    return cls(url, **options)
+
+
+register_manager_backend(ManagerBackend("zookeeper", _setup, _make, marks=(pytest.mark.zookeeper,)))

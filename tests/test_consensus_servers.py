@@ -1,0 +1,54 @@
+"""The consensus clusters of the test rig are real, never run ZooKeeper as root, stay small,
+and are reaped when the run that started them died."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+from fence._chaos.clusters import OWNER_FILE
+from tests.servers import EtcdCluster, ZooKeeperEnsemble, reap_orphans
+
+
+def _uid(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(line.split()[1] for line in status if line.startswith("Uid:")))
+
+
+def test_etcd_cluster_is_real(etcd_cluster: EtcdCluster) -> None:
+    etcd_cluster.heal()
+    statuses = [etcd_cluster.status(i) for i in range(3)]
+    assert all(statuses)
+    assert {s["version"] for s in statuses if s} == {"3.4.23"}
+    assert len({s["header"]["member_id"] for s in statuses if s}) == 3
+    assert len({s["leader"] for s in statuses if s}) == 1  # one leader, seen by all
+
+
+def test_zookeeper_runs_as_an_unprivileged_user_with_a_small_heap(
+    zookeeper_ensemble: ZooKeeperEnsemble,
+) -> None:
+    zookeeper_ensemble.heal()
+    modes = sorted(str(zookeeper_ensemble.mode(i)) for i in range(3))
+    assert modes == ["follower", "follower", "leader"]
+    for member in zookeeper_ensemble.members:
+        assert member.proc is not None
+        assert _uid(member.proc.pid) != 0
+        command = Path(f"/proc/{member.proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"-Xmx128m" in command
+
+
+def test_a_cluster_of_a_dead_run_is_reaped() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    cluster = EtcdCluster(size=1).start()
+    procs = [m.proc for m in cluster.members]
+    (cluster.dir / OWNER_FILE).write_text(str(dead.pid))
+    reaped = reap_orphans()
+    assert str(cluster.dir) in reaped
+    assert not cluster.dir.exists()
+    for proc in procs:
+        assert proc is not None
+        assert proc.wait(timeout=10) == -signal.SIGKILL  # killed by the reaper
+    for member in cluster.members:
+        member.proc = None
