@@ -29,11 +29,21 @@ import _harness
 import psycopg
 from _harness import Context, Row
 from psycopg import sql
-from sqlalchemy import Column, Engine, Integer, MetaData, Table, bindparam, create_engine, update
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Engine,
+    Integer,
+    MetaData,
+    Table,
+    bindparam,
+    create_engine,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from fence.adapters.psycopg import RowGuard as PgRowGuard
-from fence.adapters.sql import RowGuard, fence_column
+from fence.adapters.sql import FENCE_INFO, RowGuard, fence_column
 
 GROUP = "sql-batch"
 SIZES = (10, 500)
@@ -130,15 +140,24 @@ def _core(ctx: Context, engine: Engine, label: str, dialect: Any) -> list[Row]:
         Column("v", Integer),
         fence_column(),
     )
+    # The plain twin writes the same rows through a Table that says its fence column is
+    # not one, so the gate passes it as any unfenced table.
+    twin = Table(
+        TABLE,
+        MetaData(),
+        Column("id", Integer, primary_key=True, autoincrement=False),
+        Column("v", Integer),
+        Column("fence", BigInteger, info={FENCE_INFO: False}),
+    )
     rows: list[Row] = []
     with engine.connect() as conn:
         guard = RowGuard(conn, table)
-        plain_update = update(table).where(table.c.id == bindparam("k")).values(v=bindparam("x"))
+        plain_update = update(twin).where(twin.c.id == bindparam("k")).values(v=bindparam("x"))
         for size in SIZES:
             keys = range(size)
 
             def plain_upsert(keys: range = keys) -> None:
-                ins = dialect.insert(table).values([{"id": k, "v": k} for k in keys])
+                ins = dialect.insert(twin).values([{"id": k, "v": k} for k in keys])
                 conn.execute(
                     ins.on_conflict_do_update(index_elements=["id"], set_={"v": ins.excluded.v})
                 )
@@ -180,7 +199,8 @@ def bench_core_sqlite(ctx: Context) -> list[Row]:
     """SQLAlchemy Core on an in-memory SQLite database."""
     engine = create_engine("sqlite://")
     try:
-        with engine.begin() as conn:
+        with engine.begin() as plain:
+            conn = plain.execution_options(unfenced=True)  # the set-up, before any holder
             conn.exec_driver_sql(
                 "CREATE TABLE bench_batch (id INTEGER PRIMARY KEY, v INTEGER, "
                 "fence BIGINT NOT NULL DEFAULT 0)"
