@@ -34,6 +34,7 @@ from fence import (
     validate_resource,
     validate_ttl,
 )
+from fence._core import batch_rejection
 
 __all__ = [
     "HSET",
@@ -1262,10 +1263,9 @@ def decode(token: int, ops: Sequence[Op], reply: Any) -> list[Any] | FenceError:
             )
         else:
             errors.append(StaleTokenError(op.key, token, fence, Reason(reason)))
-    if len(errors) == 1 and len(ops) == 1:
+    if len(ops) == 1:
         return errors[0]
-    first = errors[0]
-    return StaleTokenError(first.scope, token, first.fence, first.reason, rejected=tuple(errors))
+    return batch_rejection(resource_of(errors[0].scope), token, errors)
 
 
 def parse_fence(scope: str, raw: Any) -> int | None:

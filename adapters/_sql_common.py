@@ -11,12 +11,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fence._core import rejection
+from fence._core import batch_rejection, rejection
 from fence._errors import (
     BackendError,
     ConfigurationError,
     FenceError,
-    Reason,
     RetryableError,
     StaleTokenError,
 )
@@ -165,30 +164,6 @@ def probe_rejection(scope: str, token: int, probe: Probe, *, need_live: bool) ->
         probe.fence,
         exists=probe.live if need_live else probe.exists,
         fence_is_null=probe.exists and probe.fence is None,
-    )
-
-
-def batch_rejection(scope: str, token: int, errors: Sequence[StaleTokenError]) -> StaleTokenError:
-    """One error for an all-or-nothing batch, listing every rejected item (C6).
-
-    The headline reason is ``STALE`` if any item is stale (a newer holder wrote), else
-    ``UNVERIFIABLE`` if any item is, else ``MISSING``; the headline fence is the highest one.
-
-    Args:
-        scope: what the batch targeted (a table name or ``"fence_register"``).
-        token: the presented token.
-        errors: one error per rejected item, at least one.
-    """
-    reasons = {e.reason for e in errors}
-    for reason in (Reason.STALE, Reason.UNVERIFIABLE, Reason.MISSING):
-        if reason in reasons:
-            break
-    fences = [e.fence for e in errors if e.fence is not None]
-    if len(errors) == 1:
-        only = errors[0]
-        return StaleTokenError(only.scope, token, only.fence, only.reason, rejected=tuple(errors))
-    return StaleTokenError(
-        scope, token, max(fences) if fences else None, reason, rejected=tuple(errors)
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 
 from fence._errors import (
     ConfigurationError,
@@ -21,6 +22,7 @@ __all__ = [
     "MAX_TOKEN",
     "TokenMode",
     "accepts",
+    "batch_rejection",
     "client_deadline",
     "issue_token",
     "rejection",
@@ -177,6 +179,30 @@ def rejection(
         # rather than report a success that did not happen.
         reason = Reason.STALE
     return StaleTokenError(scope, token, fence, reason)
+
+
+def batch_rejection(scope: str, token: int, errors: Sequence[StaleTokenError]) -> StaleTokenError:
+    """One error for an all-or-nothing batch, listing every rejected item (C6).
+
+    Every guard builds its batch verdicts here, so they read the same: the headline reason
+    is ``STALE`` if any item is stale (a newer holder wrote), else ``UNVERIFIABLE`` if any
+    item is, else ``MISSING``; the headline fence is the highest one. A batch with one
+    rejected item is headlined by that item.
+
+    Args:
+        scope: what the batch targeted (a table name, a resource).
+        token: the presented token.
+        errors: one error per rejected item, at least one.
+    """
+    reasons = {e.reason for e in errors}
+    reason = next(r for r in (Reason.STALE, Reason.UNVERIFIABLE, Reason.MISSING) if r in reasons)
+    if len(errors) == 1:
+        only = errors[0]
+        return StaleTokenError(only.scope, token, only.fence, only.reason, rejected=tuple(errors))
+    fences = [e.fence for e in errors if e.fence is not None]
+    return StaleTokenError(
+        scope, token, max(fences) if fences else None, reason, rejected=tuple(errors)
+    )
 
 
 def client_deadline(sent_at: float, ttl: float, *, drift: float, margin: float) -> float:

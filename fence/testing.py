@@ -26,8 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fence._clock import ManualClock
-from fence._core import accepts, rejection, validate_resource, validate_token
-from fence._errors import StaleTokenError
+from fence._core import (
+    accepts,
+    batch_rejection,
+    rejection,
+    validate_resource,
+    validate_token,
+)
 from fence._events import Event, EventBus, EventKind, default_bus
 from fence._memory import MemoryBackend
 
@@ -155,12 +160,9 @@ class MemoryGuard:
                     self.events.emit(
                         EventKind.WRITE_REJECTED, self.source, err.scope, token, reason=err.reason
                     )
-                if len(errors) == 1 and len(scopes) == 1:
+                if len(scopes) == 1:
                     raise errors[0]
-                first = errors[0]
-                raise StaleTokenError(
-                    first.scope, token, first.fence, first.reason, rejected=tuple(errors)
-                )
+                raise batch_rejection(errors[0].scope, token, errors)
             for scope in scopes:
                 cell = self._cells.get(scope)
                 if cell is None:

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +123,18 @@ def _shadow_package(root: Path) -> Path:
     return root
 
 
+def _mypy_ini(src: Path) -> str:
+    """The project's mypy settings (pyproject), pointed at the shadow package."""
+    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    lines = ["[mypy]", f"mypy_path = {src}"]
+    lines += [f"{k} = {v}" for k, v in settings.items() if k not in ("files", "overrides")]
+    for override in settings.get("overrides", []):
+        modules = override["module"]
+        lines.append(f"[mypy-{','.join(modules)}]")
+        lines += [f"{k} = {v}" for k, v in override.items() if k != "module"]
+    return "\n".join(lines) + "\n"
+
+
 def test_docs_and_examples_pass_mypy_strict(tmp_path: Path) -> None:
     src = _shadow_package(tmp_path / "src")
     files = []
@@ -133,10 +146,7 @@ def test_docs_and_examples_pass_mypy_strict(tmp_path: Path) -> None:
         files.append(str(path))
     files += [str(p) for p in sorted((ROOT / "examples").glob("*.py"))]
     config = tmp_path / "mypy.ini"
-    config.write_text(
-        f"[mypy]\nstrict = True\npython_version = 3.11\nwarn_unreachable = True\n"
-        f"mypy_path = {src}\n"
-    )
+    config.write_text(_mypy_ini(src))
     completed = subprocess.run(
         [
             sys.executable, "-m", "mypy", "--config-file", str(config),

@@ -41,6 +41,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, registry
+from sqlalchemy.orm.attributes import flag_modified
 
 from fence import FenceError, Reason, StaleTokenError
 from fence.adapters import psycopg as pg_guard
@@ -282,6 +283,7 @@ class OrmSide(CoreSide):
             if row is None:  # a row that never existed: the ORM has nothing to update
                 raise StaleTokenError(f"{self.table.name}({scope!r})", token, None, Reason.MISSING)
             row.v = value
+            flag_modified(row, "v")  # the same value is a write too, as for every guard
             s.commit()
 
     def delete(self, scope: str, token: int) -> None:
