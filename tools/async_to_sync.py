@@ -33,9 +33,11 @@ HEADER = (
 SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\basync def\b", "def"),
     (r"\basync with\b", "with"),
+    (r"\basync for\b", "for"),
     (r"\bawait ", ""),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
+    (r"\b__aiter__\b", "__iter__"),
     (r"\basynccontextmanager\b", "contextmanager"),
     (r"\bAsync(?=[A-Z])", ""),
     (r"\b_acompat\b", "_compat"),
