@@ -22,7 +22,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", ROOT / "docs" / "orm.md", ROOT / "docs" / "redis-guard.md"]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "docs" / "orm.md",
+    ROOT / "docs" / "redis-guard.md",
+    ROOT / "docs" / "observability.md",
+    ROOT / "docs" / "retry.md",
+]
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
