@@ -41,6 +41,7 @@ SECTIONS: dict[str, str] = {
     "sql-manager": "bench_sql_manager",
     "quorum": "bench_quorum",
     "memory": "bench_memory",
+    "observe": "bench_observe",
 }
 
 TITLES = {
@@ -52,6 +53,7 @@ TITLES = {
     "quorum": "3c. The quorum manager vs pottery Redlock over three nodes",
     "handoff": "4. Contended hand-off, 4 processes, vs python-redis-lock",
     "memory": "5. Memory after many acquire/release cycles (lower is better)",
+    "observe": "6. What the metrics collectors cost, in process (vs nothing listening)",
 }
 
 GROUP_ORDER = list(TITLES)
