@@ -11,7 +11,8 @@ writes (one event each), each variant on a bus of its own, interleaved:
 - a no-op listener: what building and handing out an event costs;
 - ``fence.prometheus`` installed (its own registry);
 - ``fence.otel`` installed on the SDK (a tracer provider without exporters, an in-memory
-  metric reader): spans are created, timed and ended, measurements recorded.
+  metric reader): spans are created, timed and ended, measurements recorded;
+- ``fence.otel`` with ``metrics=False``: the spans alone.
 
 Ratio = rate / the rate with nothing listening.
 """
@@ -34,12 +35,14 @@ from fence.testing import MemoryGuard
 
 GROUP = "observe"
 BASELINE = "nothing listening"
+OTEL_TRACES = "fence.otel (SDK), spans only"
 
 
 def _variants() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[], object]]]:
     pairs: dict[str, Callable[[], object]] = {}
     writes: dict[str, Callable[[], object]] = {}
-    for name in (BASELINE, "a no-op listener", "fence.prometheus", "fence.otel (SDK)"):
+    names = (BASELINE, "a no-op listener", "fence.prometheus", "fence.otel (SDK)", OTEL_TRACES)
+    for name in names:
         bus = EventBus()
         if name == "a no-op listener":
             bus.subscribe(lambda event: None)
@@ -49,6 +52,8 @@ def _variants() -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[],
             fence.otel.install(
                 TracerProvider(), MeterProvider(metric_readers=[InMemoryMetricReader()]), bus
             )
+        elif name == OTEL_TRACES:
+            fence.otel.install(TracerProvider(), bus=bus, metrics=False)
         manager = MemoryLockManager(ttl=30, events=bus)
         guard = MemoryGuard(events=bus)
         token = manager.acquire("bench:write").token
