@@ -44,6 +44,7 @@ SECTIONS: dict[str, str] = {
     "quorum": "bench_quorum",
     "consensus": "bench_consensus",
     "memory": "bench_memory",
+    "observe": "bench_observe",
 }
 
 TITLES = {
@@ -58,6 +59,7 @@ TITLES = {
     "handoff": "4. Contended hand-off, 4 processes, vs python-redis-lock",
     "consensus-handoff": "4b. Contended hand-off on etcd and ZooKeeper vs the Redis manager",
     "memory": "5. Memory after many acquire/release cycles (lower is better)",
+    "observe": "6. What the metrics collectors cost, in process (vs nothing listening)",
 }
 
 GROUP_ORDER = list(TITLES)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from fence._async.manager import AsyncBaseLockManager, AsyncLease
 from fence._async.memory import AsyncMemoryLockManager
+from fence._async.retry import AsyncRetryPolicy
 from fence._clock import Clock, ManualClock, SystemClock, system_clock
 from fence._connect import connect, connect_async
 from fence._core import (
@@ -53,8 +54,10 @@ from fence._errors import (
 )
 from fence._events import Event, EventBus, EventKind, default_bus, log_events
 from fence._memory import MemoryBackend
+from fence._retry import exponential_backoff, is_retryable
 from fence._sync.manager import BaseLockManager, Lease
 from fence._sync.memory import MemoryLockManager
+from fence._sync.retry import RetryPolicy
 from fence.abc import AsyncGuard, AsyncLockManager, Guard, LockInfo, LockManager
 
 if TYPE_CHECKING:
@@ -111,6 +114,7 @@ __all__ = [
     "AsyncMemoryLockManager",
     "AsyncQuorumLockManager",
     "AsyncRedisLockManager",
+    "AsyncRetryPolicy",
     "AsyncSQLLockManager",
     "AsyncZooKeeperLockManager",
     "BackendError",
@@ -138,6 +142,7 @@ __all__ = [
     "QuorumLockManager",
     "Reason",
     "RedisLockManager",
+    "RetryPolicy",
     "RetryableError",
     "SQLLockManager",
     "StaleTokenError",
@@ -151,6 +156,8 @@ __all__ = [
     "connect",
     "connect_async",
     "default_bus",
+    "exponential_backoff",
+    "is_retryable",
     "issue_token",
     "lease_table",
     "lease_table_ddl",
@@ -166,9 +173,11 @@ for _name in (
     "AsyncBaseLockManager",
     "AsyncLease",
     "AsyncMemoryLockManager",
+    "AsyncRetryPolicy",
     "BaseLockManager",
     "Lease",
     "MemoryLockManager",
+    "RetryPolicy",
     "MemoryBackend",
     "Event",
     "EventBus",

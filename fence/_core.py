@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import random
 from collections.abc import Sequence
 
 from fence._errors import (
@@ -22,6 +23,7 @@ __all__ = [
     "MAX_TOKEN",
     "TokenMode",
     "accepts",
+    "backoff_delay",
     "batch_rejection",
     "client_deadline",
     "issue_token",
@@ -226,3 +228,23 @@ def client_deadline(sent_at: float, ttl: float, *, drift: float, margin: float) 
             f"ttl {ttl}s leaves no validity after drift {drift} and margin {margin}s"
         )
     return sent_at + validity
+
+
+def backoff_delay(
+    attempt: int, *, base: float, cap: float, rng: random.Random | None = None
+) -> float:
+    """A jittered exponential backoff: uniform in ``[d / 2, d]``.
+
+    ``d = min(cap, base * 2**attempt)``.
+
+    The delay is random so that clients that failed together (a split vote of the quorum
+    manager, contention under a retry policy) do not collide again on the next attempt.
+
+    Args:
+        attempt: how many attempts failed before this one (0 for the first retry).
+        base: the delay before the first retry, in seconds.
+        cap: the longest delay, in seconds.
+        rng: the random source (default: the :mod:`random` module's).
+    """
+    ceiling = min(cap, base * 2 ** min(attempt, 30))
+    return (rng or random).uniform(ceiling / 2, ceiling)

@@ -38,6 +38,9 @@ class EventKind(enum.StrEnum):
             nodes with intact data (``detail["reason"]``, ``detail["ineligible"]``).
         QUORUM_INITIALIZED: a quorum manager found every node empty and set the quorum up
             (a new deployment, or every node lost its data at once).
+        RETRYING: a retry policy runs a unit of work again after a retryable error
+            (``duration`` = the delay before the next attempt, ``detail["attempt"]`` = the
+            attempt that failed, from 1, ``detail["error"]`` = the error's class name).
     """
 
     ACQUIRED = "acquired"
@@ -53,6 +56,7 @@ class EventKind(enum.StrEnum):
     NODE_DATA_LOST = "node_data_lost"
     REFUSED = "refused"
     QUORUM_INITIALIZED = "quorum_initialized"
+    RETRYING = "retrying"
 
 
 @dataclass(frozen=True, slots=True)

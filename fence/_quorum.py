@@ -75,12 +75,11 @@ jump): the tokens of two overlapping holders still differ and follow their grant
 from __future__ import annotations
 
 import enum
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from fence._core import MAX_TOKEN, validate_token
+from fence._core import MAX_TOKEN, backoff_delay, validate_token
 from fence._errors import ConfigurationError
 from fence._redis_scripts import _PRELUDE, RELEASE, resource_keys
 from fence.abc import LockInfo
@@ -944,26 +943,6 @@ def time_until_free(holder_ttls: Sequence[float | None], free: int, nodes: int) 
     if len(known) < need:
         return None
     return known[need - 1]
-
-
-def backoff_delay(
-    attempt: int, *, base: float, cap: float, rng: random.Random | None = None
-) -> float:
-    """A jittered exponential backoff: uniform in ``[d / 2, d]``.
-
-    ``d = min(cap, base * 2**attempt)``.
-
-    Redlock retries after a random delay, so that clients that split the votes between
-    them do not collide again on the next attempt.
-
-    Args:
-        attempt: how many attempts failed before this one (0 for the first retry).
-        base: the delay before the first retry, in seconds.
-        cap: the longest delay, in seconds.
-        rng: the random source (default: the :mod:`random` module's).
-    """
-    ceiling = min(cap, base * 2 ** min(attempt, 30))
-    return (rng or random).uniform(ceiling / 2, ceiling)
 
 
 def merge_inspections(

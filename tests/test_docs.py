@@ -25,7 +25,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [
     ROOT / "README.md",
-    *(ROOT / "docs" / n for n in ("orm.md", "redis-guard.md", "sql-guard.md")),
+    *(
+        ROOT / "docs" / n
+        for n in ("orm.md", "redis-guard.md", "sql-guard.md", "observability.md", "retry.md")
+    ),
 ]
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 

@@ -12,6 +12,8 @@ PUBLIC_MODULES = [
     "fence",
     "fence.abc",
     "fence.testing",
+    "fence.prometheus",
+    "fence.otel",
     "fence.adapters",
     "fence.adapters.redis",
     "fence.adapters.sql",

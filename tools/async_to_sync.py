@@ -37,6 +37,7 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\bawait ", ""),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
+    (r"\b__aiter__\b", "__iter__"),
     (r"\basynccontextmanager\b", "contextmanager"),
     (r"\bAsync(?=[A-Z])", ""),
     (r"\b_acompat\b", "_compat"),
