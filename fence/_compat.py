@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -11,10 +12,12 @@ from typing import Any, TypeVar
 
 __all__ = [
     "FanOut",
+    "Stream",
     "Task",
     "Waiter",
     "cancel_after",
     "current_owner",
+    "open_stream",
     "shield",
     "sleep",
     "spawn",
@@ -123,3 +126,77 @@ class FanOut:
     def close(self) -> None:
         """Stop the pool's threads once the calls under way finish."""
         self._pool.shutdown(wait=True)
+
+
+class Stream:
+    """A blocking socket with a time limit on every read; the twin of the asyncio stream."""
+
+    __slots__ = ("_sock",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def write(self, data: bytes) -> None:
+        """Send all of ``data``."""
+        self._sock.sendall(data)
+
+    def write_now(self, data: bytes) -> None:
+        """Send all of ``data`` (the name matches the asyncio twin, which does not wait)."""
+        self._sock.sendall(data)
+
+    def read(self, timeout: float) -> bytes:
+        """The next bytes from the server, waiting at most ``timeout`` seconds.
+
+        Raises:
+            TimeoutError: nothing arrived in time (or ``timeout`` is not positive).
+            ConnectionResetError: the server closed the connection.
+        """
+        if timeout <= 0:
+            raise TimeoutError("no time left to wait for the reply")
+        self._sock.settimeout(timeout)
+        data = self._sock.recv(65536)
+        if not data:
+            raise ConnectionResetError("the server closed the connection")
+        return data
+
+    def alive(self) -> bool:
+        """Whether the connection is still open, with nothing unread: a pooled connection
+        whose server restarted is found out here, before a request is sent on it."""
+        sock = self._sock
+        try:
+            sock.settimeout(0)
+            sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False  # closed by the server (b""), or bytes nobody asked for
+
+    def close(self) -> None:
+        """Close at once. From another thread, it also ends a read blocked on the socket."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+def open_stream(host: str | None, port: int, path: str | None, timeout: float) -> Stream:
+    """Connect to ``host:port`` (or the Unix socket ``path``) within ``timeout`` seconds.
+
+    Raises:
+        TimeoutError: the connection did not open in time.
+        OSError: it was refused or failed.
+    """
+    if timeout <= 0:
+        raise TimeoutError("no time left to connect")
+    if path is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+    else:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return Stream(sock)

@@ -16,8 +16,8 @@ One row per resource, kept for ever::
 A release or a revoke keeps the row (owner NULL, ``expires_at`` now), so the next token is
 computed from the last one and tokens keep increasing.
 
-The module also holds :class:`WakeBoard`, the in-process table of waiters that the drivers
-wake when a release is seen (a PostgreSQL notification, or a release made in this process).
+The module also holds :func:`local_board`, the process-wide :class:`fence._wake.WakeBoard`
+of a SQLite lease table, which a release made in this process posts to.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from fence._core import MAX_TOKEN, TokenMode
 from fence._errors import ConfigurationError
-from fence._signal import Wakeable
+from fence._wake import WakeBoard
 
 if TYPE_CHECKING:
     from sqlalchemy import MetaData, Table
@@ -344,96 +344,6 @@ def lease_statements(
 
 
 # -- wake-ups -------------------------------------------------------------------------------
-
-#: Past this many remembered resources a board forgets them all; a waiter whose cookie
-#: predates that then wakes once for nothing, which costs one acquire attempt.
-_BOARD_LIMIT = 4096
-
-#: What a failed acquire attempt hands to the wait: the board's generation and sequence.
-Cookie = tuple[int, int]
-
-
-class WakeBoard:
-    """Who waits for which resource, and which resources changed since a given moment.
-
-    A driver takes a :meth:`mark` before each acquire attempt and hands it to the wait as
-    the cookie. :meth:`attach` refuses to wait when the resource changed after the mark,
-    which closes the race between a refused attempt and the start of the wait::
-
-        t=0  B: mark -> (0, 7); acquire refused
-        t=1  A releases; the board sees it: seq 8, resource changed at 8
-        t=2  B: attach(cookie (0, 7)) -> changed since 7: retry now instead of sleeping
-
-    A new generation (the notification connection was replaced, and may have missed
-    notifications) counts as a change of every resource. Thread-safe; no I/O.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._generation = 0
-        self._seq = 0
-        self._floor = 0
-        self._changed: dict[str, int] = {}
-        self._waiters: dict[str, list[Wakeable]] = {}
-
-    def mark(self) -> Cookie:
-        """The current moment, to pass to :meth:`attach` later."""
-        with self._lock:
-            return (self._generation, self._seq)
-
-    def bump(self, resource: str) -> None:
-        """Record a change of ``resource`` and wake its waiters."""
-        with self._lock:
-            if len(self._changed) >= _BOARD_LIMIT:
-                self._changed.clear()
-                self._floor = self._seq
-            self._seq += 1
-            self._changed[resource] = self._seq
-            waiters = self._waiters.pop(resource, [])
-        for waiter in waiters:
-            waiter.wake()
-
-    def new_generation(self) -> None:
-        """Count every resource as changed and wake every waiter."""
-        with self._lock:
-            self._generation += 1
-            self._changed.clear()
-            self._floor = self._seq
-            waiters = [w for ws in self._waiters.values() for w in ws]
-            self._waiters.clear()
-        for waiter in waiters:
-            waiter.wake()
-
-    def attach(self, resource: str, waiter: Wakeable, cookie: object) -> bool:
-        """Wake ``waiter`` on the next change of ``resource``.
-
-        Returns ``True`` and attaches nothing if ``resource`` changed since ``cookie`` (or
-        the cookie is not one of this board's marks).
-        """
-        with self._lock:
-            if not (isinstance(cookie, tuple) and len(cookie) == 2):
-                return True
-            generation, seq = cookie
-            if generation != self._generation:
-                return True
-            if self._changed.get(resource, self._floor) > seq:
-                return True
-            self._waiters.setdefault(resource, []).append(waiter)
-            return False
-
-    def detach(self, resource: str, waiter: Wakeable) -> None:
-        """Stop waking ``waiter`` for ``resource``."""
-        with self._lock:
-            waiters = self._waiters.get(resource)
-            if waiters is None:
-                return
-            try:
-                waiters.remove(waiter)
-            except ValueError:
-                pass
-            if not waiters:
-                del self._waiters[resource]
-
 
 _boards_lock = threading.Lock()
 _boards: dict[Hashable, WakeBoard] = {}
