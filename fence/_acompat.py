@@ -12,10 +12,12 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 __all__ = [
+    "Alarm",
     "FanOut",
     "Stream",
     "Task",
     "Waiter",
+    "call_later",
     "cancel_after",
     "current_owner",
     "open_stream",
@@ -215,3 +217,12 @@ async def open_stream(host: str | None, port: int, path: str | None, timeout: fl
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return Stream(reader, writer)
+
+
+Alarm = asyncio.TimerHandle
+
+
+def call_later(seconds: float, fn: Callable[[], None]) -> Alarm:
+    """Call ``fn()`` on the running loop in ``seconds`` unless the returned alarm is
+    cancelled first (``alarm.cancel()``). Used to cut off a round trip at its deadline."""
+    return asyncio.get_running_loop().call_later(max(seconds, 0.0), fn)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import heapq
+import itertools
+import logging
 import socket
 import threading
 import time
@@ -11,10 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 __all__ = [
+    "Alarm",
     "FanOut",
     "Stream",
     "Task",
     "Waiter",
+    "call_later",
     "cancel_after",
     "current_owner",
     "open_stream",
@@ -109,7 +115,11 @@ class FanOut:
         """
         if not calls:
             return []
-        futures: list[Future[T]] = [self._pool.submit(call) for call in calls[:-1]]
+        # Each call runs in a copy of the caller's context, so it sees the call's deadline
+        # (fence._deadline) as a task of the asyncio twin would.
+        futures: list[Future[T]] = [
+            self._pool.submit(contextvars.copy_context().run, call) for call in calls[:-1]
+        ]
         try:
             last: T | Exception = calls[-1]()
         except Exception as exc:
@@ -200,3 +210,70 @@ def open_stream(host: str | None, port: int, path: str | None, timeout: float) -
         sock = socket.create_connection((host, port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return Stream(sock)
+
+
+class Alarm:
+    """A call scheduled by :func:`call_later`; :meth:`cancel` stops it if not yet run."""
+
+    __slots__ = ("_fn", "cancelled")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Do not run the call (a no-op once it has run)."""
+        self.cancelled = True
+
+
+class _AlarmClock:
+    """One daemon thread that runs every alarm of the process when it is due."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Alarm]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, when: float, alarm: Alarm) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (when, next(self._seq), alarm))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="fence-alarms", daemon=True)
+                self._thread.start()
+            elif self._heap[0][2] is alarm:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    while self._heap and self._heap[0][2].cancelled:
+                        heapq.heappop(self._heap)
+                    if not self._heap:
+                        if not self._cond.wait(60.0) and not self._heap:
+                            self._thread = None
+                            return
+                        continue
+                    delay = self._heap[0][0] - time.monotonic()
+                    if delay <= 0:
+                        alarm = heapq.heappop(self._heap)[2]
+                        break
+                    self._cond.wait(delay)
+            if not alarm.cancelled:
+                alarm.cancelled = True
+                try:
+                    alarm._fn()
+                except Exception:  # pragma: no cover - an alarm must not kill the clock
+                    logging.getLogger("fence").exception("alarm %r failed", alarm._fn)
+
+
+_alarms = _AlarmClock()
+
+
+def call_later(seconds: float, fn: Callable[[], None]) -> Alarm:
+    """Call ``fn()`` from a shared background thread in ``seconds`` unless the returned
+    alarm is cancelled first. Used to cut off a blocking round trip at its deadline."""
+    alarm = Alarm(fn)
+    _alarms.add(time.monotonic() + max(seconds, 0.0), alarm)
+    return alarm

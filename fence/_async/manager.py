@@ -618,55 +618,50 @@ class AsyncBaseLockManager:
         the caller (C11: nobody must be left holding a lock for a secret nobody has).
 
         The optional driver hook ``cancel(resource, secret, ttl)`` also refuses an attempt
-        still on its way (Redis leaves a tombstone); without it the manager releases. If
-        the backend does not answer within :data:`UNDO_LIMIT`, the clean-up goes on in the
-        background until it does, for as long as such a lock could live.
+        still on its way (Redis leaves a tombstone); without it the manager releases. The
+        clean-up runs in the background and the caller waits for it at most
+        :data:`UNDO_LIMIT`; if the backend does not answer, it goes on retrying until it
+        does, for as long as such a lock could live, or until the manager closes.
         """
-        cancel = getattr(self.driver, "cancel", None)
-        scope = set_deadline(time.monotonic() + UNDO_LIMIT)
-        try:
-            async with cancel_after(UNDO_LIMIT + _GRACE):
-                if cancel is not None:
-                    await shield(cancel(resource, secret, ttl))
-                else:
-                    await shield(self.driver.release(resource, secret))
-            return
-        except (BackendError, TimeoutError):
-            _log.debug("clean-up of a failed acquire of %r deferred", resource, exc_info=True)
-        finally:
-            reset(scope)
-        self._reap_later(resource, secret, ttl)
-
-    def _reap_later(self, resource: str, secret: str, ttl: float) -> None:
-        if self._closed:
-            return
-        task = spawn(self._reap, resource, secret, ttl, name=f"fence-undo:{resource}")
+        done = Signal()
+        task = spawn(self._reap, resource, secret, ttl, done, name=f"fence-undo:{resource}")
         self._watchdogs = [w for w in self._watchdogs if not w.done()]
         self._watchdogs.append(task)
+        waiter = Waiter()
+        if not done.attach(waiter):
+            try:
+                await waiter.wait(UNDO_LIMIT)
+            finally:
+                done.detach(waiter)
 
-    async def _reap(self, resource: str, secret: str, ttl: float) -> None:
-        """Retry the clean-up of a failed acquire until the backend answers, the lock it
-        may have taken has expired, or the manager closes."""
+    async def _reap(self, resource: str, secret: str, ttl: float, done: Signal) -> None:
+        """Clean up after a failed acquire: at once, then with backoff until the backend
+        answers, the lock it may have taken has expired, or the manager closes."""
         clock = self.clock
         until = clock.monotonic() + ttl
         delay = _RETRY_BASE
         cancel = getattr(self.driver, "cancel", None)
-        while True:
-            if await self._sleep_until(self._closing, min(clock.monotonic() + delay, until)):
-                return
-            if clock.monotonic() >= until:
-                return
-            try:
-                if cancel is not None:
-                    await cancel(resource, secret, ttl)
-                else:
-                    await self.driver.release(resource, secret)
-            except BackendError:
+        try:
+            while True:
+                try:
+                    if cancel is not None:
+                        await cancel(resource, secret, ttl)
+                    else:
+                        await self.driver.release(resource, secret)
+                    return
+                except BackendError:
+                    _log.debug("clean-up of a failed acquire of %r failed", resource, exc_info=True)
+                except Exception:
+                    _log.exception("clean-up of a failed acquire of %r failed", resource)
+                    return
+                done.set()  # the caller need not wait for the retries
+                if await self._sleep_until(self._closing, min(clock.monotonic() + delay, until)):
+                    return
+                if clock.monotonic() >= until:
+                    return
                 delay = min(delay * 2, _RETRY_MAX)
-                continue
-            except Exception:
-                _log.exception("clean-up of a failed acquire of %r failed", resource)
-            return
+        finally:
+            done.set()
 
     async def _abandon(self, resource: str, secret: str) -> None:
         """Tell the driver that a waiter gave up (timeout, cancellation, error).

@@ -674,7 +674,7 @@ class RedisDriver:
         """One attempt: take the lock if free, issuing a token; see
         :meth:`fence.abc.Driver.acquire`."""
         if not self._checked:
-            self._check_config()
+            self._check_config("acquire", resource)
         keys = self.keys(resource)
         mark = self.board.mark()
         script_keys = [keys.lock, keys.token, keys.fence]
@@ -870,7 +870,7 @@ class RedisDriver:
         register ``<prefix>{R}:fence``, and raise the register to it; see
         :meth:`fence.abc.Driver.revoke`."""
         if not self._checked:
-            self._check_config()
+            self._check_config("revoke", resource)
         keys = self.keys(resource)
         args: list[Any] = [self._mode, b"1"] if self.fifo else [self._mode]
         token = self._run(
@@ -894,7 +894,7 @@ class RedisDriver:
 
     # -- server settings -----------------------------------------------------------------
 
-    def _check_config(self) -> None:
+    def _check_config(self, what: str, resource: str) -> None:
         """Warn once about settings that can lose tokens or fences (C3, C12).
 
         Managed services often disable ``CONFIG``; then nothing is checked or said.
@@ -910,10 +910,10 @@ class RedisDriver:
                 if exc.kind in ("ERR", "NOPERM") and "CONFIG" in exc.message.upper():
                     return
                 self._checked = False
-                raise self._error(exc, "CONFIG GET") from exc
+                raise self._error(exc, f"{what} (its settings check, CONFIG GET)") from exc
             except (RedisError, OSError, ConnectionFailure) as exc:
                 self._checked = False
-                raise self._error(exc, "CONFIG GET") from exc
+                raise self._error(exc, what, resource) from exc
             settings.update({_text(k): _text(v) for k, v in got.items()})
         self._appendonly = settings.get("appendonly") == "yes"
         for message in config_warnings(settings, self.token_mode):

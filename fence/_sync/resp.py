@@ -18,6 +18,7 @@ from collections import deque
 from typing import Any, NamedTuple
 
 from fence._compat import Stream, Waiter, open_stream
+from fence._deadline import time_left
 from fence._resp import (
     MORE,
     Address,
@@ -233,11 +234,11 @@ class RespPool:
                 self._leave(slot)
                 raise
             with self._lock:
-                conn, may_open, closed = slot.conn, slot.may_open, self._closed
-                if conn is None and not may_open and slot in self._queue:
+                handed, may_open, closed = slot.conn, slot.may_open, self._closed
+                if handed is None and not may_open and slot in self._queue:
                     self._queue.remove(slot)
-            if conn is not None:
-                return conn
+            if handed is not None:
+                return handed
             if not may_open:
                 if closed:
                     raise ConnectionFailure("the manager is closed", sent=False)
@@ -419,9 +420,9 @@ class RespClient:
         return Script(script, sha)
 
     def execute_command(self, *args: object) -> Any:
-        """Run one command within ``socket_timeout``; an error reply is raised as
-        :class:`fence._resp.RespError`."""
-        deadline = time.monotonic() + self.socket_timeout
+        """Run one command within ``socket_timeout`` (or the caller's deadline, if nearer:
+        :mod:`fence._deadline`); an error reply is raised as :class:`fence._resp.RespError`."""
+        deadline = time.monotonic() + time_left(self.socket_timeout)
         reply = self.pool.request(pack(*args), deadline)
         if isinstance(reply, RespError):
             raise reply
