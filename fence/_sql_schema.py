@@ -313,7 +313,8 @@ RETURNING token"""
 _SQLITE_FIRST_FENCED = """max($floor, (SELECT coalesce(max(fence), 0) + 1 FROM $register
                         WHERE scope = :resource))"""
 _SQLITE_RAISE_FENCE = """INSERT INTO $register (scope, fence) VALUES (:resource, :token)
-ON CONFLICT (scope) DO UPDATE SET fence = max(fence, excluded.fence)"""
+ON CONFLICT (scope) DO UPDATE SET fence = max(fence, excluded.fence)
+RETURNING fence"""
 
 
 def lease_statements(

@@ -54,6 +54,9 @@ async def server_time_us(client: Any) -> int:
     return int(seconds) * 1_000_000 + int(micros)
 
 
+IS_ASYNC = True  # unasync: IS_ASYNC = False
+
+
 async def until(predicate: Any, timeout: float = 5.0) -> None:
     """Wait (polling, in a test only) until ``await predicate()`` is true."""
     for _ in range(int(timeout / 0.01)):
@@ -328,6 +331,64 @@ async def test_release_wakes_a_waiter_through_the_managers_channel(
     finally:
         await manager.close()
     assert await subscribers(client, signal) == 0
+
+
+async def test_many_waiters_share_a_few_connections(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """Issue 14: a thousand asyncio waiters (two hundred threads) on one lock in one
+    manager. Every one acquires in turn, with strictly increasing tokens, over at most
+    four connections: the pool of three and the pub/sub listener. None fails on a
+    client-side limit."""
+    waiters = 1000 if IS_ASYNC else 200
+    before = len(await client.client_list())
+    manager = AsyncRedisLockManager(redis_url, ttl=60, max_connections=3)
+    tokens: list[int] = []
+    peak = [0]
+    try:
+        holder = await manager.acquire(resource)
+
+        async def wait() -> None:
+            lease = await manager.acquire(resource, timeout=120)
+            tokens.append(lease.token)
+            await lease.release()
+
+        tasks = [await spawn(wait) for _ in range(waiters)]
+
+        async def all_waiting() -> bool:
+            peak[0] = max(peak[0], len(await client.client_list()) - before)
+            return manager.driver.board.waiting(resource) == waiters
+
+        await until(all_waiting, timeout=120)
+        await holder.release()
+        for task in tasks:
+            await join(task)
+        peak[0] = max(peak[0], len(await client.client_list()) - before)
+    finally:
+        await manager.close()
+    assert len(tokens) == waiters
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == waiters
+    assert min(tokens) > holder.token
+    assert peak[0] <= 4
+
+
+async def test_pool_of_a_given_client_names_its_limit(redis_url: str, resource: str) -> None:
+    """A given client whose own pool is exhausted: the error says so (a client-side limit
+    and how to raise it), and does not blame the server."""
+    given = redis.asyncio.Redis.from_url(redis_url, max_connections=1)
+    manager = AsyncRedisLockManager(given, check_config=False)
+    taken = await given.connection_pool.get_connection()
+    try:
+        with pytest.raises(BackendError) as info:
+            await manager.acquire(resource, timeout=0)
+    finally:
+        await given.connection_pool.release(taken)
+        await manager.close()
+        await given.aclose()
+    assert info.value.code == "POOL"
+    assert "max_connections=1" in str(info.value)
+    assert "did not answer" not in str(info.value)
 
 
 async def test_fifo_serves_waiters_in_arrival_order(

@@ -56,6 +56,9 @@ def server_time_us(client: Any) -> int:
     return int(seconds) * 1_000_000 + int(micros)
 
 
+IS_ASYNC = False
+
+
 def until(predicate: Any, timeout: float = 5.0) -> None:
     """Wait (polling, in a test only) until ``predicate()`` is true."""
     for _ in range(int(timeout / 0.01)):
@@ -328,6 +331,62 @@ def test_release_wakes_a_waiter_through_the_managers_channel(
     finally:
         manager.close()
     assert subscribers(client, signal) == 0
+
+
+def test_many_waiters_share_a_few_connections(redis_url: str, client: Any, resource: str) -> None:
+    """Issue 14: a thousand asyncio waiters (two hundred threads) on one lock in one
+    manager. Every one acquires in turn, with strictly increasing tokens, over at most
+    four connections: the pool of three and the pub/sub listener. None fails on a
+    client-side limit."""
+    waiters = 1000 if IS_ASYNC else 200
+    before = len(client.client_list())
+    manager = RedisLockManager(redis_url, ttl=60, max_connections=3)
+    tokens: list[int] = []
+    peak = [0]
+    try:
+        holder = manager.acquire(resource)
+
+        def wait() -> None:
+            lease = manager.acquire(resource, timeout=120)
+            tokens.append(lease.token)
+            lease.release()
+
+        tasks = [spawn(wait) for _ in range(waiters)]
+
+        def all_waiting() -> bool:
+            peak[0] = max(peak[0], len(client.client_list()) - before)
+            return manager.driver.board.waiting(resource) == waiters
+
+        until(all_waiting, timeout=120)
+        holder.release()
+        for task in tasks:
+            join(task)
+        peak[0] = max(peak[0], len(client.client_list()) - before)
+    finally:
+        manager.close()
+    assert len(tokens) == waiters
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == waiters
+    assert min(tokens) > holder.token
+    assert peak[0] <= 4
+
+
+def test_pool_of_a_given_client_names_its_limit(redis_url: str, resource: str) -> None:
+    """A given client whose own pool is exhausted: the error says so (a client-side limit
+    and how to raise it), and does not blame the server."""
+    given = redis.Redis.from_url(redis_url, max_connections=1)
+    manager = RedisLockManager(given, check_config=False)
+    taken = given.connection_pool.get_connection()
+    try:
+        with pytest.raises(BackendError) as info:
+            manager.acquire(resource, timeout=0)
+    finally:
+        given.connection_pool.release(taken)
+        manager.close()
+        given.close()
+    assert info.value.code == "POOL"
+    assert "max_connections=1" in str(info.value)
+    assert "did not answer" not in str(info.value)
 
 
 def test_fifo_serves_waiters_in_arrival_order(redis_url: str, client: Any, resource: str) -> None:
