@@ -80,8 +80,10 @@ class WakeBoard:
         with self._lock:
             self._record(resource)
 
-    def wake_one(self, resource: str) -> bool:
-        """Record a change of ``resource`` and wake the waiter that attached first.
+    def wake_one(self, resource: str, prefer: Wakeable | None = None) -> bool:
+        """Record a change of ``resource`` and wake the waiter that attached first, or
+        ``prefer`` if it waits for ``resource`` (the waiter that reads the notifications:
+        it needs no hand-over to another thread or task).
 
         Returns whether a waiter was woken.
         """
@@ -90,7 +92,10 @@ class WakeBoard:
             waiters = self._waiters.get(resource)
             if not waiters:
                 return False
-            waiter, key = waiters.popitem(last=False)
+            if prefer is not None and prefer in waiters:
+                waiter, key = prefer, waiters.pop(prefer)
+            else:
+                waiter, key = waiters.popitem(last=False)
             if key is not None:
                 self._keyed.pop((resource, key), None)
             if not waiters:

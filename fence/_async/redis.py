@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from typing import Any
 
 import redis  # unasync: import redis.asyncio
@@ -42,7 +43,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from fence._acompat import Task, Waiter, cancel_after, spawn
+from fence._acompat import Waiter, cancel_after
 from fence._async.manager import AsyncBaseLockManager
 from fence._async.resp import AsyncRespClient, AsyncRespSubscriber
 from fence._clock import Clock
@@ -82,13 +83,11 @@ _FLAVOUR = "redis.asyncio.Redis or redis.asyncio.RedisCluster"
 
 AsyncClient = redis.asyncio.Redis | redis.asyncio.RedisCluster
 
-#: How long the listener's read waits before it looks after idle subscriptions.
+#: How long one read of the pub/sub connection waits; the reader looks after idle
+#: subscriptions and the connection's health between reads.
 _LISTEN_TICK = 1.0
-#: A channel that no waiter of this manager needed for this long is unsubscribed; a
-#: listener with no channel for this long closes its connection until it is needed again.
+#: A channel that no waiter of this manager needed for this long is unsubscribed.
 _LINGER = 10.0
-#: Longest pause between two attempts to (re)open the pub/sub connection.
-_LISTEN_BACKOFF_MAX = 1.0
 #: Default size of the pool of a manager built from a URL.
 DEFAULT_MAX_CONNECTIONS = 3
 #: The listener pings after this long without a message, and reconnects if no answer
@@ -166,14 +165,44 @@ class _PySubscriber:
             pass
 
 
-class _Listener:
-    """One pub/sub connection per driver: subscribes the channels its waiters need and
-    posts every wake-up to the driver's board.
+class _Seat:
+    """A waiter's place at the listener: woken by a wake-up for it (:meth:`wake`, which is
+    what the board and the subscription signals call) or handed the reader's role."""
 
-    Waiters call :meth:`enter` and :meth:`leave` around a wait and :meth:`ensure` to have
-    their resource's channel subscribed. The listener runs as a task (a thread in the sync
-    code), started when the first waiter needs it; it reconnects with a backoff, and after
-    a reconnection every waiter tries again, since wake-ups may have been missed.
+    __slots__ = ("_waiter", "baton", "released")
+
+    def __init__(self) -> None:
+        self._waiter = Waiter()
+        self.released = False
+        self.baton = False
+
+    def wake(self) -> None:
+        """What the seat waits for happened (a release of its resource, a confirmation)."""
+        self.released = True
+        self._waiter.wake()
+
+    def pass_baton(self) -> None:
+        """Ask this waiter to read the listener's connection from now on."""
+        self.baton = True
+        self._waiter.wake()
+
+    async def wait(self, timeout: float) -> None:
+        if await self._waiter.wait(timeout) and not self.released:
+            self._waiter = Waiter()  # woken for the baton: wait again afterwards
+
+
+class _Listener:
+    """One pub/sub connection per driver, read by the waiters themselves.
+
+    Whoever waits takes turns at reading the connection (leader and followers): one
+    waiter reads and posts every wake-up it reads to the driver's board, the others sleep
+    until the board wakes them or the reader leaves and hands the role on. A wake-up for
+    the reader itself therefore costs no hand-over to another thread or task. No thread
+    or task of its own runs while nobody waits.
+
+    Waiters call :meth:`enter` and :meth:`leave` around a wait, :meth:`ensure` to have
+    their resource's channel subscribed, and :meth:`serve` to wait. A lost connection
+    wakes every waiter (wake-ups may have been missed); the next waiter reconnects.
     """
 
     def __init__(self, driver: AsyncRedisDriver) -> None:
@@ -185,10 +214,14 @@ class _Listener:
         self._pending: dict[str, Signal] = {}
         self._inside: dict[str, int] = {}  # resource -> waiters inside a wait
         self._idle: dict[str, float] = {}  # channel -> when its last waiter left
+        self._candidates: OrderedDict[_Seat, None] = OrderedDict()
         self._conn: Any = None
-        self._task: Task | None = None
+        self._connecting = False
+        self._reader: _Seat | None = None
+        self._heard = 0.0
+        self._pinged: float | None = None
+        self._tidied = 0.0
         self._closed = False
-        self._stop = Signal()
 
     def enter(self, resource: str) -> None:
         """A waiter starts waiting for ``resource``."""
@@ -212,7 +245,7 @@ class _Listener:
         False means it was not: the caller's last attempt may have missed a release, so it
         must try again (the subscription is confirmed by now, unless ``deadline`` passed).
         """
-        send = False
+        send = connect = False
         with self._lock:
             if channel in self._confirmed:
                 self._idle.pop(channel, None)
@@ -227,29 +260,58 @@ class _Listener:
             if signal is None:
                 signal = self._pending[channel] = Signal()
             conn = self._conn
-            if self._task is None:
-                self._task = spawn(self._run, name=f"fence-listen:{self._driver._where}")
-                send = False  # the listener subscribes every wanted channel when connected
-        if send and conn is not None:
+            if conn is None and not self._connecting:
+                self._connecting = connect = True
+        if connect:
+            await self._connect(deadline)
+        elif send and conn is not None:
             try:
                 await conn.send("SUBSCRIBE", channel)
             except (ConnectionFailure, RedisError, OSError):
-                pass  # the listener sees the broken connection and subscribes again
-        waiter = Waiter()
-        if not signal.attach(waiter):
+                self._lost(conn)
+        seat = _Seat()
+        if not signal.attach(seat):
             try:
-                await waiter.wait(deadline - time.monotonic())
+                await self.serve(seat, deadline)
             finally:
-                signal.detach(waiter)
+                signal.detach(seat)
         return False
 
-    async def _open(self) -> Any:
+    async def _connect(self, deadline: float) -> None:
         driver = self._driver
-        deadline = time.monotonic() + driver.socket_timeout
-        if driver.address is not None:
-            return await AsyncRespSubscriber.open(driver.address, deadline)
-        client: Any = driver.client
-        if _ASYNC and driver.is_cluster:
+        conn: Any = None
+        try:
+            if driver.address is not None:
+                conn = await AsyncRespSubscriber.open(driver.address, deadline)
+            else:
+                conn = self._redis_py_subscriber()
+            with self._lock:
+                channels = list(self._channels)
+            if channels:
+                await conn.send("SUBSCRIBE", *channels)
+        except (ConnectionFailure, RespError, RedisError, OSError) as exc:
+            _log.debug("pub/sub connection to %s failed: %s", driver._where, exc)
+            if conn is not None:
+                conn.close()
+            with self._lock:
+                self._connecting = False
+                pending = list(self._pending.values())
+                self._pending.clear()
+            for signal in pending:
+                signal.set()  # nobody can confirm them: their waiters try again
+            return
+        with self._lock:
+            self._connecting = False
+            if self._closed:
+                conn.close()
+                return
+            self._conn = conn
+            self._heard = self._tidied = time.monotonic()
+            self._pinged = None
+
+    def _redis_py_subscriber(self) -> _PySubscriber:
+        client: Any = self._driver.client
+        if _ASYNC and self._driver.is_cluster:
             # The asyncio cluster client has no pub/sub: listen on one node. Messages
             # published on any node reach every node.
             node = client.get_default_node()
@@ -268,68 +330,78 @@ class _Listener:
             return _PySubscriber(single.pubsub())
         return _PySubscriber(client.pubsub())
 
-    async def _run(self) -> None:
-        backoff = 0.05
-        idle_since = time.monotonic()
-        while not self._closed:
-            try:
-                conn = await self._open()
-            except (ConnectionFailure, RespError, RedisError, OSError) as exc:
-                _log.debug("pub/sub connection to %s failed: %s", self._driver._where, exc)
-                waiter = Waiter()
-                if not self._stop.attach(waiter):
-                    try:
-                        await waiter.wait(backoff)
-                    finally:
-                        self._stop.detach(waiter)
-                backoff = min(backoff * 2, _LISTEN_BACKOFF_MAX)
-                continue
-            with self._lock:
-                if self._stop.is_set():
-                    conn.close()
-                    break
-                self._conn = conn
-                channels = list(self._channels)
-            try:
-                if channels:
-                    await conn.send("SUBSCRIBE", *channels)
-                backoff = 0.05
-                heard = time.monotonic()
-                pinged: float | None = None
-                while not self._closed:
-                    message = await conn.read(_LISTEN_TICK)
-                    now = time.monotonic()
-                    if message is not None:
-                        heard, pinged = now, None
-                        self._dispatch(message)
+    async def serve(self, seat: _Seat, deadline: float) -> None:
+        """Wait until ``seat`` is woken or ``deadline`` passes, reading the connection
+        whenever nobody else does."""
+        reading = False
+        try:
+            while not seat.released:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                if not reading:
+                    with self._lock:
+                        if self._reader is None and self._conn is not None and not self._closed:
+                            self._reader = seat
+                            reading = True
+                            self._candidates.pop(seat, None)
+                        else:
+                            self._candidates[seat] = None
+                            seat.baton = False
+                    if not reading:
+                        await seat.wait(left)
                         continue
-                    if pinged is not None and now - pinged > self._driver.socket_timeout:
-                        raise ConnectionFailure("no answer to PING", sent=False, timed_out=True)
-                    if await self._tidy(conn):
-                        idle_since = now
-                    elif now - idle_since > _LINGER:
-                        break  # nothing to listen for: free the connection until needed
-                    if pinged is None and now - heard > _PING_AFTER:
-                        await conn.send("PING")
-                        pinged = now
-            except (ConnectionFailure, RespError, RedisError, OSError) as exc:
-                _log.debug("pub/sub connection to %s lost: %s", self._driver._where, exc)
-            finally:
-                with self._lock:
-                    self._conn = None
-                    lost = bool(self._confirmed)
-                    self._confirmed.clear()
-                    idle = self._closed or not (self._channels or self._pending)
-                    if idle:
-                        self._task = None  # the next waiter starts a new listener
-                conn.close()
-                if isinstance(conn, _PySubscriber):
-                    await conn.shutdown()
-                if lost:
-                    # Wake-ups may have been published while nobody listened.
-                    self._board.new_generation()
-            if idle:
+                await self._read_once(min(left, _LISTEN_TICK))
+        finally:
+            successor = None
+            with self._lock:
+                self._candidates.pop(seat, None)
+                if reading and self._reader is seat:
+                    self._reader = None
+                if self._reader is None and (reading or seat.baton) and self._candidates:
+                    successor = next(iter(self._candidates))
+            if successor is not None:
+                successor.pass_baton()
+
+    async def _read_once(self, timeout: float) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            message = await conn.read(timeout)
+            now = time.monotonic()
+            if message is not None:
+                self._heard, self._pinged = now, None
+                self._dispatch(message)
+            elif self._pinged is not None and now - self._pinged > self._driver.socket_timeout:
+                raise ConnectionFailure("no answer to PING", sent=False, timed_out=True)
+            elif self._pinged is None and now - self._heard > _PING_AFTER:
+                self._pinged = now
+                await conn.send("PING")
+            if now - self._tidied > _LISTEN_TICK:
+                self._tidied = now
+                await self._tidy(conn)
+        except (ConnectionFailure, RespError, RedisError, OSError) as exc:
+            _log.debug("pub/sub connection to %s lost: %s", self._driver._where, exc)
+            self._lost(conn)
+
+    def _lost(self, conn: Any) -> None:
+        """The connection broke: forget it and wake everybody, who may have missed a
+        wake-up; the next waiter reconnects."""
+        with self._lock:
+            if self._conn is not conn:
                 return
+            self._conn = None
+            self._confirmed.clear()
+            pending = list(self._pending.values())
+            self._pending.clear()
+            candidates = list(self._candidates)
+        conn.close()
+        for signal in pending:
+            signal.set()
+        self._board.new_generation()
+        for seat in candidates:
+            seat.pass_baton()
 
     def _dispatch(self, message: list[Any]) -> None:
         kind = message[0]
@@ -342,7 +414,7 @@ class _Listener:
             if payload:
                 self._board.wake_key(resource, _text(payload))
             else:
-                self._board.wake_one(resource)
+                self._board.wake_one(resource, prefer=self._reader)
         elif kind == b"subscribe":
             with self._lock:
                 resource = self._channels.get(channel)
@@ -355,8 +427,8 @@ class _Listener:
             if signal is not None:
                 signal.set()
 
-    async def _tidy(self, conn: Any) -> bool:
-        """Unsubscribe channels no waiter needed for a while; return whether any is left."""
+    async def _tidy(self, conn: Any) -> None:
+        """Unsubscribe channels no waiter needed for a while."""
         now = time.monotonic()
         with self._lock:
             stale = [
@@ -369,25 +441,18 @@ class _Listener:
                 del self._idle[channel]
                 self._channels.pop(channel, None)
                 self._confirmed.discard(channel)
-            left = bool(self._channels or self._pending)
         if stale:
             await conn.send("UNSUBSCRIBE", *stale)
-        return left
 
     async def close(self) -> None:
-        """Stop listening and close the connection."""
-        self._stop.set()
+        """Close the connection; every waiter wakes."""
         with self._lock:
             self._closed = True
-            conn, task = self._conn, self._task
-            pending = list(self._pending.values())
-            self._pending.clear()
+            conn = self._conn
         if conn is not None:
-            conn.close()
-        for signal in pending:
-            signal.set()
-        if task is not None:
-            await task.join()
+            self._lost(conn)
+            if isinstance(conn, _PySubscriber):
+                await conn.shutdown()
 
 
 class AsyncRedisDriver:
@@ -821,13 +886,13 @@ class AsyncRedisDriver:
                 return
             if mark is None:
                 mark = self.board.mark()
-            waiter = Waiter()
-            if self.board.attach(resource, waiter, mark, wid or None):
+            seat = _Seat()
+            if self.board.attach(resource, seat, mark, wid or None):
                 return
             try:
-                await waiter.wait(deadline - time.monotonic())
+                await listener.serve(seat, deadline)
             finally:
-                self.board.detach(resource, waiter)
+                self.board.detach(resource, seat)
         finally:
             listener.leave(resource, keys.signal)
 
