@@ -21,12 +21,13 @@ import logging
 import os
 import random
 import socket
+import sqlite3
 import threading
 import time
 import weakref
 from collections.abc import Mapping
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy import event, text
@@ -271,10 +272,12 @@ class SQLDriver:
             notify=notify,
             fence_table=fence_table,
         )
-        self._sql: dict[str, TextClause] = {
-            name: text(getattr(self.statements, name)) for name in _STATEMENTS
+        self._raw_sql: dict[str, str] = {
+            name: getattr(self.statements, name) for name in _STATEMENTS
         }
+        self._sql: dict[str, TextClause] = {name: text(sql) for name, sql in self._raw_sql.items()}
         if self.statements.raise_fence is not None:
+            self._raw_sql["raise_fence"] = self.statements.raise_fence
             self._sql["raise_fence"] = text(self.statements.raise_fence)
         self._lock_row = text(self.statements.lock_row or "")
         # Autocommit: each statement is its own transaction, one round trip, no BEGIN/COMMIT.
@@ -301,6 +304,13 @@ class SQLDriver:
         if isinstance(pool, StaticPool):
             with _serial_locks_guard:
                 self._serial = _serial_locks.setdefault(pool, _SerialLock())
+        # The DB-API shortcut needs an engine that is autocommit already, on pysqlite.
+        self._raw = (
+            dialect == "sqlite"
+            and autocommit
+            and self._serial is None
+            and engine.dialect.driver == "pysqlite"
+        )
 
         self._channel: str | None = None
         self._params: dict[str, Any] = {}
@@ -499,8 +509,10 @@ class SQLDriver:
     ) -> Row[Any] | None:
         if self._create_pending:
             self.create_table()
-        statement = self._sql[name]
         at = deadline()
+        if not _IS_ASYNC and self._raw and not lock_row:
+            return cast("Row[Any] | None", self._execute_raw(name, resource, params, at))
+        statement = self._sql[name]
         for attempt in (1, 2):
             if at is not None and at <= time.monotonic():
                 raise BackendError(
@@ -553,6 +565,47 @@ class SQLDriver:
                     raise self._timed_out(name, resource, exc) from exc
                 raise self._error(exc, name, resource) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _execute_raw(
+        self, name: str, resource: str, params: dict[str, Any], at: float | None
+    ) -> Any:
+        """Sync SQLite on an autocommit engine: one statement on the pool's DB-API
+        connection, without SQLAlchemy's per-statement work (most of a call's cost
+        in-process). Same statements, same pool, same connect-time settings."""
+        if at is not None and at <= time.monotonic():
+            raise BackendError(
+                f"{self._call(name, resource)} on {self._where}: no time left for the "
+                "statement (the caller's deadline passed); nothing was sent",
+                code="TIMEOUT",
+                retryable=True,
+                sent=False,
+            )
+        engine: Any = self.engine
+        try:
+            conn = engine.raw_connection()
+        except sa_exc.SQLAlchemyError as exc:
+            raise self._error(exc, name, resource) from exc
+        try:
+            cursor = conn.cursor()
+            busy = None
+            try:
+                if at is not None and self._busy_ms is not None:
+                    busy = max(1, int((at - time.monotonic()) * 1000))
+                    if busy < self._busy_ms:
+                        cursor.execute(f"PRAGMA busy_timeout = {busy}")
+                    else:
+                        busy = None
+                cursor.execute(self._raw_sql[name], params)
+                rows = cursor.fetchall()
+            finally:
+                if busy is not None:
+                    cursor.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+                cursor.close()
+        except sqlite3.Error as exc:
+            raise self._error(exc, name, resource) from exc
+        finally:
+            conn.close()
+        return rows[0] if rows else None
 
     def _locked(self, conn: Any, statement: TextClause, params: dict[str, Any]) -> Row[Any] | None:
         """Run ``statement`` in a transaction that first takes the resource's row lock
@@ -629,9 +682,9 @@ class SQLDriver:
                 "its directory exists and is writable",
                 code="DATABASE",
             )
-        connection_lost = isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError) or (
-            isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
-        )
+        connection_lost = isinstance(
+            exc, sa_exc.OperationalError | sa_exc.InterfaceError | sqlite3.OperationalError
+        ) or (isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated)
         if self.dialect == "sqlite" and connection_lost and "locked" in message:
             return BackendError(
                 f"{where}: the database stayed locked by another writer ({message}); "
