@@ -102,16 +102,16 @@ local function queue_head(queue, deadlines, now_ms)
   end
 end
 
--- Wake waiters: publish on the resource's channel. Without FIFO an empty message (each
--- listening manager wakes one of its waiters); with FIFO the id of the queue's head (only
--- its manager wakes it), and nothing when nobody is queued.
-local function wake(lock_key, queue, deadlines, fifo)
+-- Wake waiters: publish on the resource's channel '<prefix>{R}:signal'. Without FIFO an
+-- empty message (each listening manager wakes one of its waiters); with FIFO the id of the
+-- queue's head (only its manager wakes it), and nothing when nobody is queued.
+local function wake(signal, queue, deadlines, fifo)
   local payload = ''
   if fifo then
     payload = queue_head(queue, deadlines, math.floor(now_us() / 1000))
     if not payload then return end
   end
-  redis.call('PUBLISH', base_of(lock_key) .. 'signal', payload)
+  redis.call('PUBLISH', signal, payload)
 end
 """
 
@@ -203,7 +203,7 @@ if redis.call('HGET', KEYS[1], 'secret') ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
-wake(KEYS[1], KEYS[2], KEYS[3], ARGV[2])
+wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], ARGV[2])
 return 1
 """
 )
@@ -247,7 +247,7 @@ end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
-wake(KEYS[1], KEYS[2], KEYS[3], ARGV[2])
+wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], ARGV[2])
 return 1
 """
 )
@@ -273,7 +273,7 @@ if redis.call('HGET', KEYS[1], 'secret') ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
-wake(KEYS[1], KEYS[2], KEYS[3], ARGV[4])
+wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], ARGV[4])
 return 1
 """
 )
@@ -310,7 +310,7 @@ local text = string.format('%d', token)
 redis.call('SET', KEYS[2], text)
 redis.call('SET', KEYS[3], text)
 redis.call('DEL', KEYS[1])
-wake(KEYS[1], KEYS[4], KEYS[5], ARGV[2])
+wake(base_of(KEYS[1]) .. 'signal', KEYS[4], KEYS[5], ARGV[2])
 return token
 """
 )

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
 __all__ = [
     "MORE",
     "Address",
@@ -25,8 +28,10 @@ __all__ = [
 ]
 
 
-class RespError(Exception):
+class RespError(ResponseError):
     """An error reply from Redis (``-ERR ...``, ``-NOSCRIPT ...``).
+
+    A redis-py ``ResponseError``, so that code written for redis-py's clients handles it.
 
     Attributes:
         message: the reply text.
@@ -39,8 +44,10 @@ class RespError(Exception):
         self.kind = message.split(" ", 1)[0]
 
 
-class ConnectionFailure(Exception):
+class ConnectionFailure(RedisConnectionError):
     """A connection could not be opened, or broke, or did not answer in time.
+
+    A redis-py ``ConnectionError``, so that code written for redis-py's clients handles it.
 
     Attributes:
         sent: whether the request may have reached the server (its bytes were written);

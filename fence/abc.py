@@ -66,11 +66,15 @@ class AcquireReply(NamedTuple):
         holder_ttl: seconds left on the current holder's lease, if the backend said.
         cookie: driver data handed back to :meth:`AsyncDriver.wait` (e.g. a version
             number that closes the race between a failed attempt and the start of a wait).
+        queued: the attempt left the caller in the backend's wait queue (a queue key or
+            node). If the caller then gives up without waiting (``try_acquire``, a timeout
+            of 0), the manager calls the driver's ``abandon`` hook to take it out again.
     """
 
     token: int | None
     holder_ttl: float | None = None
     cookie: object = None
+    queued: bool = False
 
 
 class AsyncDriver(Protocol):

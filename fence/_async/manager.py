@@ -485,6 +485,7 @@ class AsyncBaseLockManager:
         # on. A timeout of 0 tries once, with a whole round trip (the driver's own limit).
         real_end = time.monotonic() + timeout if timeout else None
         waited = False
+        queued = False
         uncertain = False  # an attempt failed after it may have reached the backend
         refused = False  # the last attempt was answered: the lock was held
         failures = 0
@@ -536,8 +537,11 @@ class AsyncBaseLockManager:
                 failures = 0
                 error = None
                 refused = True
+                queued = queued or reply.queued
                 now = clock.monotonic()
                 if not blocking:
+                    if queued:
+                        await self._abandon(resource, secret)
                     return None
                 if wait_end is not None and now >= wait_end:
                     raise AcquireTimeout(
@@ -566,7 +570,7 @@ class AsyncBaseLockManager:
         except BaseException:
             if uncertain:
                 await self._undo(resource, secret, ttl)
-            if waited:
+            if waited or queued:
                 await self._abandon(resource, secret)
             raise
 

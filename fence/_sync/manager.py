@@ -487,6 +487,7 @@ class BaseLockManager:
         # on. A timeout of 0 tries once, with a whole round trip (the driver's own limit).
         real_end = time.monotonic() + timeout if timeout else None
         waited = False
+        queued = False
         uncertain = False  # an attempt failed after it may have reached the backend
         refused = False  # the last attempt was answered: the lock was held
         failures = 0
@@ -538,8 +539,11 @@ class BaseLockManager:
                 failures = 0
                 error = None
                 refused = True
+                queued = queued or reply.queued
                 now = clock.monotonic()
                 if not blocking:
+                    if queued:
+                        self._abandon(resource, secret)
                     return None
                 if wait_end is not None and now >= wait_end:
                     raise AcquireTimeout(
@@ -568,7 +572,7 @@ class BaseLockManager:
         except BaseException:
             if uncertain:
                 self._undo(resource, secret, ttl)
-            if waited:
+            if waited or queued:
                 self._abandon(resource, secret)
             raise
 

@@ -252,9 +252,10 @@ class QuorumDriver:
             delay = backoff_delay(attempt, base=self.retry_base, cap=self.retry_cap, rng=self._rng)
             return AcquireReply(None, delay, None)
         # A holder has the lock on a majority: wait on one node that refused, where the
-        # holder's release will push a wake-up.
+        # holder's release will publish a wake-up. Always the same one while it refuses:
+        # the node's manager subscribes to the resource once, not once per node.
         wait_hint = time_until_free([outcomes[i].holder_ttl for i in refused], 0, len(self.nodes))
-        return AcquireReply(None, wait_hint, self._rng.choice(refused))
+        return AcquireReply(None, wait_hint, min(refused))
 
     def _commit_token(
         self, resource: str, secret: str, token: int, indexes: Sequence[int], *, fence: bool

@@ -969,14 +969,9 @@ class RedisDriver:
         for name in ("maxmemory-policy", "appendonly", "appendfsync", "save"):
             try:
                 got = self.client.config_get(name)
-            except ResponseError:
+            except ResponseError:  # CONFIG forbidden or renamed (RespError is one too)
                 return
-            except RespError as exc:
-                if exc.kind in ("ERR", "NOPERM") and "CONFIG" in exc.message.upper():
-                    return
-                self._checked = False
-                raise self._error(exc, f"{what} (its settings check, CONFIG GET)") from exc
-            except (RedisError, OSError, ConnectionFailure) as exc:
+            except (RedisError, OSError) as exc:
                 self._checked = False
                 raise self._error(exc, what, resource) from exc
             settings.update({_text(k): _text(v) for k, v in got.items()})
