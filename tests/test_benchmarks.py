@@ -36,7 +36,12 @@ REQUIRED = {
     ("iofence Redis: hand-off latency p50", "python-redis-lock"),
     ("iofence Redis: hand-offs per second", "python-redis-lock"),
     ("redis-py Lock: hand-off latency p50", "python-redis-lock"),
+    ("iofence SQL (SQLite file by URL)", "redis-py Lock"),
+    ("iofence Redis FIFO: acquisitions, busiest / idlest worker", "equal shares"),
 }
+
+#: The waiters section's rows, per kind of waiter (their names carry the count of waiters).
+WAITER_ROWS = ("wake-up latency p50", "wake-up latency p99", "connections used")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +103,11 @@ def test_the_rows_the_issue_asks_for_are_there(quick_run: tuple[dict, str]) -> N
     assert present >= REQUIRED, sorted(REQUIRED - present)
     groups = {row["group"] for row in results["rows"]}
     expected = {"redis-guard", "sql-guard", "managers", "sql-manager", "quorum", "handoff"}
-    assert groups >= expected | {"memory"}
+    waiters = [row["name"] for row in results["rows"] if row["group"] == "waiters"]
+    for kind in ("asyncio", "thread"):
+        for what in WAITER_ROWS:
+            assert any(kind in name and name.endswith(what) for name in waiters), (kind, what)
+    assert groups >= expected | {"memory", "waiters"}
     memory = [row for row in results["rows"] if row["group"] == "memory"]
     assert {row["better"] for row in memory} == {"lower"}
     assert "orm" in groups

@@ -623,49 +623,51 @@ class AsyncBaseLockManager:
 
         The optional driver hook ``cancel(resource, secret, ttl)`` also refuses an attempt
         still on its way (Redis leaves a tombstone); without it the manager releases. The
-        clean-up runs in the background and the caller waits for it at most
-        :data:`UNDO_LIMIT`; if the backend does not answer, it goes on retrying until it
-        does, for as long as such a lock could live, or until the manager closes.
+        first try runs here, with a deadline of :data:`UNDO_LIMIT` (the driver bounds its
+        round trips by it), so the clean-up is on its way to the backend before the caller
+        gets its error. If the backend does not answer in time, the clean-up goes on in the
+        background until it does, for as long as such a lock could live.
         """
-        done = Signal()
-        task = spawn(self._reap, resource, secret, ttl, done, name=f"fence-undo:{resource}")
-        self._watchdogs = [w for w in self._watchdogs if not w.done()]
-        self._watchdogs.append(task)
-        waiter = Waiter()
-        if not done.attach(waiter):
-            try:
-                await waiter.wait(UNDO_LIMIT)
-            finally:
-                done.detach(waiter)
+        scope = set_deadline(time.monotonic() + UNDO_LIMIT)
+        try:
+            async with cancel_after(UNDO_LIMIT + _GRACE):
+                await shield(self._clean_up(resource, secret, ttl))
+            return
+        except (BackendError, TimeoutError):
+            _log.debug("clean-up of a failed acquire of %r deferred", resource, exc_info=True)
+        finally:
+            reset(scope)
+        if not self._closed:
+            task = spawn(self._reap, resource, secret, ttl, name=f"fence-undo:{resource}")
+            self._watchdogs = [w for w in self._watchdogs if not w.done()]
+            self._watchdogs.append(task)
 
-    async def _reap(self, resource: str, secret: str, ttl: float, done: Signal) -> None:
-        """Clean up after a failed acquire: at once, then with backoff until the backend
-        answers, the lock it may have taken has expired, or the manager closes."""
+    async def _clean_up(self, resource: str, secret: str, ttl: float) -> bool:
+        """One try of the clean-up; whether the lock was held (and is released now)."""
+        cancel = getattr(self.driver, "cancel", None)
+        if cancel is not None:
+            return bool(await cancel(resource, secret, ttl))
+        return await self.driver.release(resource, secret)
+
+    async def _reap(self, resource: str, secret: str, ttl: float) -> None:
+        """Retry the clean-up of a failed acquire until the backend answers, the lock it
+        may have taken has expired, or the manager closes."""
         clock = self.clock
         until = clock.monotonic() + ttl
         delay = _RETRY_BASE
-        cancel = getattr(self.driver, "cancel", None)
-        try:
-            while True:
-                try:
-                    if cancel is not None:
-                        await cancel(resource, secret, ttl)
-                    else:
-                        await self.driver.release(resource, secret)
-                    return
-                except BackendError:
-                    _log.debug("clean-up of a failed acquire of %r failed", resource, exc_info=True)
-                except Exception:
-                    _log.exception("clean-up of a failed acquire of %r failed", resource)
-                    return
-                done.set()  # the caller need not wait for the retries
-                if await self._sleep_until(self._closing, min(clock.monotonic() + delay, until)):
-                    return
-                if clock.monotonic() >= until:
-                    return
+        while True:
+            if await self._sleep_until(self._closing, min(clock.monotonic() + delay, until)):
+                return
+            if clock.monotonic() >= until:
+                return
+            try:
+                await self._clean_up(resource, secret, ttl)
+                return
+            except BackendError:
                 delay = min(delay * 2, _RETRY_MAX)
-        finally:
-            done.set()
+            except Exception:
+                _log.exception("clean-up of a failed acquire of %r failed", resource)
+                return
 
     async def _abandon(self, resource: str, secret: str) -> None:
         """Tell the driver that a waiter gave up (timeout, cancellation, error).

@@ -90,6 +90,9 @@ Client = redis.Redis | redis.RedisCluster
 _LISTEN_TICK = 1.0
 #: A channel that no waiter of this manager needed for this long is unsubscribed.
 _LINGER = 10.0
+#: The first pause before reconnecting the pub/sub connection after a failure; it doubles
+#: up to 1 s while the failures go on.
+_RETRY_CONNECT = 0.05
 #: Default size of the pool of a manager built from a URL.
 DEFAULT_MAX_CONNECTIONS = 3
 #: The listener pings after this long without a message, and reconnects if no answer
@@ -224,6 +227,9 @@ class _Listener:
         self._pinged: float | None = None
         self._tidied = 0.0
         self._closed = False
+        self._failures = 0  # connections lost or refused in a row
+        self._failed_at = 0.0
+        self._denied: RespError | None = None  # SUBSCRIBE refused (ACL): said to waiters
 
     def enter(self, resource: str) -> None:
         """A waiter starts waiting for ``resource``."""
@@ -247,6 +253,10 @@ class _Listener:
         False means it was not: the caller's last attempt may have missed a release, so it
         must try again (the subscription is confirmed by now, unless ``deadline`` passed).
         """
+        denied = self._denied
+        if denied is not None:
+            self._denied = None  # said once; the next waiter tries again
+            raise self._driver._error(denied, "wait (SUBSCRIBE)", resource)
         send = connect = False
         with self._lock:
             if channel in self._confirmed:
@@ -254,6 +264,9 @@ class _Listener:
                 return True
             if self._closed:
                 return False
+            # After failures, reconnect with a backoff rather than in a tight loop.
+            pause = min(_RETRY_CONNECT * 2 ** (self._failures - 1), 1.0) if self._failures else 0
+            backing_off = self._conn is None and time.monotonic() - self._failed_at < pause
             self._idle.pop(channel, None)
             if channel not in self._channels:
                 self._channels[channel] = resource
@@ -262,8 +275,12 @@ class _Listener:
             if signal is None:
                 signal = self._pending[channel] = Signal()
             conn = self._conn
-            if conn is None and not self._connecting:
+            if conn is None and not self._connecting and not backing_off:
                 self._connecting = connect = True
+        if backing_off:
+            waiter = Waiter()
+            waiter.wait(min(pause, deadline - time.monotonic()))
+            return False
         if connect:
             self._connect(deadline)
         elif send and conn is not None:
@@ -297,6 +314,8 @@ class _Listener:
                 conn.close()
             with self._lock:
                 self._connecting = False
+                self._failures += 1
+                self._failed_at = time.monotonic()
                 pending = list(self._pending.values())
                 self._pending.clear()
             for signal in pending:
@@ -374,7 +393,7 @@ class _Listener:
             now = time.monotonic()
             if message is not None:
                 self._heard, self._pinged = now, None
-                self._dispatch(message)
+                self._dispatch(conn, message)
             elif self._pinged is not None and now - self._pinged > self._driver.socket_timeout:
                 raise ConnectionFailure("no answer to PING", sent=False, timed_out=True)
             elif self._pinged is None and now - self._heard > _PING_AFTER:
@@ -385,6 +404,8 @@ class _Listener:
                 self._tidy(conn)
         except (ConnectionFailure, RespError, RedisError, OSError) as exc:
             _log.debug("pub/sub connection to %s lost: %s", self._driver._where, exc)
+            if isinstance(exc, RespError) and exc.kind == "NOPERM":
+                self._denied = exc
             self._lost(conn)
 
     def _lost(self, conn: Any) -> None:
@@ -395,6 +416,8 @@ class _Listener:
                 return
             self._conn = None
             self._confirmed.clear()
+            self._failures += 1
+            self._failed_at = time.monotonic()
             pending = list(self._pending.values())
             self._pending.clear()
             candidates = list(self._candidates)
@@ -405,7 +428,7 @@ class _Listener:
         for seat in candidates:
             seat.pass_baton()
 
-    def _dispatch(self, message: list[Any]) -> None:
+    def _dispatch(self, conn: Any, message: list[Any]) -> None:
         kind = message[0]
         channel = _text(message[1]) if len(message) > 1 else ""
         if kind == b"message":
@@ -423,11 +446,24 @@ class _Listener:
                 if resource is None:
                     return
                 self._confirmed.add(channel)
+                self._failures = 0
                 signal = self._pending.pop(channel, None)
             # Attempts made before the subscription could miss a release: they try again.
             self._board.changed(resource)
             if signal is not None:
                 signal.set()
+        elif kind == b"unsubscribe":
+            # An idle channel was dropped while a waiter came back for it (the two crossed
+            # on the wire): subscribe again, and have its waiters try again meanwhile.
+            with self._lock:
+                resource = self._channels.get(channel)
+                if resource is None:
+                    return
+                self._confirmed.discard(channel)
+                if channel not in self._pending:
+                    self._pending[channel] = Signal()
+            self._board.bump(resource)
+            conn.send("SUBSCRIBE", channel)
 
     def _tidy(self, conn: Any) -> None:
         """Unsubscribe channels no waiter needed for a while."""

@@ -39,7 +39,7 @@ from fence._clock import Clock
 from fence._compat import Task, Waiter, call_later, spawn
 from fence._compat import sleep as _sleep
 from fence._core import MAX_TOKEN, TokenMode
-from fence._deadline import deadline
+from fence._deadline import deadline, reset, set_deadline
 from fence._errors import BackendError, ConfigurationError, InvalidTokenError, RetryableError
 from fence._events import EventBus
 from fence._signal import Signal
@@ -403,14 +403,46 @@ class SQLDriver:
         (PostgreSQL grants row locks in arrival order). ``ttl`` is unused: SQL has no
         tombstone. Returns whether the lock was held.
         """
-        del ttl
-        params = {"resource": resource, "secret": secret, **self._params}
-        row = self._execute("release", resource, params, lock_row=True)
-        if row is None:
-            return False
-        if self._local:
-            self._board.bump(resource)
-        return True
+        # The release may have to open a connection, which the caller's deadline cannot
+        # cut short (psycopg waits at least 2 s for a server that hangs): it runs on its
+        # own, for as long as the lock could live, and the caller waits only until its
+        # deadline.
+        outcome: list[Any] = []
+        done = Signal()
+        spawn(self._cancel, resource, secret, ttl, outcome, done, name=f"fence-cancel:{resource}")
+        at = deadline()
+        waiter = Waiter()
+        if not done.attach(waiter):
+            try:
+                waiter.wait(None if at is None else at - time.monotonic())
+            finally:
+                done.detach(waiter)
+        if not outcome:
+            raise BackendError(
+                f"cancel of {resource!r} on {self._where}: no answer before the caller's "
+                "deadline; the release goes on until the database answers",
+                code="CONNECTION",
+                retryable=True,
+            )
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return bool(outcome[0])
+
+    def _cancel(
+        self, resource: str, secret: str, ttl: float, outcome: list[Any], done: Signal
+    ) -> None:
+        scope = set_deadline(time.monotonic() + ttl)
+        try:
+            params = {"resource": resource, "secret": secret, **self._params}
+            row = self._execute("release", resource, params, lock_row=True)
+            if row is not None and self._local:
+                self._board.bump(resource)
+            outcome.append(row is not None)
+        except Exception as exc:
+            outcome.append(exc)
+        finally:
+            reset(scope)
+            done.set()
 
     def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
         """Return on a release seen by this process, or after a jittered poll slice."""

@@ -391,6 +391,37 @@ async def test_pool_of_a_given_client_names_its_limit(redis_url: str, resource: 
     assert "did not answer" not in str(info.value)
 
 
+async def test_a_channel_dropped_under_a_waiter_is_subscribed_again(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """The listener drops channels nobody waited on for a while; if that crosses a waiter
+    coming back (its UNSUBSCRIBE reaches the server after the waiter's check), the waiter
+    must not be left deaf until the holder's ttl: the manager subscribes again."""
+    manager = AsyncRedisLockManager(redis_url, ttl=60)
+    signal = resource_keys("fence:", resource).signal
+    try:
+        holder = await manager.acquire(resource)
+
+        async def waiter() -> int:
+            lease = await manager.acquire(resource, timeout=10)
+            await lease.release()
+            return int(lease.token)
+
+        task = await spawn(waiter)
+
+        async def subscribed() -> bool:
+            return await subscribers(client, signal) == 1
+
+        await until(subscribed)
+        await manager.driver._listener._conn.send("UNSUBSCRIBE", signal)
+        await sleep(0.3)
+        await until(subscribed)  # subscribed again
+        await holder.release()
+        assert await join(task) > holder.token
+    finally:
+        await manager.close()
+
+
 async def test_fifo_serves_waiters_in_arrival_order(
     redis_url: str, client: Any, resource: str
 ) -> None:
@@ -699,6 +730,36 @@ async def test_hybrid_without_persistence_is_quiet(redis_url: str, resource: str
         assert manager.driver._checked
     finally:
         await manager.close()
+
+
+async def test_a_user_who_may_not_subscribe_is_told(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """Waiting needs SUBSCRIBE: a user without it gets a PERMISSION error that says so,
+    not a silent wait until the holder's ttl."""
+    user = f"nosub-{secrets.token_hex(3)}"
+    await client.acl_setuser(
+        user,
+        enabled=True,
+        nopass=True,
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-subscribe"],
+    )
+    holder_manager = AsyncRedisLockManager(redis_url, check_config=False)
+    url = redis_url.replace("redis://", f"redis://{user}:x@")
+    manager = AsyncRedisLockManager(url, check_config=False)
+    try:
+        holder = await holder_manager.acquire(resource, ttl=30)
+        with pytest.raises(BackendError) as info:
+            await manager.acquire(resource, timeout=5)
+        assert info.value.code == "PERMISSION"
+        assert "SUBSCRIBE" in str(info.value)
+        await holder.release()
+    finally:
+        await manager.close()
+        await holder_manager.close()
+        await client.acl_deluser(user)
 
 
 async def test_disabled_config_is_skipped_quietly(

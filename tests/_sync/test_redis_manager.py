@@ -389,6 +389,37 @@ def test_pool_of_a_given_client_names_its_limit(redis_url: str, resource: str) -
     assert "did not answer" not in str(info.value)
 
 
+def test_a_channel_dropped_under_a_waiter_is_subscribed_again(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """The listener drops channels nobody waited on for a while; if that crosses a waiter
+    coming back (its UNSUBSCRIBE reaches the server after the waiter's check), the waiter
+    must not be left deaf until the holder's ttl: the manager subscribes again."""
+    manager = RedisLockManager(redis_url, ttl=60)
+    signal = resource_keys("fence:", resource).signal
+    try:
+        holder = manager.acquire(resource)
+
+        def waiter() -> int:
+            lease = manager.acquire(resource, timeout=10)
+            lease.release()
+            return int(lease.token)
+
+        task = spawn(waiter)
+
+        def subscribed() -> bool:
+            return subscribers(client, signal) == 1
+
+        until(subscribed)
+        manager.driver._listener._conn.send("UNSUBSCRIBE", signal)
+        sleep(0.3)
+        until(subscribed)  # subscribed again
+        holder.release()
+        assert join(task) > holder.token
+    finally:
+        manager.close()
+
+
 def test_fifo_serves_waiters_in_arrival_order(redis_url: str, client: Any, resource: str) -> None:
     """FIFO: waiters get the lock in the order they queued, each woken by a message that
     names it: after the release, each makes exactly one attempt, the one that wins (no
@@ -693,6 +724,34 @@ def test_hybrid_without_persistence_is_quiet(redis_url: str, resource: str) -> N
         assert manager.driver._checked
     finally:
         manager.close()
+
+
+def test_a_user_who_may_not_subscribe_is_told(redis_url: str, client: Any, resource: str) -> None:
+    """Waiting needs SUBSCRIBE: a user without it gets a PERMISSION error that says so,
+    not a silent wait until the holder's ttl."""
+    user = f"nosub-{secrets.token_hex(3)}"
+    client.acl_setuser(
+        user,
+        enabled=True,
+        nopass=True,
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-subscribe"],
+    )
+    holder_manager = RedisLockManager(redis_url, check_config=False)
+    url = redis_url.replace("redis://", f"redis://{user}:x@")
+    manager = RedisLockManager(url, check_config=False)
+    try:
+        holder = holder_manager.acquire(resource, ttl=30)
+        with pytest.raises(BackendError) as info:
+            manager.acquire(resource, timeout=5)
+        assert info.value.code == "PERMISSION"
+        assert "SUBSCRIBE" in str(info.value)
+        holder.release()
+    finally:
+        manager.close()
+        holder_manager.close()
+        client.acl_deluser(user)
 
 
 def test_disabled_config_is_skipped_quietly(redis_url: str, client: Any, resource: str) -> None:
