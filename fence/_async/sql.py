@@ -7,8 +7,9 @@ hybrid tokens (C2, C3, C10). The statements are in :mod:`fence._sql_schema`.
 
 Waiting: on PostgreSQL a release runs ``pg_notify`` in its own statement and waiters are
 woken through one ``LISTEN`` connection per driver, with a bounded poll as a fallback; on
-SQLite a release made in this process wakes the waiters of this process at once and other
-waiters poll with a jittered interval. The generic manager also wakes every waiter when the
+SQLite a release made in this process wakes a waiter of this process at once and other
+waiters poll with a jittered interval. Each release wakes one waiter of each process (the
+one that has waited longest), not all of them. The generic manager also wakes every waiter when the
 holder's lease ends by its ttl.
 """
 
@@ -389,7 +390,7 @@ class AsyncSQLDriver:
         if row is None:
             return False
         if self._local:
-            self._board.bump(resource)
+            self._board.wake_one(resource)
         return True
 
     async def cancel(self, resource: str, secret: str, ttl: float) -> bool:
@@ -435,7 +436,7 @@ class AsyncSQLDriver:
             params = {"resource": resource, "secret": secret, **self._params}
             row = await self._execute("release", resource, params, lock_row=True)
             if row is not None and self._local:
-                self._board.bump(resource)
+                self._board.wake_one(resource)
             outcome.append(row is not None)
         except Exception as exc:
             outcome.append(exc)
@@ -463,6 +464,12 @@ class AsyncSQLDriver:
         finally:
             self._board.detach(resource, waiter)
 
+    async def abandon(self, resource: str, secret: str) -> None:
+        """A waiter gave up; it may have been the one a release woke (each release wakes
+        one waiter of this process): wake another in its place. No I/O."""
+        del secret
+        self._board.wake_one(resource)
+
     async def inspect(self, resource: str) -> LockInfo | None:
         """See :meth:`fence.abc.AsyncDriver.inspect`."""
         row = await self._execute("inspect", resource, {"resource": resource})
@@ -482,7 +489,7 @@ class AsyncSQLDriver:
             # statement, after the lease row already holds the token.
             await self._execute("raise_fence", resource, {"resource": resource, "token": token})
         if self._local:
-            self._board.bump(resource)
+            self._board.wake_one(resource)
         return token
 
     async def close(self) -> None:
@@ -792,7 +799,7 @@ class AsyncSQLDriver:
                     notes = conn.notifies(timeout=_LISTEN_SLICE, stop_after=1)
                     async for note in notes:  # unasync: for note in notes:
                         if note.payload:
-                            self._board.bump(note.payload)
+                            self._board.wake_one(note.payload)
             except psycopg.Error as exc:
                 _log.debug("LISTEN connection for %s lost: %s", self._where, exc)
             finally:

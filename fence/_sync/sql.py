@@ -9,8 +9,9 @@ hybrid tokens (C2, C3, C10). The statements are in :mod:`fence._sql_schema`.
 
 Waiting: on PostgreSQL a release runs ``pg_notify`` in its own statement and waiters are
 woken through one ``LISTEN`` connection per driver, with a bounded poll as a fallback; on
-SQLite a release made in this process wakes the waiters of this process at once and other
-waiters poll with a jittered interval. The generic manager also wakes every waiter when the
+SQLite a release made in this process wakes a waiter of this process at once and other
+waiters poll with a jittered interval. Each release wakes one waiter of each process (the
+one that has waited longest), not all of them. The generic manager also wakes every waiter when the
 holder's lease ends by its ttl.
 """
 
@@ -390,7 +391,7 @@ class SQLDriver:
         if row is None:
             return False
         if self._local:
-            self._board.bump(resource)
+            self._board.wake_one(resource)
         return True
 
     def cancel(self, resource: str, secret: str, ttl: float) -> bool:
@@ -436,7 +437,7 @@ class SQLDriver:
             params = {"resource": resource, "secret": secret, **self._params}
             row = self._execute("release", resource, params, lock_row=True)
             if row is not None and self._local:
-                self._board.bump(resource)
+                self._board.wake_one(resource)
             outcome.append(row is not None)
         except Exception as exc:
             outcome.append(exc)
@@ -464,6 +465,12 @@ class SQLDriver:
         finally:
             self._board.detach(resource, waiter)
 
+    def abandon(self, resource: str, secret: str) -> None:
+        """A waiter gave up; it may have been the one a release woke (each release wakes
+        one waiter of this process): wake another in its place. No I/O."""
+        del secret
+        self._board.wake_one(resource)
+
     def inspect(self, resource: str) -> LockInfo | None:
         """See :meth:`fence.abc.Driver.inspect`."""
         row = self._execute("inspect", resource, {"resource": resource})
@@ -483,7 +490,7 @@ class SQLDriver:
             # statement, after the lease row already holds the token.
             self._execute("raise_fence", resource, {"resource": resource, "token": token})
         if self._local:
-            self._board.bump(resource)
+            self._board.wake_one(resource)
         return token
 
     def close(self) -> None:
@@ -791,7 +798,7 @@ class SQLDriver:
                     notes = conn.notifies(timeout=_LISTEN_SLICE, stop_after=1)
                     for note in notes:
                         if note.payload:
-                            self._board.bump(note.payload)
+                            self._board.wake_one(note.payload)
             except psycopg.Error as exc:
                 _log.debug("LISTEN connection for %s lost: %s", self._where, exc)
             finally:
