@@ -21,6 +21,7 @@ __all__ = [
     "cancel_after",
     "current_owner",
     "open_stream",
+    "settle",
     "shield",
     "sleep",
     "spawn",
@@ -102,6 +103,22 @@ def spawn(
 async def shield(aw: Awaitable[T]) -> T:
     """Await ``aw`` so that cancelling the caller does not cancel it (releases, revokes)."""
     return await asyncio.shield(aw)
+
+
+async def settle(aw: Awaitable[T]) -> T:
+    """Await ``aw``; if the caller is cancelled meanwhile, let ``aw`` finish first, then
+    raise the cancellation.
+
+    For a call that runs on in a thread whatever happens to the task that awaits it (an
+    aiosqlite statement): its outcome must be settled before a clean-up looks at what it
+    did. A second cancellation stops the waiting.
+    """
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
 
 
 def current_owner() -> object:

@@ -24,6 +24,7 @@ __all__ = [
     "cancel_after",
     "current_owner",
     "open_stream",
+    "settle",
     "shield",
     "sleep",
     "spawn",
@@ -80,6 +81,11 @@ def spawn(fn: Callable[..., None], *args: Any, name: str | None = None) -> Task:
 
 def shield(value: T) -> T:
     """Threads cannot be cancelled from outside: nothing to shield."""
+    return value
+
+
+def settle(value: T) -> T:
+    """A thread is not cancelled from outside: the call has finished already."""
     return value
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import sqlite3
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -154,6 +156,36 @@ async def test_memory_cancelled_while_the_backend_is_paused(resource: str) -> No
         assert await manager.inspect(resource) is None
         lease = await manager.try_acquire(resource)
         assert lease is not None
+        await lease.release()
+    finally:
+        await manager.close()
+
+
+async def test_sqlite_cancelled_inside_the_round_trip(tmp_path: Path, resource: str) -> None:
+    """The acquire's statement waits for another connection's write lock (SQLite's busy
+    wait, in aiosqlite's thread, which a cancelled task does not stop) when the task is
+    cancelled; the other connection commits a moment later and the stranded statement is
+    granted the lock after all. The cancellation reaches the caller once that statement is
+    done, and the clean-up that follows releases what it took."""
+    path = tmp_path / "locks.db"
+    manager = AsyncSQLLockManager(f"sqlite:///{path}", create_table=True, ttl=60)
+    try:
+        first = await manager.acquire(resource)
+        await first.release()
+        blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        blocker.execute("BEGIN IMMEDIATE")
+        commit = threading.Timer(0.6, blocker.execute, args=("COMMIT",))
+        commit.start()
+        try:
+            task = asyncio.create_task(manager.acquire(resource, timeout=30))
+            await cancel_after(task, 0.3)
+        finally:
+            commit.join()
+            blocker.close()
+        assert await manager.inspect(resource) is None
+        lease = await manager.try_acquire(resource)
+        assert lease is not None
+        assert lease.token > first.token
         await lease.release()
     finally:
         await manager.close()

@@ -35,7 +35,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext import asyncio as sa  # unasync: import sqlalchemy as sa
 from sqlalchemy.pool import StaticPool
 
-from fence._acompat import Task, Waiter, call_later, spawn
+from fence._acompat import Task, Waiter, call_later, settle, spawn
 from fence._acompat import sleep as _sleep
 from fence._async.manager import AsyncBaseLockManager
 from fence._clock import Clock
@@ -581,7 +581,12 @@ class AsyncSQLDriver:
                     try:
                         if lock_row:
                             return await self._locked(conn, statement, params)
-                        result = await conn.execute(statement, params)
+                        if self._pg:
+                            result = await conn.execute(statement, params)
+                        else:
+                            # aiosqlite runs the statement on in its thread if the task is
+                            # cancelled: let it finish, so a clean-up sees what it did.
+                            result = await settle(conn.execute(statement, params))
                         return result.first()
                     finally:
                         if alarm is not None:

@@ -37,7 +37,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import StaticPool
 
 from fence._clock import Clock
-from fence._compat import Task, Waiter, call_later, spawn
+from fence._compat import Task, Waiter, call_later, settle, spawn
 from fence._compat import sleep as _sleep
 from fence._core import MAX_TOKEN, TokenMode
 from fence._deadline import deadline, reset, set_deadline
@@ -582,7 +582,12 @@ class SQLDriver:
                     try:
                         if lock_row:
                             return self._locked(conn, statement, params)
-                        result = conn.execute(statement, params)
+                        if self._pg:
+                            result = conn.execute(statement, params)
+                        else:
+                            # aiosqlite runs the statement on in its thread if the task is
+                            # cancelled: let it finish, so a clean-up sees what it did.
+                            result = settle(conn.execute(statement, params))
                         return result.first()
                     finally:
                         if alarm is not None:
