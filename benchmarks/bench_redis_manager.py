@@ -12,8 +12,9 @@ Starts its own throwaway ``redis-server`` on loopback and measures, in one run:
 2. **Contended hand-off**: four processes loop on one lock (hold it 0.2 ms, then 0.2 ms of
    work outside it). A hand-off is the lock passing to a *different* process; its latency
    runs from the moment the previous holder starts its release to the moment the next one
-   has the lock. Reported: hand-offs per second, hand-off latency p50/p99 and the time a
-   caller spends waiting inside ``acquire`` (p99), for the Redis manager (plain and
+   has the lock. Reported: hand-offs per second, hand-off latency p50/p99, the time a
+   caller spends waiting inside ``acquire`` (p99) and how evenly the lock went round
+   (acquisitions of the busiest worker over the idlest's), for the Redis manager (plain and
    FIFO), python-redis-lock (the baseline: it also wakes waiters with ``BLPOP``) and redis-py
    ``Lock`` with its default ``sleep=0.1`` polling. The same four worker processes run every
    library in turn, in a rotating order per repetition.
@@ -189,7 +190,10 @@ def handoff_stats(results: list[tuple[int, list[tuple[int, int, int]]]], seconds
     )
     latencies = [(nxt[0] - cur[1]) / 1e6 for cur, nxt in pairwise(events) if nxt[3] != cur[3]]
     waits = [(got - asked) / 1e6 for got, _, asked, _ in events]
+    shares = [len(held) for _, held in results]
     return {
+        "spread": max(shares) / max(min(shares), 1),
+        "shares": shares,
         "acquisitions": len(events),
         "handoffs": len(latencies),
         "handoffs_per_s": len(latencies) / seconds,
@@ -257,7 +261,13 @@ def handoff_rows(stats: dict[str, list[dict]]) -> list[Row]:
     for kind in HANDOFF_KINDS[1:]:
         mine = stats[kind]
         for metric, unit, label, higher, target in (
-            ("handoffs_per_s", "hand-offs/s", "hand-offs per second", True, None),
+            (
+                "handoffs_per_s",
+                "hand-offs/s",
+                "hand-offs per second",
+                True,
+                1.0 if kind == "iofence Redis" else None,
+            ),
             (
                 "p50_ms",
                 "ms",
@@ -286,6 +296,23 @@ def handoff_rows(stats: dict[str, list[dict]]) -> list[Row]:
                     | ({"variant": mine, "baseline": base} if metric == "handoffs_per_s" else {}),
                 )
             )
+    for kind in HANDOFF_KINDS:
+        spreads = [m["spread"] for m in stats[kind]]
+        rows.append(
+            Row(
+                group=GROUP_HANDOFF,
+                name=f"{kind}: acquisitions, busiest / idlest worker",
+                baseline="equal shares",
+                ratio=statistics.median(spreads),
+                better="lower",
+                unit="x",
+                value=statistics.median(spreads),
+                baseline_value=1.0,
+                target=1.10 if kind == "iofence Redis FIFO" else None,
+                repetitions=len(spreads),
+                extra={"shares": [m["shares"] for m in stats[kind]]},
+            )
+        )
     return rows
 
 

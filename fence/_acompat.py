@@ -7,17 +7,23 @@ same names, so the generated sync code runs on threads where the source runs on 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 __all__ = [
+    "Alarm",
     "FanOut",
+    "Stream",
     "Task",
     "ThreadResult",
     "Waiter",
+    "call_later",
     "cancel_after",
     "completed",
     "current_owner",
+    "open_stream",
+    "settle",
     "shield",
     "sleep",
     "spawn",
@@ -99,6 +105,22 @@ def spawn(
 async def shield(aw: Awaitable[T]) -> T:
     """Await ``aw`` so that cancelling the caller does not cancel it (releases, revokes)."""
     return await asyncio.shield(aw)
+
+
+async def settle(aw: Awaitable[T]) -> T:
+    """Await ``aw``; if the caller is cancelled meanwhile, let ``aw`` finish first, then
+    raise the cancellation.
+
+    For a call that runs on in a thread whatever happens to the task that awaits it (an
+    aiosqlite statement): its outcome must be settled before a clean-up looks at what it
+    did. A second cancellation stops the waiting.
+    """
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
 
 
 def current_owner() -> object:
@@ -196,3 +218,79 @@ async def completed(result: ThreadResult, timeout: float) -> Any:
     finally:
         result.unlink(done)
     return result.get(block=False)
+
+
+class Stream:
+    """A byte stream to a server (TCP or a Unix socket) with a time limit on every read.
+
+    The thread twin in :mod:`fence._compat` wraps a blocking socket; both have the same
+    methods, so the connection code in ``fence._async.resp`` is written once.
+    """
+
+    __slots__ = ("_reader", "_writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` (buffered; waits only while the transport's buffer is full)."""
+        self._writer.write(data)
+        await self._writer.drain()
+
+    def write_now(self, data: bytes) -> None:
+        """Send ``data`` without waiting for the transport's buffer to drain."""
+        self._writer.write(data)
+
+    async def read(self, timeout: float) -> bytes:
+        """The next bytes from the server, waiting at most ``timeout`` seconds.
+
+        Raises:
+            TimeoutError: nothing arrived in time (or ``timeout`` is not positive).
+            ConnectionResetError: the server closed the connection.
+        """
+        if timeout <= 0:
+            raise TimeoutError("no time left to wait for the reply")
+        async with asyncio.timeout(timeout):
+            data = await self._reader.read(65536)
+        if not data:
+            raise ConnectionResetError("the server closed the connection")
+        return data
+
+    def alive(self) -> bool:
+        """Whether the connection is still open, with nothing unread (no I/O: the event
+        loop has already seen a close by the server)."""
+        return not (self._reader.at_eof() or self._writer.transport.is_closing())
+
+    def close(self) -> None:
+        """Close at once, without sending what is still buffered. Safe from any task."""
+        self._writer.transport.abort()
+
+
+async def open_stream(host: str | None, port: int, path: str | None, timeout: float) -> Stream:
+    """Connect to ``host:port`` (or the Unix socket ``path``) within ``timeout`` seconds.
+
+    Raises:
+        TimeoutError: the connection did not open in time.
+        OSError: it was refused or failed.
+    """
+    if timeout <= 0:
+        raise TimeoutError("no time left to connect")
+    async with asyncio.timeout(timeout):
+        if path is not None:
+            reader, writer = await asyncio.open_unix_connection(path)
+        else:
+            reader, writer = await asyncio.open_connection(host, port)
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return Stream(reader, writer)
+
+
+Alarm = asyncio.TimerHandle
+
+
+def call_later(seconds: float, fn: Callable[[], None]) -> Alarm:
+    """Call ``fn()`` on the running loop in ``seconds`` unless the returned alarm is
+    cancelled first (``alarm.cancel()``). Used to cut off a round trip at its deadline."""
+    return asyncio.get_running_loop().call_later(max(seconds, 0.0), fn)

@@ -254,14 +254,26 @@ class BackendError(FenceError):
     The driver's own exception is chained as ``__cause__``. The message says what to do.
 
     Attributes:
-        code: a short machine-readable code, e.g. ``"CONNECTION"``.
+        code: a short machine-readable code, e.g. ``"CONNECTION"``, ``"POOL"`` (a
+            client-side connection limit), ``"TIMEOUT"``.
         retryable: ``True`` when the same call may succeed if repeated.
+        sent: ``False`` when the request certainly never reached the backend (no
+            connection could be opened, or none was free), so it changed nothing; ``True``
+            or ``None`` when it may have run.
     """
 
-    def __init__(self, message: str, *, code: str = "BACKEND", retryable: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "BACKEND",
+        retryable: bool = False,
+        sent: bool | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.retryable = retryable
+        self.sent = sent
 
 
 class RetryableError(BackendError):

@@ -146,7 +146,8 @@ ACQUIRE = (
 -- ACQUIRE (quorum): take the lock on this node if it is free and the node is eligible,
 -- proposing the node's next token.
 -- KEYS[1] lock hash      KEYS[2] token counter
--- KEYS[3] repaired tag   KEYS[4] node marker
+-- KEYS[3] repaired tag   KEYS[4] node marker     KEYS[5] the guards' fence register
+-- KEYS[6] the tombstone a CANCEL of this secret leaves (fence._redis_scripts)
 -- ARGV[1] owner secret   ARGV[2] ttl in ms       ARGV[3] holder label
 -- ARGV[4] 'hybrid' or 'counter'                  ARGV[5] an incarnation id for a node
 --                                                          that has none
@@ -157,6 +158,9 @@ local ok, state, id, genesis = eligible(KEYS[4], KEYS[3], ARGV[5])
 if not ok then
   return {-1, state, id, genesis}
 end
+if redis.call('EXISTS', KEYS[6]) == 1 then
+  return {0, 0}  -- this acquire was cancelled: refused, as if held, wherever it arrives late
+end
 local held = redis.call('HMGET', KEYS[1], 'secret', 'token')
 if held[1] == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -166,6 +170,10 @@ if held[1] then
   return {0, redis.call('PTTL', KEYS[1])}
 end
 local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+-- Never below the fence register: a counter that went back must not issue a token the
+-- guards refuse.
+local fence = tonumber(redis.call('GET', KEYS[5]) or '0') or 0
+if fence > last then last = fence end
 local token = issue(last, ARGV[4])
 if not token then
   return redis.error_reply('ERR fence: token space exhausted for ' .. KEYS[2])
@@ -185,7 +193,7 @@ REVOKE = (
 -- REVOKE (quorum, first round): end whatever lease the resource has on this node and take
 -- the lock for the revoker, proposing a token above the counter and the deleted lease's.
 -- KEYS[1] lock hash      KEYS[2] token counter
--- KEYS[3] repaired tag   KEYS[4] node marker
+-- KEYS[3] repaired tag   KEYS[4] node marker     KEYS[5] the guards' fence register
 -- ARGV[1] the revoker's secret   ARGV[2] ttl in ms   ARGV[3] 'hybrid' or 'counter'
 -- ARGV[4] an incarnation id for a node that has none
 -- Returns the proposal, or {-1, state, id, genesis id} when the node is not eligible.
@@ -196,6 +204,8 @@ end
 local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 local held = tonumber(redis.call('HGET', KEYS[1], 'token') or '0') or 0
 if held > last then last = held end
+local fence = tonumber(redis.call('GET', KEYS[5]) or '0') or 0
+if fence > last then last = fence end
 local token = issue(last, ARGV[3])
 if not token then
   return redis.error_reply('ERR fence: token space exhausted for ' .. KEYS[2])
@@ -330,9 +340,10 @@ class QuorumKeys(NamedTuple):
         lock: the holder hash (ttl: the lease).
         token: the last token issued (no ttl).
         fence: the guards' fence register (no ttl).
-        signal: the list a release pushes to, to wake one waiter.
+        signal: the channel a release publishes on, to wake a waiter.
         repaired: the incarnation id under which the resource was repaired (no ttl).
         node: the node's marker, shared by every resource (no ttl).
+        void: the prefix of the tombstone a cancelled acquire leaves (add the secret).
     """
 
     lock: str
@@ -341,6 +352,7 @@ class QuorumKeys(NamedTuple):
     signal: str
     repaired: str
     node: str
+    void: str
 
 
 def quorum_keys(prefix: str, resource: str) -> QuorumKeys:
@@ -362,6 +374,7 @@ def quorum_keys(prefix: str, resource: str) -> QuorumKeys:
         signal=keys.signal,
         repaired=keys.token[: -len("token")] + "repaired",
         node=prefix + "quorum:node",
+        void=keys.void_prefix,
     )
 
 
@@ -536,13 +549,13 @@ def node_call(
     if op is Op.ACQUIRE:
         return (
             "acquire",
-            [keys.lock, keys.token, keys.repaired, keys.node],
+            [keys.lock, keys.token, keys.repaired, keys.node, keys.fence, keys.void + secret],
             [secret, str(ttl_ms), holder, mode, nonce],
         )
     if op is Op.REVOKE:
         return (
             "revoke",
-            [keys.lock, keys.token, keys.repaired, keys.node],
+            [keys.lock, keys.token, keys.repaired, keys.node, keys.fence],
             [secret, str(ttl_ms), mode, nonce],
         )
     if op in (Op.COMMIT, Op.FENCE):

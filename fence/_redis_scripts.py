@@ -5,13 +5,18 @@ Redis Cluster slot. With the default prefix ``fence:``:
 
 - ``fence:{R}:lock``: the holder, a hash ``secret``/``token``/``holder`` with a ``PX`` ttl.
 - ``fence:{R}:token``: the last token issued for ``R``; an integer string with no ttl.
-- ``fence:{R}:fence``: the storage guards' fence register; :data:`REVOKE` raises it.
-- ``fence:{R}:signal``: a list that wakes one waiter per release (``BLPOP``).
+- ``fence:{R}:fence``: the storage guards' fence register. :data:`REVOKE` raises it, and
+  no new token is ever issued at or below it.
 - ``fence:{R}:queue`` and ``fence:{R}:queue-deadlines``: the FIFO wait queue (a sorted set
   of waiter ids by arrival, and a hash of each waiter's deadline in server milliseconds).
-- ``fence:{R}:wake:<waiter>``: the list a FIFO waiter blocks on.
+- ``fence:{R}:void:<secret>``: left by :data:`CANCEL` for an acquire that gave up without
+  knowing its outcome; an attempt with that secret that arrives later is refused.
 
-Only the lock, signal, queue and wake keys carry a ttl. Counters and fences never do.
+and the pub/sub channel ``fence:{R}:signal``, on which a release (or revoke, or a waiter
+that gives up while the lock is free) publishes a wake-up: an empty message (wake one
+waiter per listening manager) or, with FIFO, the id of the waiter whose turn it is.
+
+Only the lock, queue and void keys carry a ttl. Counters and fences never do.
 
 Tokens in Lua are doubles; every token is below ``2**53`` (C1), so they are exact. They are
 written with ``string.format('%d', t)``: passing a number to ``redis.call`` would format it
@@ -31,13 +36,13 @@ from fence._errors import ConfigurationError, InvalidResourceError
 __all__ = [
     "ABANDON",
     "ACQUIRE",
+    "CANCEL",
     "DEFAULT_PREFIX",
     "ENQUEUE",
     "INSPECT",
     "RELEASE",
     "RENEW",
     "REVOKE",
-    "SIGNAL_TTL_MS",
     "ResourceKeys",
     "config_warnings",
     "milliseconds",
@@ -49,14 +54,9 @@ __all__ = [
 #: The key prefix shared with the Redis guard.
 DEFAULT_PREFIX = "fence:"
 
-#: How long an unconsumed release signal waits for a waiter. It only has to bridge the gap
-#: between a failed attempt and the waiter's ``BLPOP``; a stale one costs one extra attempt.
-SIGNAL_TTL_MS = 5000
-
 # Shared Lua prelude: the token rule of fence._core.issue_token and the wake-up step.
-_PRELUDE = f"""
+_PRELUDE = """
 local MAX_TOKEN = 9007199254740991
-local SIGNAL_TTL_MS = {SIGNAL_TTL_MS}
 
 local function now_us()
   local t = redis.call('TIME')
@@ -76,6 +76,20 @@ local function issue(last, mode)
   return nxt
 end
 
+-- The largest token known for the resource: the counter, and the guards' fence register
+-- (a counter lost with an AOF tail, or evicted, must not take tokens below the fence).
+local function last_token(token_key, fence_key)
+  local last = tonumber(redis.call('GET', token_key) or '0') or 0
+  local fence = tonumber(redis.call('GET', fence_key) or '0') or 0
+  if fence > last then return fence end
+  return last
+end
+
+-- '<prefix>{R}:' from the lock key '<prefix>{R}:lock'.
+local function base_of(lock_key)
+  return string.sub(lock_key, 1, -5)
+end
+
 -- Drop queue heads whose deadline passed; return the live head or nil.
 local function queue_head(queue, deadlines, now_ms)
   while true do
@@ -88,22 +102,16 @@ local function queue_head(queue, deadlines, now_ms)
   end
 end
 
--- Wake one waiter: the head of the FIFO queue (when wake_prefix is given), or whoever
--- blocks on the signal list.
-local function wake(signal, queue, deadlines, wake_prefix)
-  local key = signal
-  if wake_prefix then
-    local head = queue_head(queue, deadlines, math.floor(now_us() / 1000))
-    if not head then return end
-    key = wake_prefix .. head
+-- Wake waiters: publish on the resource's channel '<prefix>{R}:signal'. Without FIFO an
+-- empty message (each listening manager wakes one of its waiters); with FIFO the id of the
+-- queue's head (only its manager wakes it), and nothing when nobody is queued.
+local function wake(signal, queue, deadlines, fifo)
+  local payload = ''
+  if fifo then
+    payload = queue_head(queue, deadlines, math.floor(now_us() / 1000))
+    if not payload then return end
   end
-  -- Leave exactly one pending wake-up that lives SIGNAL_TTL_MS. A list that exists already
-  -- holds one, which nobody has taken: refresh its ttl (one call, the common case when no
-  -- one waits) instead of pushing and trimming.
-  if redis.call('PEXPIRE', key, SIGNAL_TTL_MS) == 0 then
-    redis.call('RPUSH', key, '1')
-    redis.call('PEXPIRE', key, SIGNAL_TTL_MS)
-  end
+  redis.call('PUBLISH', signal, payload)
 end
 """
 
@@ -111,8 +119,8 @@ ACQUIRE = (
     _PRELUDE
     + """
 -- ACQUIRE: take the lock if free, issuing the next token in the same step.
--- KEYS[1] lock hash      KEYS[2] token counter
--- KEYS[3] FIFO queue     KEYS[4] FIFO queue deadlines      (FIFO only)
+-- KEYS[1] lock hash      KEYS[2] token counter   KEYS[3] guard fence register
+-- KEYS[4] FIFO queue     KEYS[5] FIFO queue deadlines      (FIFO only)
 -- ARGV[1] owner secret   ARGV[2] ttl in ms       ARGV[3] holder label
 -- ARGV[4] 'hybrid' or 'counter'
 -- ARGV[5] waiter id      ARGV[6] queue entry lifetime in ms (FIFO only; their presence
@@ -122,6 +130,8 @@ ACQUIRE = (
 --   wait_ms when not granted, ms until the lock may change without a wake-up (the holder's
 --           PTTL, or the deadline of the FIFO queue's head), -1 if unknown;
 --   queued  1 if the caller has a place in the FIFO queue.
+-- A new token is above the counter and above the guards' fence register. An attempt whose
+-- acquire was cancelled (CANCEL left its tombstone) is refused with wait_ms -1.
 -- Error 'token space exhausted' when the next token would pass 2**53-1.
 local held = redis.call('HMGET', KEYS[1], 'secret', 'token')
 if held[1] == ARGV[1] then
@@ -133,29 +143,31 @@ local queued = 0
 local now_ms = 0
 if fifo then
   now_ms = math.floor(now_us() / 1000)
-  if redis.call('ZSCORE', KEYS[3], ARGV[5]) then
+  if redis.call('ZSCORE', KEYS[4], ARGV[5]) then
     queued = 1
     -- A waiter's attempt is its heartbeat: its place lives while it keeps trying.
-    redis.call('HSET', KEYS[4], ARGV[5], string.format('%d', now_ms + tonumber(ARGV[6])))
-    redis.call('PEXPIRE', KEYS[3], ARGV[6])
+    redis.call('HSET', KEYS[5], ARGV[5], string.format('%d', now_ms + tonumber(ARGV[6])))
     redis.call('PEXPIRE', KEYS[4], ARGV[6])
+    redis.call('PEXPIRE', KEYS[5], ARGV[6])
   end
 end
 if held[1] then
   return {0, redis.call('PTTL', KEYS[1]), queued}
 end
+if redis.call('EXISTS', base_of(KEYS[1]) .. 'void:' .. ARGV[1]) == 1 then
+  return {0, -1, 0}
+end
 if fifo then
-  local head = queue_head(KEYS[3], KEYS[4], now_ms)
+  local head = queue_head(KEYS[4], KEYS[5], now_ms)
   if head and head ~= ARGV[5] then
-    return {0, tonumber(redis.call('HGET', KEYS[4], head)) - now_ms, queued}
+    return {0, tonumber(redis.call('HGET', KEYS[5], head)) - now_ms, queued}
   end
   if head then
-    redis.call('ZREM', KEYS[3], head)
-    redis.call('HDEL', KEYS[4], head)
+    redis.call('ZREM', KEYS[4], head)
+    redis.call('HDEL', KEYS[5], head)
   end
 end
-local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
-local token = issue(last, ARGV[4])
+local token = issue(last_token(KEYS[2], KEYS[3]), ARGV[4])
 if not token then
   return redis.error_reply('ERR fence: token space exhausted for ' .. KEYS[2])
 end
@@ -182,20 +194,16 @@ return 0
 RELEASE = (
     _PRELUDE
     + """
--- RELEASE: delete the lock if the caller holds it (C11), and wake one waiter: the FIFO
--- queue's head, or (without FIFO) one BLPOP on the signal list.
--- KEYS[1] lock hash      KEYS[2] signal list
--- KEYS[3] FIFO queue     KEYS[4] FIFO queue deadlines      (FIFO only)
--- ARGV[1] owner secret
--- ARGV[2] wake key prefix, '<prefix>{R}:wake:' (FIFO only; its presence turns FIFO on)
+-- RELEASE: delete the lock if the caller holds it (C11), and publish a wake-up.
+-- KEYS[1] lock hash
+-- KEYS[2] FIFO queue     KEYS[3] FIFO queue deadlines      (FIFO only)
+-- ARGV[1] owner secret   ARGV[2] '1' for FIFO (its presence turns FIFO on)
 -- Returns 1 if released, 0 if the lock is not held by this secret (nothing changed).
 if redis.call('HGET', KEYS[1], 'secret') ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
--- Always wake: a waiter blocked since an earlier holder's release would not be seen by
--- any per-holder mark, and a wake-up nobody takes costs one list push.
-wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2])
+wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], ARGV[2])
 return 1
 """
 )
@@ -228,19 +236,44 @@ ABANDON = (
     _PRELUDE
     + """
 -- ABANDON: a waiter gave up. Drop its place and, if the lock is free, pass the turn on, so
--- a waiter that left (or consumed a wake-up it will not use) never holds up the others.
--- KEYS[1] lock hash      KEYS[2] signal list
--- KEYS[3] FIFO queue     KEYS[4] FIFO queue deadlines      (FIFO only)
--- ARGV[1] waiter id      ARGV[2] wake key prefix          (FIFO only)
--- Returns 1 if another waiter was woken, else 0.
+-- a waiter that left (or took a wake-up it will not use) never holds up the others.
+-- KEYS[1] lock hash      KEYS[2] FIFO queue     KEYS[3] FIFO queue deadlines
+-- ARGV[1] waiter id      ARGV[2] '1' for FIFO
+-- Returns 1 if a wake-up was published, else 0.
 if ARGV[2] then
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  redis.call('HDEL', KEYS[4], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[3], ARGV[1])
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
-wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2])
+wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], ARGV[2])
+return 1
+"""
+)
+
+CANCEL = (
+    _PRELUDE
+    + """
+-- CANCEL: an acquire gave up without knowing what one of its attempts did (the reply was
+-- lost to a timeout, a broken connection or a cancellation). Leave a tombstone for its
+-- secret, so that an attempt still on its way is refused when it arrives; release the lock
+-- if an attempt took it; leave the FIFO queue. The outcome no longer depends on the order
+-- in which the attempt and this script reach the server.
+-- KEYS[1] lock hash      KEYS[2] FIFO queue     KEYS[3] FIFO queue deadlines
+-- ARGV[1] owner secret   ARGV[2] tombstone ttl in ms (the lease's ttl)
+-- ARGV[3] waiter id      ARGV[4] '1' for FIFO
+-- Returns 1 if the secret held the lock (released now), else 0.
+redis.call('SET', base_of(KEYS[1]) .. 'void:' .. ARGV[1], '1', 'PX', ARGV[2])
+if ARGV[4] then
+  redis.call('ZREM', KEYS[2], ARGV[3])
+  redis.call('HDEL', KEYS[3], ARGV[3])
+end
+if redis.call('HGET', KEYS[1], 'secret') ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], ARGV[4])
 return 1
 """
 )
@@ -260,27 +293,24 @@ REVOKE = (
     _PRELUDE
     + """
 -- REVOKE: end whatever lease the resource has, issue a token above every token issued
--- so far, and raise the guards' fence register to it (SET to the max), so a hung holder's
--- writes are refused from now on (C8, C12). Wakes one waiter.
+-- so far and above the guards' fence register, and raise the register to it, so a hung
+-- holder's writes are refused from now on (C8, C12). Publishes a wake-up.
 -- KEYS[1] lock hash      KEYS[2] token counter   KEYS[3] guard fence register
--- KEYS[4] signal list    KEYS[5] FIFO queue      KEYS[6] FIFO queue deadlines (FIFO only)
--- ARGV[1] 'hybrid' or 'counter'                  ARGV[2] wake key prefix     (FIFO only)
+-- KEYS[4] FIFO queue     KEYS[5] FIFO queue deadlines      (FIFO only)
+-- ARGV[1] 'hybrid' or 'counter'                  ARGV[2] '1' for FIFO
 -- Returns the new token. Error 'token space exhausted' as in ACQUIRE.
-local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+local last = last_token(KEYS[2], KEYS[3])
 local held = tonumber(redis.call('HGET', KEYS[1], 'token') or '0') or 0
 if held > last then last = held end
-local fence = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
 local token = issue(last, ARGV[1])
 if not token then
   return redis.error_reply('ERR fence: token space exhausted for ' .. KEYS[2])
 end
 local text = string.format('%d', token)
 redis.call('SET', KEYS[2], text)
-if token > fence then
-  redis.call('SET', KEYS[3], text)
-end
+redis.call('SET', KEYS[3], text)
 redis.call('DEL', KEYS[1])
-wake(KEYS[4], KEYS[5], KEYS[6], ARGV[2])
+wake(base_of(KEYS[1]) .. 'signal', KEYS[4], KEYS[5], ARGV[2])
 return token
 """
 )
@@ -293,10 +323,10 @@ class ResourceKeys(NamedTuple):
         lock: the holder hash (ttl: the lease).
         token: the last token issued (no ttl).
         fence: the guards' fence register (no ttl).
-        signal: the list a release pushes to, to wake one waiter.
+        signal: the pub/sub channel a release publishes its wake-up on (not a key).
         queue: the FIFO wait queue (sorted set of waiter ids).
         deadlines: the FIFO waiters' deadlines (hash).
-        wake_prefix: prepend to a waiter id for the list that FIFO waiter blocks on.
+        void_prefix: prepend to a secret for the tombstone of a cancelled acquire.
     """
 
     lock: str
@@ -305,7 +335,7 @@ class ResourceKeys(NamedTuple):
     signal: str
     queue: str
     deadlines: str
-    wake_prefix: str
+    void_prefix: str
 
 
 def validate_prefix(prefix: object) -> str:
@@ -353,7 +383,7 @@ def resource_keys(prefix: str, resource: str) -> ResourceKeys:
         signal=base + "signal",
         queue=base + "queue",
         deadlines=base + "queue-deadlines",
-        wake_prefix=base + "wake:",
+        void_prefix=base + "void:",
     )
 
 

@@ -16,8 +16,8 @@ One row per resource, kept for ever::
 A release or a revoke keeps the row (owner NULL, ``expires_at`` now), so the next token is
 computed from the last one and tokens keep increasing.
 
-The module also holds :class:`WakeBoard`, the in-process table of waiters that the drivers
-wake when a release is seen (a PostgreSQL notification, or a release made in this process).
+The module also holds :func:`local_board`, the process-wide :class:`fence._wake.WakeBoard`
+of a SQLite lease table, which a release made in this process posts to.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from fence._core import MAX_TOKEN, TokenMode
 from fence._errors import ConfigurationError
-from fence._signal import Wakeable
+from fence._wake import WakeBoard
 
 if TYPE_CHECKING:
     from sqlalchemy import MetaData, Table
@@ -174,6 +174,11 @@ class LeaseStatements:
         inspect: returns ``(token, remaining, holder)`` of a live lease, or no row.
         revoke: ends any lease and returns the new token.
         wake: wakes listeners for ``:resource`` without changing anything (PostgreSQL).
+        raise_fence: SQLite with a fence register: raises the register's row ``:resource``
+            to ``:token`` (run right after ``revoke``); otherwise ``None``.
+        lock_row: PostgreSQL: takes the row lock of ``:resource`` (``FOR UPDATE``), so that
+            a statement after it in the same transaction sees what a statement that held
+            the lock did; ``None`` on SQLite, where ``BEGIN IMMEDIATE`` does that.
     """
 
     dialect: str
@@ -184,6 +189,8 @@ class LeaseStatements:
     inspect: str
     revoke: str
     wake: str | None
+    raise_fence: str | None = None
+    lock_row: str | None = None
 
 
 # Statement templates: ``$table`` is the quoted table name, ``$floor`` the token floor of the
@@ -200,7 +207,7 @@ _PG_FLOOR = "CAST(floor(extract(epoch FROM c.now) * 1000000) AS BIGINT)"
 _PG_ACQUIRE = """$clock,
 up AS (
     INSERT INTO $table AS l (resource, token, owner, holder, expires_at)
-    SELECT :resource, $floor, :secret, :holder, c.now + make_interval(secs => :ttl) FROM c
+    SELECT :resource, $first, :secret, :holder, c.now + make_interval(secs => :ttl) FROM c
     ON CONFLICT (resource) DO UPDATE SET
         token = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > (SELECT now FROM c)
                      THEN l.token
@@ -238,17 +245,28 @@ WHERE l.resource = :resource AND l.owner IS NOT NULL AND l.expires_at > c.now"""
 _PG_REVOKE = """$clock,
 up AS (
     INSERT INTO $table AS l (resource, token, owner, holder, expires_at)
-    SELECT :resource, $floor, NULL, NULL, c.now FROM c
+    SELECT :resource, $first, NULL, NULL, c.now FROM c
     ON CONFLICT (resource) DO UPDATE SET
         token = GREATEST(l.token + 1, EXCLUDED.token),
         owner = NULL,
         holder = NULL,
         expires_at = EXCLUDED.expires_at
     RETURNING l.token, l.resource
-)
+)$reg
 SELECT up.token, $notify_up FROM up"""
 
+# With a fence register (the guards' ``(scope, fence)`` table): a new token is also above
+# the register's row for the resource, and a revoke raises that row to its token.
+_PG_FIRST_FENCED = """GREATEST($floor, (SELECT COALESCE(max(g.fence), 0) + 1 FROM $register AS g
+                            WHERE g.scope = :resource))"""
+_PG_RAISE_FENCE = """,
+reg AS (
+    INSERT INTO $register AS g (scope, fence) SELECT up.resource, up.token FROM up
+    ON CONFLICT (scope) DO UPDATE SET fence = GREATEST(g.fence, EXCLUDED.fence)
+)"""
+
 _PG_WAKE = "SELECT CAST(pg_notify(:channel, :resource) AS TEXT)"
+_PG_LOCK_ROW = "SELECT 1 FROM $table WHERE resource = :resource FOR UPDATE"
 _PG_NOTIFY = "CAST(pg_notify(:channel, $alias.resource) AS TEXT)"
 
 # SQLite: the database's clock in Unix seconds. SQLite reads the clock once per statement
@@ -260,7 +278,7 @@ _SQLITE_FLOOR = f"CAST({_SQLITE_NOW} * 1000000 AS INTEGER)"
 # the holder's values when the lock is not free: one statement and one row back, granted or
 # not. Every SET expression reads the row as it was before the update.
 _SQLITE_ACQUIRE = """INSERT INTO $table (resource, token, owner, holder, expires_at)
-VALUES (:resource, $floor, :secret, :holder, $now + :ttl)
+VALUES (:resource, $first, :secret, :holder, $now + :ttl)
 ON CONFLICT (resource) DO UPDATE SET
     token = CASE WHEN owner = excluded.owner AND expires_at > $now THEN token
                  WHEN $free THEN max(token + 1, excluded.token)
@@ -283,13 +301,20 @@ _SQLITE_INSPECT = """SELECT token, expires_at - $now, holder FROM $table
 WHERE resource = :resource AND owner IS NOT NULL AND expires_at > $now"""
 
 _SQLITE_REVOKE = """INSERT INTO $table (resource, token, owner, holder, expires_at)
-VALUES (:resource, $floor, NULL, NULL, $now)
+VALUES (:resource, $first, NULL, NULL, $now)
 ON CONFLICT (resource) DO UPDATE SET
     token = max(token + 1, excluded.token),
     owner = NULL,
     holder = NULL,
     expires_at = excluded.expires_at
 RETURNING token"""
+
+
+_SQLITE_FIRST_FENCED = """max($floor, (SELECT coalesce(max(fence), 0) + 1 FROM $register
+                        WHERE scope = :resource))"""
+_SQLITE_RAISE_FENCE = """INSERT INTO $register (scope, fence) VALUES (:resource, :token)
+ON CONFLICT (scope) DO UPDATE SET fence = max(fence, excluded.fence)
+RETURNING fence"""
 
 
 def lease_statements(
@@ -299,6 +324,7 @@ def lease_statements(
     schema: str | None = None,
     token_mode: TokenMode = TokenMode.HYBRID,
     notify: bool = True,
+    fence_table: str | None = None,
 ) -> LeaseStatements:
     """Build the statements of the SQL lock manager (C2, C3, C10, C11 in SQL).
 
@@ -313,6 +339,10 @@ def lease_statements(
         token_mode: :class:`fence.TokenMode`.
         notify: PostgreSQL: a release or revoke runs ``pg_notify(:channel, resource)`` in
             the same statement (without it the statements take no ``:channel``).
+        fence_table: the guards' fence register ``(scope, fence)`` in the same schema: new
+            tokens go above its row for the resource, and a revoke raises that row (in the
+            same statement on PostgreSQL; in :attr:`LeaseStatements.raise_fence`, run
+            right after, on SQLite).
 
     Raises:
         ConfigurationError: an unsupported dialect or a bad name.
@@ -321,119 +351,53 @@ def lease_statements(
     name = _qualified(dialect, table, schema)
     create = lease_table_ddl(dialect, table=table, schema=schema)
     hybrid = mode is TokenMode.HYBRID
+    register = None if fence_table is None else _qualified(dialect, fence_table, schema)
     if dialect == "postgresql":
         values = {"table": name, "clock": _PG_CLOCK, "floor": _PG_FLOOR if hybrid else "1"}
         for alias in ("r", "up"):
             values[f"notify_{alias}"] = (
                 Template(_PG_NOTIFY).substitute(alias=alias) if notify else "NULL"
             )
+        values["first"] = values["floor"]
+        values["reg"] = ""
+        if register is not None:
+            values["register"] = register
+            values["first"] = Template(_PG_FIRST_FENCED).substitute(values)
+            values["reg"] = Template(_PG_RAISE_FENCE).substitute(values)
         acquire, renew, release, inspect, revoke = (
             Template(t).substitute(values)
             for t in (_PG_ACQUIRE, _PG_RENEW, _PG_RELEASE, _PG_INSPECT, _PG_REVOKE)
         )
         return LeaseStatements(
-            "postgresql", create, acquire, renew, release, inspect, revoke, _PG_WAKE
+            "postgresql",
+            create,
+            acquire,
+            renew,
+            release,
+            inspect,
+            revoke,
+            _PG_WAKE,
+            None,
+            Template(_PG_LOCK_ROW).substitute(values),
         )
     values = {"table": name, "now": _SQLITE_NOW, "floor": _SQLITE_FLOOR if hybrid else "1"}
     values["free"] = Template(_SQLITE_FREE).substitute(values)
+    values["first"] = values["floor"]
+    raise_fence = None
+    if register is not None:
+        values["register"] = register
+        values["first"] = Template(_SQLITE_FIRST_FENCED).substitute(values)
+        raise_fence = Template(_SQLITE_RAISE_FENCE).substitute(values)
     acquire, renew, release, inspect, revoke = (
         Template(t).substitute(values)
         for t in (_SQLITE_ACQUIRE, _SQLITE_RENEW, _SQLITE_RELEASE, _SQLITE_INSPECT, _SQLITE_REVOKE)
     )
-    return LeaseStatements("sqlite", create, acquire, renew, release, inspect, revoke, None)
+    return LeaseStatements(
+        "sqlite", create, acquire, renew, release, inspect, revoke, None, raise_fence
+    )
 
 
 # -- wake-ups -------------------------------------------------------------------------------
-
-#: Past this many remembered resources a board forgets them all; a waiter whose cookie
-#: predates that then wakes once for nothing, which costs one acquire attempt.
-_BOARD_LIMIT = 4096
-
-#: What a failed acquire attempt hands to the wait: the board's generation and sequence.
-Cookie = tuple[int, int]
-
-
-class WakeBoard:
-    """Who waits for which resource, and which resources changed since a given moment.
-
-    A driver takes a :meth:`mark` before each acquire attempt and hands it to the wait as
-    the cookie. :meth:`attach` refuses to wait when the resource changed after the mark,
-    which closes the race between a refused attempt and the start of the wait::
-
-        t=0  B: mark -> (0, 7); acquire refused
-        t=1  A releases; the board sees it: seq 8, resource changed at 8
-        t=2  B: attach(cookie (0, 7)) -> changed since 7: retry now instead of sleeping
-
-    A new generation (the notification connection was replaced, and may have missed
-    notifications) counts as a change of every resource. Thread-safe; no I/O.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._generation = 0
-        self._seq = 0
-        self._floor = 0
-        self._changed: dict[str, int] = {}
-        self._waiters: dict[str, list[Wakeable]] = {}
-
-    def mark(self) -> Cookie:
-        """The current moment, to pass to :meth:`attach` later."""
-        with self._lock:
-            return (self._generation, self._seq)
-
-    def bump(self, resource: str) -> None:
-        """Record a change of ``resource`` and wake its waiters."""
-        with self._lock:
-            if len(self._changed) >= _BOARD_LIMIT:
-                self._changed.clear()
-                self._floor = self._seq
-            self._seq += 1
-            self._changed[resource] = self._seq
-            waiters = self._waiters.pop(resource, [])
-        for waiter in waiters:
-            waiter.wake()
-
-    def new_generation(self) -> None:
-        """Count every resource as changed and wake every waiter."""
-        with self._lock:
-            self._generation += 1
-            self._changed.clear()
-            self._floor = self._seq
-            waiters = [w for ws in self._waiters.values() for w in ws]
-            self._waiters.clear()
-        for waiter in waiters:
-            waiter.wake()
-
-    def attach(self, resource: str, waiter: Wakeable, cookie: object) -> bool:
-        """Wake ``waiter`` on the next change of ``resource``.
-
-        Returns ``True`` and attaches nothing if ``resource`` changed since ``cookie`` (or
-        the cookie is not one of this board's marks).
-        """
-        with self._lock:
-            if not (isinstance(cookie, tuple) and len(cookie) == 2):
-                return True
-            generation, seq = cookie
-            if generation != self._generation:
-                return True
-            if self._changed.get(resource, self._floor) > seq:
-                return True
-            self._waiters.setdefault(resource, []).append(waiter)
-            return False
-
-    def detach(self, resource: str, waiter: Wakeable) -> None:
-        """Stop waking ``waiter`` for ``resource``."""
-        with self._lock:
-            waiters = self._waiters.get(resource)
-            if waiters is None:
-                return
-            try:
-                waiters.remove(waiter)
-            except ValueError:
-                pass
-            if not waiters:
-                del self._waiters[resource]
-
 
 _boards_lock = threading.Lock()
 _boards: dict[Hashable, WakeBoard] = {}

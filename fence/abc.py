@@ -2,6 +2,10 @@
 
 Implementations need not inherit from these classes; matching the methods is enough. The
 conformance suites in ``tests/`` run against every implementation.
+
+A driver learns how long each call may take from :func:`time_left` (or
+:func:`call_deadline`): the generic manager sets the deadline of every call it makes, so
+that ``acquire(timeout=t)`` returns within ``t`` whatever the backend does.
 """
 
 from __future__ import annotations
@@ -9,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+from fence._deadline import deadline as call_deadline
+from fence._deadline import time_left
 
 if TYPE_CHECKING:
     from fence._async.manager import AsyncLease
@@ -25,6 +32,8 @@ __all__ = [
     "LockInfo",
     "LockManager",
     "LostCallback",
+    "call_deadline",
+    "time_left",
 ]
 
 #: Called once when a lease is lost, with the lease and the error ``check()`` will raise.
@@ -74,9 +83,24 @@ class AsyncDriver(Protocol):
     The generic manager in ``fence._async.manager`` adds deadlines, reentrancy, waiting,
     renewal and events on top, once for every backend.
 
-    Optional hook: ``async def abandon(resource, secret) -> None``. The manager calls it
-    when a blocking acquire that has waited gives up (timeout, cancellation, error), so a
-    driver with a wait queue can drop the waiter and pass its turn on.
+    Deadlines: the manager sets the deadline of each call in a context variable. A driver
+    bounds every round trip of the call by :func:`time_left` (its own default as the
+    cap); under asyncio the manager also cancels an acquire attempt that outlives the
+    caller's deadline.
+
+    Optional hooks and attributes (a driver without them works; the manager falls back):
+
+    - ``async def abandon(resource, secret) -> None``: the manager calls it when a blocking
+      acquire that has waited gives up (timeout, cancellation, error), so a driver with a
+      wait queue can drop the waiter and pass its turn on.
+    - ``async def cancel(resource, secret, ttl) -> bool``: the manager calls it when an
+      acquire gives up after an attempt whose reply was lost (an error, a timeout, a
+      cancellation): release what that attempt may have taken and, where the backend can,
+      refuse the attempt should it still arrive (for ``ttl`` seconds). Without it the
+      manager calls :meth:`release`. It runs in the background; the caller waits for it
+      at most :data:`fence._async.manager.UNDO_LIMIT`.
+    - ``max_wait: float``: the longest the manager waits between two attempts when nothing
+      wakes the waiter (default 5 s). A driver whose wake-ups are not lost may raise it.
     """
 
     #: Short backend name for events and messages (``"memory"``, ``"redis"``, ``"sql"``).

@@ -134,6 +134,8 @@ class LuaRedis:
         entry = data.get(key)
         if name == "GET":
             return entry[0] if entry else False
+        if name == "EXISTS":
+            return 1 if entry else 0
         if name == "SET":
             data[key] = [args[1], None]
             return self.lua.table_from({"ok": "OK"})

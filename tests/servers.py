@@ -252,6 +252,34 @@ class PostgresServer:
         if (self.data / "postmaster.pid").exists():
             self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
 
+    def _pids(self) -> list[int]:
+        """The postmaster and every process it started (backends, background workers)."""
+        pidfile = self.data / "postmaster.pid"
+        root = int(pidfile.read_text().split()[0])
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        found, todo = [], [root]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            todo.extend(children.get(pid, []))
+        return found
+
+    def pause(self) -> None:
+        """SIGSTOP the whole cluster: connections stay open, nothing answers."""
+        for pid in self._pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT every process of the cluster."""
+        for pid in self._pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
     def restart(self, mode: str = "immediate") -> None:
         """Stop (by default as a crash) and start again on the same port."""
         self.stop(mode)

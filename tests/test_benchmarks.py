@@ -47,7 +47,12 @@ REQUIRED = {
     ("iofence ZooKeeper: hand-off latency p50", "iofence Redis"),
     ("iofence etcd: hand-offs per second", "iofence Redis"),
     ("iofence ZooKeeper: hand-offs per second", "iofence Redis"),
+    ("iofence SQL (SQLite file by URL)", "redis-py Lock"),
+    ("iofence Redis FIFO: acquisitions, busiest / idlest worker", "equal shares"),
 }
+
+#: The waiters section's rows, per kind of waiter (their names carry the count of waiters).
+WAITER_ROWS = ("wake-up latency p50", "wake-up latency p99", "connections used")
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +115,11 @@ def test_the_rows_the_issue_asks_for_are_there(quick_run: tuple[dict, str]) -> N
     groups = {row["group"] for row in results["rows"]}
     expected = {"redis-guard", "sql-guard", "managers", "sql-manager", "quorum", "handoff"}
     expected |= {"consensus", "consensus-handoff"}
-    assert groups >= expected | {"memory"}
+    waiters = [row["name"] for row in results["rows"] if row["group"] == "waiters"]
+    for kind in ("asyncio", "thread"):
+        for what in WAITER_ROWS:
+            assert any(kind in name and name.endswith(what) for name in waiters), (kind, what)
+    assert groups >= expected | {"memory", "waiters"}
     memory = [row for row in results["rows"] if row["group"] == "memory"]
     assert {row["better"] for row in memory} == {"lower"}
     assert "orm" in groups

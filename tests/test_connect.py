@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
 
 import fence
 from fence import ConfigurationError
+from fence._sync.resp import RespClient
 
 
 def test_memory_urls() -> None:
@@ -25,19 +27,37 @@ def test_memory_urls() -> None:
 
 
 def test_redis_url(redis_url: str) -> None:
+    """A Redis manager by URL opens one pool of its own connections (and one pub/sub
+    connection when somebody waits), not a second pool for waiting."""
     manager = fence.connect(redis_url, ttl=5)
     assert isinstance(manager, fence.RedisLockManager)
     with manager.lock("r") as lease:
         assert lease.valid
+    client = manager.driver.client
+    assert isinstance(client, RespClient)
+    assert client.pool.connections == 1
+    assert client.pool.max_connections == 3
     manager.close()
+    assert client.pool.connections == 0
+    wider = fence.connect(redis_url, max_connections=8)
+    assert wider.driver.client.pool.max_connections == 8
+    wider.close()
 
 
 def test_sqlite_url(tmp_path: Path) -> None:
+    """A SQLite file by URL runs in WAL mode with a busy timeout (without WAL every commit
+    rewrites and syncs the database file)."""
     manager = fence.connect(f"sqlite:///{tmp_path}/locks.db", create_table=True)
     assert isinstance(manager, fence.SQLLockManager)
     with manager.lock("r") as lease:
         assert lease.valid
+    with manager.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
     manager.close()
+    with sqlite3.connect(tmp_path / "locks.db") as raw:
+        assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    raw.close()
 
 
 def test_postgres_url(postgres_url: str) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 from fence._acompat import Waiter
 from fence._async.manager import AsyncBaseLockManager
 from fence._clock import Clock
 from fence._core import TokenMode
+from fence._deadline import deadline
+from fence._errors import BackendError
 from fence._events import EventBus
 from fence._memory import MemoryBackend
 from fence.abc import AcquireReply, LockInfo
@@ -14,35 +18,49 @@ __all__ = ["AsyncMemoryDriver", "AsyncMemoryLockManager"]
 
 
 class AsyncMemoryDriver:
-    """Drives a :class:`MemoryBackend`; waits until it is resumed when it is paused."""
+    """Drives a :class:`MemoryBackend`; waits until it is resumed when it is paused, or
+    until the caller's deadline (:mod:`fence._deadline`), as a frozen server would make a
+    client wait for its socket timeout."""
 
     source = "memory"
 
     def __init__(self, backend: MemoryBackend) -> None:
         self.backend = backend
 
-    async def _enter(self) -> None:
+    async def _enter(self, what: str, resource: str) -> None:
         while True:
             paused = self.backend.gate()
             if paused is None:
                 return
+            at = deadline()
             waiter = Waiter()
-            if not paused.attach(waiter):
-                await waiter.wait(None)
+            if paused.attach(waiter):
+                continue
+            try:
+                if not await waiter.wait(None if at is None else at - time.monotonic()):
+                    raise BackendError(
+                        f"the memory backend is paused: the {what} of {resource!r} did not "
+                        "run before the caller's deadline (nothing was done)",
+                        code="CONNECTION",
+                        retryable=True,
+                        sent=False,
+                    )
+            finally:
+                paused.detach(waiter)
 
     async def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
         """See :meth:`fence.abc.AsyncDriver.acquire`."""
-        await self._enter()
+        await self._enter("acquire", resource)
         return self.backend.acquire(resource, secret, ttl, holder)
 
     async def renew(self, resource: str, secret: str, ttl: float) -> bool:
         """See :meth:`fence.abc.AsyncDriver.renew`."""
-        await self._enter()
+        await self._enter("renew", resource)
         return self.backend.renew(resource, secret, ttl)
 
     async def release(self, resource: str, secret: str) -> bool:
         """See :meth:`fence.abc.AsyncDriver.release`."""
-        await self._enter()
+        await self._enter("release", resource)
         return self.backend.release(resource, secret)
 
     async def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
@@ -57,12 +75,12 @@ class AsyncMemoryDriver:
 
     async def inspect(self, resource: str) -> LockInfo | None:
         """See :meth:`fence.abc.AsyncDriver.inspect`."""
-        await self._enter()
+        await self._enter("inspect", resource)
         return self.backend.inspect(resource)
 
     async def revoke(self, resource: str) -> int:
         """See :meth:`fence.abc.AsyncDriver.revoke`."""
-        await self._enter()
+        await self._enter("revoke", resource)
         return self.backend.revoke(resource)
 
     async def close(self) -> None:

@@ -1,13 +1,30 @@
-"""The Redis lock manager for asyncio: one Lua script per call, waiters woken by ``BLPOP``.
+"""The Redis lock manager for asyncio: one Lua script per call, waiters woken by pub/sub.
 
 The scripts and the key layout are in :mod:`fence._redis_scripts`; the deadlines,
 reentrancy, waiting loop and renewal watchdog in :mod:`fence._async.manager`.
+
+Connections. A manager built from a plain ``redis://`` or ``unix://`` URL uses connections
+of its own (:mod:`fence._async.resp`): a pool of at most ``max_connections`` for the
+scripts, and one pub/sub connection for waking waiters. Every round trip is bounded by the
+time its caller has left. Given clients, ``rediss://`` URLs and Redis Cluster go through
+redis-py (one client, one pool), with one pub/sub connection from it.
+
+Waiting. However many tasks and threads wait, a manager holds one pub/sub connection
+(the model is Redisson's ``LockPubSub``). The first waiter of a resource subscribes the
+manager to the resource's channel; a release publishes on it, and the manager's listener
+wakes one of its waiters (or, with FIFO, the one whose turn it is) through a
+:class:`fence._wake.WakeBoard`. A waiter takes a mark of the board before each attempt;
+a wake-up posted between a refused attempt and the wait makes the wait return at once.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import threading
+import time
 import warnings
+from collections import OrderedDict
 from typing import Any
 
 import redis  # unasync: import redis.asyncio
@@ -26,15 +43,18 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from fence._acompat import sleep
+from fence._acompat import Waiter, cancel_after
 from fence._async.manager import AsyncBaseLockManager
+from fence._async.resp import AsyncRespClient, AsyncRespSubscriber
 from fence._clock import Clock
 from fence._core import TokenMode, client_deadline, validate_ttl
+from fence._deadline import time_left
 from fence._errors import BackendError, ConfigurationError, FenceWarning, InvalidTokenError
 from fence._events import EventBus
 from fence._redis_scripts import (
     ABANDON,
     ACQUIRE,
+    CANCEL,
     DEFAULT_PREFIX,
     ENQUEUE,
     INSPECT,
@@ -48,13 +68,14 @@ from fence._redis_scripts import (
     validate_prefix,
     waiter_id,
 )
+from fence._resp import Address, ConnectionFailure, PoolExhausted, RespError, pack, parse_url
+from fence._signal import Signal
+from fence._wake import WakeBoard
 from fence.abc import AcquireReply, LockInfo
 
 __all__ = ["AsyncRedisDriver", "AsyncRedisLockManager"]
 
-#: Longest single ``BLPOP``. The manager re-attempts after it, so it bounds what a wake-up
-#: lost to a crashed or cancelled waiter can cost.
-_BLOCK_CAP = 5.0
+_log = logging.getLogger("fence.redis")
 
 #: Whether this module drives asyncio clients; a client of the other flavour is refused.
 _ASYNC = True  # unasync: _ASYNC = False
@@ -62,20 +83,412 @@ _FLAVOUR = "redis.asyncio.Redis or redis.asyncio.RedisCluster"
 
 AsyncClient = redis.asyncio.Redis | redis.asyncio.RedisCluster
 
+#: How long one read of the pub/sub connection waits; the reader looks after idle
+#: subscriptions and the connection's health between reads.
+_LISTEN_TICK = 1.0
+#: A channel that no waiter of this manager needed for this long is unsubscribed.
+_LINGER = 10.0
+#: The first pause before reconnecting the pub/sub connection after a failure; it doubles
+#: up to 1 s while the failures go on.
+_RETRY_CONNECT = 0.05
+#: Default size of the pool of a manager built from a URL.
+DEFAULT_MAX_CONNECTIONS = 3
+#: The listener pings after this long without a message, and reconnects if no answer
+#: comes within the socket timeout: a connection that died silently loses no wake-up for
+#: longer than this.
+_PING_AFTER = 5.0
+#: Longest wait between two attempts of a waiter that nothing wakes (the manager's
+#: ``max_wait`` hint): the listener does not lose wake-ups, and the holder's expiry
+#: shortens each wait anyway.
+_MAX_WAIT = 30.0
+
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _socket_timeout(client: object) -> float | None:
-    """The read timeout a redis-py client was built with, if it can be found."""
-    for path in (("connection_pool", "connection_kwargs"), ("nodes_manager", "connection_kwargs")):
-        found: Any = client
-        for name in path:
-            found = getattr(found, name, None)
-        if isinstance(found, dict) and found.get("socket_timeout") is not None:
-            return float(found["socket_timeout"])
-    return None
+def _describe(client: Any) -> str:
+    """``host:port/db`` of a redis-py client, without its password."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if isinstance(kwargs, dict):
+        if kwargs.get("path"):
+            return f"unix:{kwargs['path']}"
+        if kwargs.get("host"):
+            where = f"{kwargs['host']}:{kwargs.get('port', 6379)}"
+            db = kwargs.get("db") or 0
+            return where if not db else f"{where}/{db}"
+    get_nodes = getattr(client, "get_nodes", None)
+    if callable(get_nodes):
+        nodes = get_nodes()
+        if nodes:
+            return "cluster " + ",".join(f"{n.host}:{n.port}" for n in nodes[:3])
+    return type(client).__name__
+
+
+class _PySubscriber:
+    """redis-py's ``PubSub`` behind the listener's three calls (given clients, Cluster)."""
+
+    def __init__(self, pubsub: Any) -> None:
+        self._pubsub = pubsub
+
+    async def send(self, command: str, *channels: str) -> None:
+        if command == "SUBSCRIBE":
+            await self._pubsub.subscribe(*channels)
+        elif command == "UNSUBSCRIBE":
+            await self._pubsub.unsubscribe(*channels)
+        else:
+            await self._pubsub.ping()
+
+    async def read(self, timeout: float) -> list[Any] | None:
+        msg = await self._pubsub.get_message(ignore_subscribe_messages=False, timeout=timeout)
+        if msg is None:
+            return None
+        return [str(msg["type"]).encode(), msg["channel"], msg["data"]]
+
+    def close(self) -> None:
+        # Break a read blocked in another task or thread at once; redis-py has no call for
+        # that, so this reaches for its connection's socket (best effort: otherwise the
+        # read ends within its tick).
+        connection = getattr(self._pubsub, "connection", None)
+        writer = getattr(connection, "_writer", None)
+        if writer is not None:
+            writer.transport.abort()
+            return
+        sock = getattr(connection, "_sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(2)
+            except OSError:
+                pass
+
+    async def shutdown(self) -> None:
+        try:
+            await self._pubsub.aclose()
+        except (RedisError, OSError):
+            pass
+
+
+class _Seat:
+    """A waiter's place at the listener: woken by a wake-up for it (:meth:`wake`, which is
+    what the board and the subscription signals call) or handed the reader's role."""
+
+    __slots__ = ("_waiter", "baton", "released")
+
+    def __init__(self) -> None:
+        self._waiter = Waiter()
+        self.released = False
+        self.baton = False
+
+    def wake(self) -> None:
+        """What the seat waits for happened (a release of its resource, a confirmation)."""
+        self.released = True
+        self._waiter.wake()
+
+    def pass_baton(self) -> None:
+        """Ask this waiter to read the listener's connection from now on."""
+        self.baton = True
+        self._waiter.wake()
+
+    async def wait(self, timeout: float) -> None:
+        if await self._waiter.wait(timeout) and not self.released:
+            self._waiter = Waiter()  # woken for the baton: wait again afterwards
+
+
+class _Listener:
+    """One pub/sub connection per driver, read by the waiters themselves.
+
+    Whoever waits takes turns at reading the connection (leader and followers): one
+    waiter reads and posts every wake-up it reads to the driver's board, the others sleep
+    until the board wakes them or the reader leaves and hands the role on. A wake-up for
+    the reader itself therefore costs no hand-over to another thread or task. No thread
+    or task of its own runs while nobody waits.
+
+    Waiters call :meth:`enter` and :meth:`leave` around a wait, :meth:`ensure` to have
+    their resource's channel subscribed, and :meth:`serve` to wait. A lost connection
+    wakes every waiter (wake-ups may have been missed); the next waiter reconnects.
+    """
+
+    def __init__(self, driver: AsyncRedisDriver) -> None:
+        self._driver = driver
+        self._board = driver.board
+        self._lock = threading.Lock()
+        self._channels: dict[str, str] = {}  # channel -> resource, subscribed or wanted
+        self._confirmed: set[str] = set()
+        self._pending: dict[str, Signal] = {}
+        self._inside: dict[str, int] = {}  # resource -> waiters inside a wait
+        self._idle: dict[str, float] = {}  # channel -> when its last waiter left
+        self._candidates: OrderedDict[_Seat, None] = OrderedDict()
+        self._conn: Any = None
+        self._connecting = False
+        self._reader: _Seat | None = None
+        self._heard = 0.0
+        self._pinged: float | None = None
+        self._tidied = 0.0
+        self._closed = False
+        self._failures = 0  # connections lost or refused in a row
+        self._failed_at = 0.0
+        self._denied: RespError | None = None  # SUBSCRIBE refused (ACL): said to waiters
+
+    def enter(self, resource: str) -> None:
+        """A waiter starts waiting for ``resource``."""
+        with self._lock:
+            self._inside[resource] = self._inside.get(resource, 0) + 1
+
+    def leave(self, resource: str, channel: str) -> None:
+        """A waiter stops waiting for ``resource``."""
+        with self._lock:
+            count = self._inside.get(resource, 0) - 1
+            if count > 0:
+                self._inside[resource] = count
+            else:
+                self._inside.pop(resource, None)
+                if channel in self._channels:
+                    self._idle[channel] = time.monotonic()
+
+    async def ensure(self, resource: str, channel: str, deadline: float) -> bool:
+        """Have ``channel`` subscribed; True if it already was before this call.
+
+        False means it was not: the caller's last attempt may have missed a release, so it
+        must try again (the subscription is confirmed by now, unless ``deadline`` passed).
+        """
+        denied = self._denied
+        if denied is not None:
+            self._denied = None  # said once; the next waiter tries again
+            raise self._driver._error(denied, "wait (SUBSCRIBE)", resource)
+        send = connect = False
+        with self._lock:
+            if channel in self._confirmed:
+                self._idle.pop(channel, None)
+                return True
+            if self._closed:
+                return False
+            # After failures, reconnect with a backoff rather than in a tight loop.
+            pause = min(_RETRY_CONNECT * 2 ** (self._failures - 1), 1.0) if self._failures else 0
+            backing_off = self._conn is None and time.monotonic() - self._failed_at < pause
+            self._idle.pop(channel, None)
+            if channel not in self._channels:
+                self._channels[channel] = resource
+                send = True
+            signal = self._pending.get(channel)
+            if signal is None:
+                signal = self._pending[channel] = Signal()
+            conn = self._conn
+            if conn is None and not self._connecting and not backing_off:
+                self._connecting = connect = True
+        if backing_off:
+            waiter = Waiter()
+            await waiter.wait(min(pause, deadline - time.monotonic()))
+            return False
+        if connect:
+            await self._connect(deadline)
+        elif send and conn is not None:
+            try:
+                await conn.send("SUBSCRIBE", channel)
+            except (ConnectionFailure, RedisError, OSError):
+                self._lost(conn)
+        seat = _Seat()
+        if not signal.attach(seat):
+            try:
+                await self.serve(seat, deadline)
+            finally:
+                signal.detach(seat)
+        return False
+
+    async def _connect(self, deadline: float) -> None:
+        driver = self._driver
+        conn: Any = None
+        try:
+            if driver.address is not None:
+                conn = await AsyncRespSubscriber.open(driver.address, deadline)
+            else:
+                conn = self._redis_py_subscriber()
+            with self._lock:
+                channels = list(self._channels)
+            if channels:
+                await conn.send("SUBSCRIBE", *channels)
+        except (ConnectionFailure, RespError, RedisError, OSError) as exc:
+            _log.debug("pub/sub connection to %s failed: %s", driver._where, exc)
+            if conn is not None:
+                conn.close()
+            with self._lock:
+                self._connecting = False
+                self._failures += 1
+                self._failed_at = time.monotonic()
+                pending = list(self._pending.values())
+                self._pending.clear()
+            for signal in pending:
+                signal.set()  # nobody can confirm them: their waiters try again
+            return
+        with self._lock:
+            self._connecting = False
+            if self._closed:
+                conn.close()
+                return
+            self._conn = conn
+            self._heard = self._tidied = time.monotonic()
+            self._pinged = None
+
+    def _redis_py_subscriber(self) -> _PySubscriber:
+        client: Any = self._driver.client
+        if _ASYNC and self._driver.is_cluster:
+            # The asyncio cluster client has no pub/sub: listen on one node. Messages
+            # published on any node reach every node.
+            node = client.get_default_node()
+            allowed = (
+                "username",
+                "password",
+                "ssl",
+                "ssl_ca_certs",
+                "ssl_certfile",
+                "ssl_keyfile",
+                "ssl_cert_reqs",
+                "ssl_check_hostname",
+            )
+            kwargs = {k: v for k, v in client.connection_kwargs.items() if k in allowed}
+            single: Any = redis.asyncio.Redis(host=str(node.host), port=int(node.port), **kwargs)
+            return _PySubscriber(single.pubsub())
+        return _PySubscriber(client.pubsub())
+
+    async def serve(self, seat: _Seat, deadline: float) -> None:
+        """Wait until ``seat`` is woken or ``deadline`` passes, reading the connection
+        whenever nobody else does."""
+        reading = False
+        try:
+            while not seat.released:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                if not reading:
+                    with self._lock:
+                        if self._reader is None and self._conn is not None and not self._closed:
+                            self._reader = seat
+                            reading = True
+                            self._candidates.pop(seat, None)
+                        else:
+                            self._candidates[seat] = None
+                            seat.baton = False
+                    if not reading:
+                        await seat.wait(left)
+                        continue
+                await self._read_once(min(left, _LISTEN_TICK))
+        finally:
+            successor = None
+            with self._lock:
+                self._candidates.pop(seat, None)
+                if reading and self._reader is seat:
+                    self._reader = None
+                if self._reader is None and (reading or seat.baton) and self._candidates:
+                    successor = next(iter(self._candidates))
+            if successor is not None:
+                successor.pass_baton()
+
+    async def _read_once(self, timeout: float) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            message = await conn.read(timeout)
+            now = time.monotonic()
+            if message is not None:
+                self._heard, self._pinged = now, None
+                await self._dispatch(conn, message)
+            elif self._pinged is not None and now - self._pinged > self._driver.socket_timeout:
+                raise ConnectionFailure("no answer to PING", sent=False, timed_out=True)
+            elif self._pinged is None and now - self._heard > _PING_AFTER:
+                self._pinged = now
+                await conn.send("PING")
+            if now - self._tidied > _LISTEN_TICK:
+                self._tidied = now
+                await self._tidy(conn)
+        except (ConnectionFailure, RespError, RedisError, OSError) as exc:
+            _log.debug("pub/sub connection to %s lost: %s", self._driver._where, exc)
+            if isinstance(exc, RespError) and exc.kind == "NOPERM":
+                self._denied = exc
+            self._lost(conn)
+
+    def _lost(self, conn: Any) -> None:
+        """The connection broke: forget it and wake everybody, who may have missed a
+        wake-up; the next waiter reconnects."""
+        with self._lock:
+            if self._conn is not conn:
+                return
+            self._conn = None
+            self._confirmed.clear()
+            self._failures += 1
+            self._failed_at = time.monotonic()
+            pending = list(self._pending.values())
+            self._pending.clear()
+            candidates = list(self._candidates)
+        conn.close()
+        for signal in pending:
+            signal.set()
+        self._board.new_generation()
+        for seat in candidates:
+            seat.pass_baton()
+
+    async def _dispatch(self, conn: Any, message: list[Any]) -> None:
+        kind = message[0]
+        channel = _text(message[1]) if len(message) > 1 else ""
+        if kind == b"message":
+            resource = self._channels.get(channel)
+            if resource is None:
+                return
+            payload = message[2]
+            if payload:
+                self._board.wake_key(resource, _text(payload))
+            else:
+                self._board.wake_one(resource, prefer=self._reader)
+        elif kind == b"subscribe":
+            with self._lock:
+                resource = self._channels.get(channel)
+                if resource is None:
+                    return
+                self._confirmed.add(channel)
+                self._failures = 0
+                signal = self._pending.pop(channel, None)
+            # Attempts made before the subscription could miss a release: they try again.
+            self._board.changed(resource)
+            if signal is not None:
+                signal.set()
+        elif kind == b"unsubscribe":
+            # An idle channel was dropped while a waiter came back for it (the two crossed
+            # on the wire): subscribe again, and have its waiters try again meanwhile.
+            with self._lock:
+                resource = self._channels.get(channel)
+                if resource is None:
+                    return
+                self._confirmed.discard(channel)
+                if channel not in self._pending:
+                    self._pending[channel] = Signal()
+            self._board.bump(resource)
+            await conn.send("SUBSCRIBE", channel)
+
+    async def _tidy(self, conn: Any) -> None:
+        """Unsubscribe channels no waiter needed for a while."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [
+                channel
+                for channel, since in self._idle.items()
+                if now - since > _LINGER
+                and self._inside.get(self._channels.get(channel, ""), 0) == 0
+            ]
+            for channel in stale:
+                del self._idle[channel]
+                self._channels.pop(channel, None)
+                self._confirmed.discard(channel)
+        if stale:
+            await conn.send("UNSUBSCRIBE", *stale)
+
+    async def close(self) -> None:
+        """Close the connection; every waiter wakes."""
+        with self._lock:
+            self._closed = True
+            conn = self._conn
+        if conn is not None:
+            self._lost(conn)
+            if isinstance(conn, _PySubscriber):
+                await conn.shutdown()
 
 
 class AsyncRedisDriver:
@@ -84,8 +497,8 @@ class AsyncRedisDriver:
     Args:
         client: a URL (``redis://...``), a ``redis.asyncio.Redis`` or a
             ``redis.asyncio.RedisCluster``. From a URL the driver builds (and closes) its own
-            clients, with ``socket_timeout`` and no silent retries; a client given is never
-            closed.
+            connections, with ``socket_timeout`` and no silent retries; a client given is
+            never closed.
         prefix: the key prefix; must match the Redis guard's. No braces.
         token_mode: :attr:`TokenMode.HYBRID` (default) or :attr:`TokenMode.COUNTER`.
         fifo: serve waiters in arrival order, waking only the next one.
@@ -94,9 +507,12 @@ class AsyncRedisDriver:
             is handed out; 0 disables.
         replica_timeout: how long ``WAIT`` may take, in seconds.
         wait_aof: also require the acquire to be fsynced to the AOF (``WAITAOF``, Redis 7.2+).
-        socket_timeout: read and connect timeout of the clients built from a URL.
+        socket_timeout: the longest one round trip may take (connect, read) on connections
+            built from a URL; a caller's own deadline shortens it.
         cluster: build a ``RedisCluster`` from the URL.
         check_config: on first use, warn about server settings that can lose tokens.
+        max_connections: the size of the connection pool built from a URL (the pub/sub
+            connection comes on top). Callers queue for a connection when all are busy.
 
     Raises:
         ConfigurationError: a bad argument, or a client of the wrong flavour.
@@ -118,6 +534,7 @@ class AsyncRedisDriver:
         socket_timeout: float = 5.0,
         cluster: bool = False,
         check_config: bool = True,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self.prefix = validate_prefix(prefix)
         self.token_mode = TokenMode(token_mode)
@@ -128,16 +545,36 @@ class AsyncRedisDriver:
         self.min_replicas = min_replicas
         self.replica_timeout = validate_ttl(replica_timeout, what="replica_timeout")
         self.wait_aof = bool(wait_aof)
-        socket_timeout = validate_ttl(socket_timeout, what="socket_timeout")
+        self.socket_timeout = validate_ttl(socket_timeout, what="socket_timeout")
+        if (
+            isinstance(max_connections, bool)
+            or not isinstance(max_connections, int)
+            or max_connections < 1
+        ):
+            raise ConfigurationError(
+                f"max_connections must be an int >= 1, got {max_connections!r}"
+            )
+        self.max_connections = max_connections
         self.check_config = check_config
         self._checked = not check_config
         self._appendonly: bool | None = None
+        self.address: Address | None = None
         if isinstance(client, str):
             self._owned = True
-            self.client: Any = self._connect(client, socket_timeout, cluster)
-            # Waits block up to _BLOCK_CAP: their reads get that much more time.
-            self._waits: Any = self._connect(client, socket_timeout + _BLOCK_CAP, cluster)
-            self._where = client.rsplit("@", 1)[-1]
+            try:
+                self.address = None if cluster else parse_url(client)
+            except ValueError as exc:
+                raise ConfigurationError(f"not a usable Redis URL: {client!r} ({exc})") from exc
+            if self.address is not None:
+                self.client: Any = AsyncRespClient(
+                    self.address,
+                    max_connections=max_connections,
+                    socket_timeout=self.socket_timeout,
+                )
+                self._where = str(self.address)
+            else:
+                self.client = self._connect(client, self.socket_timeout, cluster, max_connections)
+                self._where = client.rsplit("@", 1)[-1]
         elif not hasattr(client, "register_script") or (
             inspect.iscoroutinefunction(getattr(client, "execute_command", None)) is not _ASYNC
         ):
@@ -147,8 +584,9 @@ class AsyncRedisDriver:
             )
         else:
             self._owned = False
-            self.client = self._waits = client
-            self._where = repr(client)
+            self.client = client
+            self._where = _describe(client)
+        self._pool = self.client.pool if self.address is not None else None
         self.is_cluster = isinstance(self.client, redis.asyncio.RedisCluster)
         if self.min_replicas and self.is_cluster:
             raise ConfigurationError(
@@ -157,13 +595,6 @@ class AsyncRedisDriver:
             )
         if self.wait_aof and not self.min_replicas:
             raise ConfigurationError("wait_aof needs min_replicas >= 1")
-        timeout = _socket_timeout(self._waits)
-        cap = _BLOCK_CAP if timeout is None else min(_BLOCK_CAP, timeout * 0.75)
-        if self.fifo:
-            # A FIFO waiter's attempts are its heartbeat: it must try again well inside
-            # queue_ttl, or it loses its place.
-            cap = min(cap, self.queue_ttl / 3)
-        self._block_cap = cap
         self._mode = self.token_mode.value
         self._mode_bytes = self._mode.encode()
         self._queue_ms = milliseconds(self.queue_ttl)
@@ -173,25 +604,36 @@ class AsyncRedisDriver:
         self._release = client_.register_script(RELEASE)
         self._enqueue = client_.register_script(ENQUEUE)
         self._abandon = client_.register_script(ABANDON)
+        self._cancel = client_.register_script(CANCEL)
         self._inspect = client_.register_script(INSPECT)
         self._revoke = client_.register_script(REVOKE)
+        self.board = WakeBoard()
+        self._listener = _Listener(self)
+        self._closed = False
+        # A FIFO waiter's attempts are its heartbeat: it must try again well inside
+        # queue_ttl, or it loses its place.
+        self.max_wait = min(_MAX_WAIT, self.queue_ttl / 3) if self.fifo else _MAX_WAIT
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._where} prefix={self.prefix!r}>"
 
     @staticmethod
-    def _connect(url: str, socket_timeout: float, cluster: bool) -> Any:
+    def _connect(url: str, socket_timeout: float, cluster: bool, max_connections: int) -> Any:
         # No retries inside redis-py: a retried release that already ran would report
-        # "not held", and the renewal watchdog does its own retrying within the ttl.
+        # "not held", and the manager does its own retrying within the caller's timeout.
         options: dict[str, Any] = {
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": socket_timeout,
             "retry": Retry(NoBackoff(), 0),
+            "max_connections": max_connections,
         }
         try:
             if cluster:
                 return redis.asyncio.RedisCluster.from_url(url, **options)
-            return redis.asyncio.Redis.from_url(url, **options)
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                url, timeout=socket_timeout, **options
+            )
+            return redis.asyncio.Redis(connection_pool=pool)
         except ValueError as exc:
             raise ConfigurationError(f"not a usable Redis URL: {url!r} ({exc})") from exc
 
@@ -201,46 +643,135 @@ class AsyncRedisDriver:
 
     # -- errors --------------------------------------------------------------------------
 
-    def _error(self, exc: BaseException, what: str) -> Exception:
-        if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
+    def _error(self, exc: BaseException, what: str, resource: str = "") -> Exception:
+        call = f"{what} of {resource!r}" if resource else what
+        where = f"Redis at {self._where}"
+        if isinstance(exc, PoolExhausted):
             return BackendError(
-                f"Redis at {self._where} did not answer the {what} ({exc}); the lock state "
-                "is unknown until it does, and the call may be retried",
+                f"{exc}; the {call} waited for a free connection until its deadline",
+                code="POOL",
+                retryable=True,
+                sent=False,
+            )
+        if isinstance(exc, ConnectionFailure):
+            if exc.timed_out:
+                return BackendError(
+                    f"{where} did not answer the {call} in the time allowed ({exc}); the "
+                    "lock state is unknown until it does, and the call may be retried",
+                    code="CONNECTION",
+                    retryable=True,
+                    sent=exc.sent,
+                )
+            if not exc.sent:
+                return BackendError(
+                    f"could not reach {where} for the {call} ({exc}); nothing was sent, "
+                    "and the call may be retried",
+                    code="CONNECTION",
+                    retryable=True,
+                    sent=False,
+                )
+            return BackendError(
+                f"{where} dropped the connection during the {call} ({exc}); the lock state "
+                "is unknown until it answers, and the call may be retried",
+                code="CONNECTION",
+                retryable=True,
+                sent=True,
+            )
+        if isinstance(exc, RedisConnectionError) and (
+            "Too many connections" in str(exc) or "No connection available" in str(exc)
+        ):
+            limit = getattr(getattr(self.client, "connection_pool", None), "max_connections", None)
+            return BackendError(
+                f"the connection pool of the Redis client for {self._where} has no free "
+                f"connection for the {call} (max_connections={limit}; a client-side limit: "
+                "nothing was sent to Redis). Give the client a larger max_connections, or a "
+                "BlockingConnectionPool",
+                code="POOL",
+                retryable=True,
+                sent=False,
+            )
+        if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError | TimeoutError):
+            return BackendError(
+                f"{where} did not answer the {call} ({exc or type(exc).__name__}); the lock "
+                "state is unknown until it does, and the call may be retried",
                 code="CONNECTION",
                 retryable=True,
             )
-        if isinstance(exc, ClusterDownError | TryAgainError | ReadOnlyError):
+        text = exc.message if isinstance(exc, RespError) else str(exc)
+        kind = exc.kind if isinstance(exc, RespError) else ""
+        if isinstance(exc, ClusterDownError | TryAgainError | ReadOnlyError) or kind in (
+            "READONLY",
+            "CLUSTERDOWN",
+            "TRYAGAIN",
+            "LOADING",
+            "MASTERDOWN",
+            "BUSY",
+        ):
             return BackendError(
-                f"Redis at {self._where} cannot serve the {what} right now ({exc}); "
-                "retry after the failover or resharding",
+                f"{where} cannot serve the {call} right now ({text}); retry after the "
+                "failover, resharding or loading",
                 code="UNAVAILABLE",
                 retryable=True,
             )
-        if isinstance(exc, NoPermissionError):
+        if isinstance(exc, NoPermissionError) or kind == "NOPERM":
             return BackendError(
-                f"Redis at {self._where} refused the {what}: {exc}. The lock manager needs "
-                "EVALSHA, SCRIPT LOAD and BLPOP on the keys under its prefix",
+                f"{where} refused the {call}: {text}. The lock manager needs EVALSHA, "
+                "SCRIPT LOAD, PUBLISH and SUBSCRIBE on the keys and channels under its prefix",
                 code="PERMISSION",
             )
-        if isinstance(exc, ResponseError) and "token space exhausted" in str(exc):
-            return InvalidTokenError(f"cannot issue a token: {exc}")
-        return BackendError(
-            f"Redis at {self._where} failed the {what}: {exc}", code="RESPONSE", retryable=False
-        )
+        if kind in ("NOAUTH", "WRONGPASS") or "invalid password" in text.lower():
+            return BackendError(
+                f"{where} refused the credentials for the {call}: {text}. Check the user "
+                "and password in the URL",
+                code="AUTH",
+            )
+        if "token space exhausted" in text:
+            return InvalidTokenError(f"cannot issue a token: {text}")
+        return BackendError(f"{where} failed the {call}: {text}", code="RESPONSE")
 
-    async def _run(self, script: Any, keys: list[str], args: list[Any], what: str) -> Any:
-        # EVALSHA straight through execute_command: the hot path is one round trip, and
-        # a server that lost its script cache (restart, failover, SCRIPT FLUSH) gets the
-        # script loaded again and the call repeated, never reported as a verdict.
+    async def _run(
+        self,
+        script: Any,
+        keys: list[str],
+        args: list[Any],
+        what: str,
+        resource: str = "",
+        *,
+        urgent: bool = False,
+    ) -> Any:
+        # EVALSHA: one round trip. A server that lost its script cache (restart, failover,
+        # SCRIPT FLUSH) gets the script loaded again and the call repeated, never reported
+        # as a verdict.
+        pool = self._pool
+        if pool is not None:
+            deadline = time.monotonic() + time_left(self.socket_timeout)
+            command = pack("EVALSHA", script.sha, len(keys), *keys, *args)
+            try:
+                reply = await pool.request(command, deadline, urgent=urgent)
+                if isinstance(reply, RespError) and reply.kind == "NOSCRIPT":
+                    loaded = await pool.request(pack("SCRIPT", "LOAD", script.script), deadline)
+                    if isinstance(loaded, RespError):
+                        raise loaded
+                    reply = await pool.request(command, deadline, urgent=urgent)
+                if isinstance(reply, RespError):
+                    raise reply
+            except (ConnectionFailure, RespError) as exc:
+                raise self._error(exc, what, resource) from exc
+            return reply
         client = self.client
         try:
-            try:
-                return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                await client.script_load(script.script)
-                return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-        except (RedisError, OSError) as exc:
-            raise self._error(exc, what) from exc
+            async with cancel_after(max(time_left(self.socket_timeout), 0.0) + 0.05):
+                try:
+                    return await client.execute_command(
+                        "EVALSHA", script.sha, len(keys), *keys, *args
+                    )
+                except NoScriptError:
+                    await client.script_load(script.script)
+                    return await client.execute_command(
+                        "EVALSHA", script.sha, len(keys), *keys, *args
+                    )
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise self._error(exc, what, resource) from exc
 
     # -- the driver protocol -------------------------------------------------------------
 
@@ -248,10 +779,11 @@ class AsyncRedisDriver:
         """One attempt: take the lock if free, issuing a token; see
         :meth:`fence.abc.AsyncDriver.acquire`."""
         if not self._checked:
-            await self._check_config()
+            await self._check_config("acquire", resource)
         keys = self.keys(resource)
-        script_keys = [keys.lock, keys.token]
-        # Numbers and fixed words as bytes: redis-py encodes every str and int it is given.
+        mark = self.board.mark()
+        script_keys = [keys.lock, keys.token, keys.fence]
+        # Numbers and fixed words as bytes: no encoding on the hot path.
         args: list[Any] = [secret, b"%d" % milliseconds(ttl), holder, self._mode_bytes]
         wid = ""
         if self.fifo:
@@ -261,59 +793,71 @@ class AsyncRedisDriver:
         if self.min_replicas:
             reply = await self._acquire_replicated(resource, script_keys, args)
         else:
-            reply = await self._run(self._acquire, script_keys, args, "acquire")
+            reply = await self._run(self._acquire, script_keys, args, "acquire", resource)
         if not isinstance(reply, list):  # granted: the bare token
             return AcquireReply(int(reply))
         wait_ms, queued = int(reply[1]), int(reply[2])
         # PTTL is truncated to whole ms: add one so the wait does not end just before expiry.
         holder_ttl = (wait_ms + 1) / 1000 if wait_ms >= 0 else None
-        return AcquireReply(None, holder_ttl, (wid, bool(queued)))
+        return AcquireReply(None, holder_ttl, (mark, wid, bool(queued)))
+
+    async def _pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send commands in one pipeline on one connection; errors are returned in place."""
+        if self._pool is not None:
+            deadline = time.monotonic() + time_left(self.socket_timeout)
+            return list(await self._pool.requests([pack(*c) for c in commands], deadline))
+        async with self.client.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(await pipe.execute(raise_on_error=False))
 
     async def _acquire_replicated(
         self, resource: str, script_keys: list[str], args: list[Any]
     ) -> Any:
         # WAIT counts the writes of its own connection: a pipeline sends both on one.
         timeout_ms = milliseconds(self.replica_timeout)
+        commands: list[tuple[Any, ...]] = [
+            ("EVAL", ACQUIRE, len(script_keys), *script_keys, *args),
+            ("WAIT", self.min_replicas, timeout_ms),
+        ]
+        if self.wait_aof:
+            commands.append(
+                ("WAITAOF", 1 if self._appendonly else 0, self.min_replicas, timeout_ms)
+            )
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                pipe.eval(ACQUIRE, len(script_keys), *script_keys, *args)
-                pipe.execute_command("WAIT", self.min_replicas, timeout_ms)
-                if self.wait_aof:
-                    local = 1 if self._appendonly else 0
-                    pipe.execute_command("WAITAOF", local, self.min_replicas, timeout_ms)
-                results = await pipe.execute(raise_on_error=False)
-        except (RedisError, OSError) as exc:
-            raise self._error(exc, "acquire") from exc
+            results = await self._pipeline(commands)
+        except (ConnectionFailure, RedisError, OSError) as exc:
+            raise self._error(exc, "acquire", resource) from exc
         reply = results[0]
         if isinstance(reply, Exception):
-            raise self._error(reply, "acquire") from reply
+            raise self._error(reply, "acquire", resource) from reply
         if isinstance(reply, list):  # not granted: nothing to wait for
             return reply
         problem: Exception | None = None
         aof = results[2] if self.wait_aof else None
-        if isinstance(aof, ResponseError) and "unknown command" in str(aof).lower():
+        if isinstance(aof, Exception) and "unknown command" in str(aof).lower():
             problem = ConfigurationError(
                 f"wait_aof needs Redis 7.2 or later (WAITAOF); {self._where} has no WAITAOF"
             )
         elif isinstance(results[1], Exception):
-            problem = self._error(results[1], "WAIT")
+            problem = self._error(results[1], "WAIT after the acquire", resource)
         elif int(results[1]) < self.min_replicas:
             problem = BackendError(
                 f"only {int(results[1])} of {self.min_replicas} replicas acknowledged the "
-                f"acquire within {self.replica_timeout}s; the lock was released and its token "
-                "not handed out (a failover could have lost it)",
+                f"acquire of {resource!r} within {self.replica_timeout}s; the lock was "
+                "released and its token not handed out (a failover could have lost it)",
                 code="REPLICATION",
                 retryable=True,
             )
         elif isinstance(aof, Exception):
-            problem = self._error(aof, "WAITAOF")
+            problem = self._error(aof, "WAITAOF after the acquire", resource)
         elif aof is not None and (
             int(aof[1]) < self.min_replicas or (self._appendonly and int(aof[0]) < 1)
         ):
             problem = BackendError(
-                f"the acquire was not fsynced to the AOF of {self.min_replicas} replicas "
-                f"within {self.replica_timeout}s; the lock was released and its token "
-                "not handed out",
+                f"the acquire of {resource!r} was not fsynced to the AOF of "
+                f"{self.min_replicas} replicas within {self.replica_timeout}s; the lock was "
+                "released and its token not handed out",
                 code="REPLICATION",
                 retryable=True,
             )
@@ -325,92 +869,141 @@ class AsyncRedisDriver:
     async def renew(self, resource: str, secret: str, ttl: float) -> bool:
         """See :meth:`fence.abc.AsyncDriver.renew`."""
         lock = self.keys(resource).lock
-        return bool(await self._run(self._renew, [lock], [secret, milliseconds(ttl)], "renewal"))
+        renewed = await self._run(
+            self._renew, [lock], [secret, milliseconds(ttl)], "renewal", resource, urgent=True
+        )
+        return bool(renewed)
 
     async def release(self, resource: str, secret: str) -> bool:
-        """Delete the lock if ``secret`` holds it and wake one waiter; see
+        """Delete the lock if ``secret`` holds it and publish a wake-up; see
         :meth:`fence.abc.AsyncDriver.release`."""
         keys = self.keys(resource)
         if self.fifo:
-            script_keys = [keys.lock, keys.signal, keys.queue, keys.deadlines]
-            args = [secret, keys.wake_prefix]
+            script_keys = [keys.lock, keys.queue, keys.deadlines]
+            args = [secret, b"1"]
         else:
-            script_keys, args = [keys.lock, keys.signal], [secret]
-        return bool(await self._run(self._release, script_keys, args, "release"))
+            script_keys, args = [keys.lock], [secret]
+        released = await self._run(
+            self._release, script_keys, args, "release", resource, urgent=True
+        )
+        return bool(released)
 
     async def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
-        """Block on the resource's signal list (or, FIFO, the waiter's own list) until a
-        release pushes to it, or ``timeout`` seconds pass (at most a few seconds)."""
+        """Wait until this manager's listener hears a wake-up for ``resource`` (or, FIFO,
+        for this waiter), or ``timeout`` seconds pass.
+
+        The first waiter of a resource subscribes the manager to its channel, and returns
+        at once so that its caller tries again: a release may have come before the
+        subscription.
+        """
+        if timeout <= 0 or self._closed:
+            return
+        cookie = reply.cookie
+        if isinstance(cookie, tuple) and len(cookie) == 3:
+            mark, wid, queued = cookie
+        else:  # a reply that is not this driver's (the quorum's): no mark to trust
+            mark, wid, queued = None, "", False
+        deadline = time.monotonic() + timeout
         keys = self.keys(resource)
-        wid, queued = reply.cookie if isinstance(reply.cookie, tuple) else ("", False)
-        if self.fifo:
-            if not queued:
+        listener = self._listener
+        listener.enter(resource)
+        try:
+            if self.fifo and wid and not queued:
                 go = await self._run(
                     self._enqueue,
                     [keys.lock, keys.queue, keys.deadlines],
                     [wid, self._queue_ms],
                     "enqueue",
+                    resource,
                 )
                 if go:
                     return
-            key = keys.wake_prefix + wid
-        else:
-            key = keys.signal
-        blocking_ms = int(min(timeout, self._block_cap) * 1000)
-        if blocking_ms < 1:
-            return  # BLPOP 0 would block forever
-        try:
-            await self._waits.execute_command("BLPOP", key, f"{blocking_ms / 1000:.3f}")
-        except (RedisError, OSError) as exc:
-            error = self._error(exc, "wait")
-            if not isinstance(error, BackendError) or not error.retryable:
-                raise error from exc
-            # The next attempt reports a real outage; do not spin against a flapping one.
-            await sleep(min(0.05, blocking_ms / 1000))
+            if not await listener.ensure(resource, keys.signal, deadline):
+                return
+            if mark is None:
+                mark = self.board.mark()
+            seat = _Seat()
+            if self.board.attach(resource, seat, mark, wid or None):
+                return
+            try:
+                await listener.serve(seat, deadline)
+            finally:
+                self.board.detach(resource, seat)
+        finally:
+            listener.leave(resource, keys.signal)
 
     async def abandon(self, resource: str, secret: str) -> None:
-        """A waiter gave up: drop it from the FIFO queue and, if the lock is free, wake the
-        next waiter in its place."""
+        """A waiter gave up: drop it from the FIFO queue and, if the lock is free, publish a
+        wake-up in its place."""
         keys = self.keys(resource)
-        script_keys = [keys.lock, keys.signal, keys.queue, keys.deadlines]
-        args = [waiter_id(secret)]
+        args: list[Any] = [waiter_id(secret)]
         if self.fifo:
-            args.append(keys.wake_prefix)
-        await self._run(self._abandon, script_keys, args, "abandon")
+            args.append(b"1")
+        await self._run(
+            self._abandon,
+            [keys.lock, keys.queue, keys.deadlines],
+            args,
+            "abandon",
+            resource,
+            urgent=True,
+        )
+
+    async def cancel(self, resource: str, secret: str, ttl: float) -> bool:
+        """An acquire gave up without knowing whether an attempt took the lock: release it
+        if one did, and leave a tombstone (for ``ttl``) that refuses an attempt with this
+        secret still on its way. Returns whether the lock was held."""
+        keys = self.keys(resource)
+        args: list[Any] = [secret, milliseconds(ttl), waiter_id(secret)]
+        if self.fifo:
+            args.append(b"1")
+        held = await self._run(
+            self._cancel,
+            [keys.lock, keys.queue, keys.deadlines],
+            args,
+            "cancel",
+            resource,
+            urgent=True,
+        )
+        return bool(held)
 
     async def inspect(self, resource: str) -> LockInfo | None:
         """See :meth:`fence.abc.AsyncDriver.inspect`."""
-        got = await self._run(self._inspect, [self.keys(resource).lock], [], "inspect")
+        got = await self._run(self._inspect, [self.keys(resource).lock], [], "inspect", resource)
         if not got:
             return None
         token, pttl, holder = got
         return LockInfo(resource, int(token), max(int(pttl), 0) / 1000, _text(holder) or None)
 
     async def revoke(self, resource: str) -> int:
-        """End the lease, issue a token above every earlier one and raise the guards'
-        fence register ``<prefix>{R}:fence`` to it; see :meth:`fence.abc.AsyncDriver.revoke`."""
+        """End the lease, issue a token above every earlier one and above the guards' fence
+        register ``<prefix>{R}:fence``, and raise the register to it; see
+        :meth:`fence.abc.AsyncDriver.revoke`."""
         if not self._checked:
-            await self._check_config()
+            await self._check_config("revoke", resource)
         keys = self.keys(resource)
-        args = [self._mode, keys.wake_prefix] if self.fifo else [self._mode]
+        args: list[Any] = [self._mode, b"1"] if self.fifo else [self._mode]
         token = await self._run(
             self._revoke,
-            [keys.lock, keys.token, keys.fence, keys.signal, keys.queue, keys.deadlines],
+            [keys.lock, keys.token, keys.fence, keys.queue, keys.deadlines],
             args,
             "revoke",
+            resource,
+            urgent=True,
         )
         return int(token)
 
     async def close(self) -> None:
-        """Close the clients built from a URL; a client given is left open."""
+        """Stop the listener; close the connections built from a URL (a client given is
+        left open)."""
+        self._closed = True
+        await self._listener.close()
         if self._owned:
             self._owned = False
             await self.client.aclose()
-            await self._waits.aclose()
 
     # -- server settings -----------------------------------------------------------------
 
-    async def _check_config(self) -> None:
+    async def _check_config(self, what: str, resource: str) -> None:
         """Warn once about settings that can lose tokens or fences (C3, C12).
 
         Managed services often disable ``CONFIG``; then nothing is checked or said.
@@ -420,11 +1013,11 @@ class AsyncRedisDriver:
         for name in ("maxmemory-policy", "appendonly", "appendfsync", "save"):
             try:
                 got = await self.client.config_get(name)
-            except ResponseError:
+            except ResponseError:  # CONFIG forbidden or renamed (RespError is one too)
                 return
             except (RedisError, OSError) as exc:
                 self._checked = False
-                raise self._error(exc, "CONFIG GET") from exc
+                raise self._error(exc, what, resource) from exc
             settings.update({_text(k): _text(v) for k, v in got.items()})
         self._appendonly = settings.get("appendonly") == "yes"
         for message in config_warnings(settings, self.token_mode):
@@ -435,9 +1028,10 @@ class AsyncRedisLockManager(AsyncBaseLockManager):
     """A lock manager on Redis that issues fencing tokens (C2, C3, C10-C12).
 
     Acquire, renew and release are one Lua script each. Tokens are issued in the acquire
-    script, from Redis ``TIME`` (hybrid, the default) or a plain counter. A blocking acquire
-    sleeps in ``BLPOP`` and is woken by the release, or by the holder's expiry. All keys of
-    a resource share the hash tag ``{resource}``, so Redis Cluster works.
+    script, from Redis ``TIME`` (hybrid, the default) or a plain counter, and always above
+    the guards' fence register. A blocking acquire is woken by the release (pub/sub: one
+    listening connection per manager, however many tasks wait), or by the holder's expiry.
+    All keys of a resource share the hash tag ``{resource}``, so Redis Cluster works.
 
     Args:
         client: a URL (``redis://host:6379/0``), a ``redis.asyncio.Redis`` or a
@@ -454,9 +1048,13 @@ class AsyncRedisLockManager(AsyncBaseLockManager):
             :class:`BackendError` raised. Not on Redis Cluster.
         replica_timeout: how long ``WAIT`` may take, in seconds.
         wait_aof: also wait for the AOF fsync (``WAITAOF``, Redis 7.2+).
-        socket_timeout: read and connect timeout of clients built from a URL (default:
-            ``ttl / 3``, at most 5 s), so that a renewal cannot hang past the lease.
+        socket_timeout: the longest one round trip may take on connections built from a
+            URL (default: ``ttl / 3``, at most 5 s), so that a renewal cannot hang past the
+            lease; an acquire's own timeout shortens it.
         cluster: build a ``RedisCluster`` from the URL.
+        max_connections: how many connections a manager built from a URL opens for its
+            calls (default 3), plus one for pub/sub. Callers queue for a free one, up to
+            their deadline; then :class:`BackendError` ``code="POOL"`` names this limit.
         check_config: on first use, read ``maxmemory-policy`` and the persistence settings
             and warn (:class:`fence.FenceWarning`) about any that can lose tokens or fences.
         ttl: default lease time in seconds.
@@ -495,6 +1093,7 @@ class AsyncRedisLockManager(AsyncBaseLockManager):
         socket_timeout: float | None = None,
         cluster: bool = False,
         check_config: bool = True,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         ttl: float = 30.0,
         renew: bool = False,
         drift: float = 0.01,
@@ -519,6 +1118,7 @@ class AsyncRedisLockManager(AsyncBaseLockManager):
             socket_timeout=socket_timeout,
             cluster=cluster,
             check_config=check_config,
+            max_connections=max_connections,
         )
         super().__init__(
             driver,

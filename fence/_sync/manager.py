@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -22,6 +24,7 @@ from typing import Any
 from fence._clock import Clock, subscribe, system_clock
 from fence._compat import Waiter, cancel_after, current_owner, shield, spawn
 from fence._core import client_deadline, validate_resource, validate_ttl
+from fence._deadline import reset, set_deadline
 from fence._errors import (
     AcquireTimeout,
     BackendError,
@@ -39,8 +42,24 @@ __all__ = ["BaseLockManager", "Lease"]
 _log = logging.getLogger("fence")
 
 #: Longest single wait between acquire attempts when the backend gives no hint. A lost
-#: wake-up can cost at most this much.
+#: wake-up can cost at most this much. A driver whose wake-ups are not lost may raise it
+#: with the optional attribute ``max_wait`` (seconds).
 _MAX_WAIT_SLICE = 5.0
+
+#: The first pause after a failed attempt (a transient backend error); it doubles, with
+#: jitter, up to _RETRY_MAX, and never runs past the caller's deadline.
+_RETRY_BASE = 0.02
+_RETRY_MAX = 1.0
+
+#: How long the clean-up of an acquire that gave up (releasing what an attempt whose reply
+#: was lost may have taken) may delay the caller's error; the rest is finished in the
+#: background. With _GRACE, this is the margin by which acquire(timeout=t) may pass t.
+UNDO_LIMIT = 0.25
+
+#: asyncio: how far past its deadline a driver call runs before the manager cancels it.
+#: Drivers that bound their own round trips by the deadline stop first, with a better
+#: message.
+_GRACE = 0.05
 
 _HOST = socket.gethostname()
 
@@ -84,6 +103,7 @@ class Lease:
         self._owner = owner
         self._depth = 1
         self._released = False
+        self._issued = False  # set by the manager that acquired it; a forged lease has not
         self._lost = Signal()
         self._stop = Signal()
         self._error: LeaseLostError | None = None
@@ -294,6 +314,8 @@ class BaseLockManager:
         self._held: dict[tuple[object, str], Lease] = {}
         self._watchdogs: list[Any] = []
         self._closed = False
+        self._closing = Signal()
+        self._max_wait = float(getattr(driver, "max_wait", _MAX_WAIT_SLICE))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.source} ttl={self.ttl}>"
@@ -315,16 +337,26 @@ class BaseLockManager:
         Args:
             resource: what to lock; a non-empty ``str`` of at most 512 bytes.
             ttl: lease time in seconds (default: the manager's).
-            timeout: how long to wait, in seconds; ``None`` waits forever, ``0`` tries once.
+            timeout: how long to wait, in seconds. The call returns within ``timeout``
+                plus :data:`UNDO_LIMIT` and a few milliseconds, whatever the backend does:
+                every round trip is bounded by the time left, and transient backend errors
+                are retried with backoff until then. ``0`` tries once. ``None`` waits for
+                the lock as long as it takes, but raises a backend error at once.
             renew: run the renewal watchdog for this lease (default: the manager's).
             on_lost: called once if the lease is lost; see :meth:`Lease.on_lost`.
             owner: who owns the lease for reentrancy; default: the current task.
+
+        If the call fails or is cancelled after an attempt whose reply was lost (a timeout,
+        a broken connection, a cancellation), it releases whatever that attempt may have
+        taken before the error reaches the caller (in the background if the backend does
+        not answer within :data:`UNDO_LIMIT`).
 
         Raises:
             AcquireTimeout: the lock was not free within ``timeout``.
             LeaseLostError: a reentrant acquire found the held lease lost.
             InvalidResourceError, ConfigurationError: bad arguments, before any I/O.
-            BackendError: the backend failed.
+            BackendError: the backend failed (with a timeout: it kept failing, or did not
+                answer, until the timeout ran out).
         """
         lease = self._acquire(resource, ttl, timeout, renew, on_lost, owner, True)
         assert lease is not None
@@ -387,6 +419,7 @@ class BaseLockManager:
         if self._closed:
             return
         self._closed = True
+        self._closing.set()
         held = list(self._held.values())
         for lease in held:
             lease._stop.set()
@@ -450,14 +483,62 @@ class BaseLockManager:
         holder = self._holder_label(owner)
         start = clock.monotonic()
         wait_end = None if timeout is None else start + timeout
+        # Round trips are bounded by the caller's deadline, on the clock sockets time out
+        # on. A timeout of 0 tries once, with a whole round trip (the driver's own limit).
+        real_end = time.monotonic() + timeout if timeout else None
         waited = False
         queued = False
+        uncertain = False  # an attempt failed after it may have reached the backend
+        refused = False  # the last attempt was answered: the lock was held
+        failures = 0
+        error: BackendError | None = None
         try:
             while True:
                 sent = clock.monotonic()
-                reply = self.driver.acquire(resource, secret, ttl, holder)
+                scope = set_deadline(real_end)
+                try:
+                    if real_end is None:
+                        reply = self.driver.acquire(resource, secret, ttl, holder)
+                    else:
+                        with cancel_after(max(real_end - time.monotonic(), 0.0) + _GRACE):
+                            reply = self.driver.acquire(resource, secret, ttl, holder)
+                except BaseException as exc:
+                    if not (isinstance(exc, BackendError) and getattr(exc, "sent", None) is False):
+                        uncertain = True
+                    if isinstance(exc, TimeoutError) and not isinstance(exc, AcquireTimeout):
+                        error = BackendError(
+                            f"{self.source} did not answer the acquire of {resource!r} within "
+                            f"the time left of its {timeout}s timeout; the lock state is unknown",
+                            code="TIMEOUT",
+                            retryable=True,
+                        )
+                        error.__cause__ = exc
+                    elif isinstance(exc, BackendError):
+                        error = exc
+                    else:
+                        raise
+                    if refused and wait_end is not None and clock.monotonic() >= wait_end:
+                        # The deadline came during a last attempt: the lock was held when
+                        # last heard of, so this is a timeout, not an outage.
+                        raise AcquireTimeout(
+                            f"{resource!r} was not free within {timeout}s (the last attempt "
+                            f"did not finish in time: {error})",
+                            resource=resource,
+                            timeout=timeout,
+                        ) from exc
+                    if not (error.retryable and blocking and timeout):
+                        raise error from exc
+                    failures += 1
+                    refused = False
+                    self._retry_pause(resource, error, failures, wait_end, timeout, start)
+                    continue
+                finally:
+                    reset(scope)
                 if reply.token is not None:
                     break
+                failures = 0
+                error = None
+                refused = True
                 queued = queued or reply.queued
                 now = clock.monotonic()
                 if not blocking:
@@ -471,19 +552,33 @@ class BaseLockManager:
                         timeout=timeout,
                     )
                 waited = True
-                slice_ = (
-                    _MAX_WAIT_SLICE if wait_end is None else min(_MAX_WAIT_SLICE, wait_end - now)
-                )
+                # Jittered, so that many waiters woken by nothing do not try all at once.
+                slice_ = self._max_wait * random.uniform(0.75, 1.0)
+                if wait_end is not None:
+                    slice_ = min(slice_, wait_end - now)
                 if reply.holder_ttl is not None:
                     slice_ = min(slice_, max(reply.holder_ttl, 0.001))
-                self.driver.wait(resource, slice_, reply)
+                scope = set_deadline(time.monotonic() + slice_)
+                try:
+                    self.driver.wait(resource, slice_, reply)
+                except BackendError as exc:
+                    if not (exc.retryable and timeout):
+                        raise
+                    error = exc
+                    failures += 1
+                    self._retry_pause(resource, error, failures, wait_end, timeout, start)
+                finally:
+                    reset(scope)
         except BaseException:
+            if uncertain:
+                self._undo(resource, secret, ttl)
             if waited or queued:
                 self._abandon(resource, secret)
             raise
 
         deadline = client_deadline(sent, ttl, drift=self.drift, margin=self.margin)
         lease = Lease(self, resource, reply.token, secret, ttl, deadline, owner)
+        lease._issued = True
         if on_lost is not None:
             lease.on_lost(on_lost)
         self._held[key] = lease
@@ -499,6 +594,83 @@ class BaseLockManager:
             self._watchdogs.append(lease._watchdog)
         return lease
 
+    def _retry_pause(
+        self,
+        resource: str,
+        error: BackendError,
+        failures: int,
+        wait_end: float | None,
+        timeout: float | None,
+        start: float,
+    ) -> None:
+        """Wait before the next attempt after a transient error, or raise it if the
+        caller's deadline comes first."""
+        now = self.clock.monotonic()
+        delay = min(_RETRY_MAX, _RETRY_BASE * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+        if wait_end is not None and now + delay >= wait_end:
+            raise BackendError(
+                f"{error} [the acquire of {resource!r} gave up after {failures} failed "
+                f"attempt(s) in {now - start:.2f}s of its {timeout}s timeout]",
+                code=error.code,
+                retryable=error.retryable,
+                sent=getattr(error, "sent", None),
+            ) from error
+        _log.debug("acquire of %r retries after: %s", resource, error)
+        if self._sleep_until(self._closing, now + delay):
+            raise ConfigurationError(f"{self!r} was closed while an acquire retried") from error
+
+    def _undo(self, resource: str, secret: str, ttl: float) -> None:
+        """Release what an acquire that gave up may have taken, before its error reaches
+        the caller (C11: nobody must be left holding a lock for a secret nobody has).
+
+        The optional driver hook ``cancel(resource, secret, ttl)`` also refuses an attempt
+        still on its way (Redis leaves a tombstone); without it the manager releases. The
+        first try runs here, with a deadline of :data:`UNDO_LIMIT` (the driver bounds its
+        round trips by it), so the clean-up is on its way to the backend before the caller
+        gets its error. If the backend does not answer in time, the clean-up goes on in the
+        background until it does, for as long as such a lock could live.
+        """
+        scope = set_deadline(time.monotonic() + UNDO_LIMIT)
+        try:
+            with cancel_after(UNDO_LIMIT + _GRACE):
+                shield(self._clean_up(resource, secret, ttl))
+            return
+        except (BackendError, TimeoutError):
+            _log.debug("clean-up of a failed acquire of %r deferred", resource, exc_info=True)
+        finally:
+            reset(scope)
+        if not self._closed:
+            task = spawn(self._reap, resource, secret, ttl, name=f"fence-undo:{resource}")
+            self._watchdogs = [w for w in self._watchdogs if not w.done()]
+            self._watchdogs.append(task)
+
+    def _clean_up(self, resource: str, secret: str, ttl: float) -> bool:
+        """One try of the clean-up; whether the lock was held (and is released now)."""
+        cancel = getattr(self.driver, "cancel", None)
+        if cancel is not None:
+            return bool(cancel(resource, secret, ttl))
+        return self.driver.release(resource, secret)
+
+    def _reap(self, resource: str, secret: str, ttl: float) -> None:
+        """Retry the clean-up of a failed acquire until the backend answers, the lock it
+        may have taken has expired, or the manager closes."""
+        clock = self.clock
+        until = clock.monotonic() + ttl
+        delay = _RETRY_BASE
+        while True:
+            if self._sleep_until(self._closing, min(clock.monotonic() + delay, until)):
+                return
+            if clock.monotonic() >= until:
+                return
+            try:
+                self._clean_up(resource, secret, ttl)
+                return
+            except BackendError:
+                delay = min(delay * 2, _RETRY_MAX)
+            except Exception:
+                _log.exception("clean-up of a failed acquire of %r failed", resource)
+                return
+
     def _abandon(self, resource: str, secret: str) -> None:
         """Tell the driver that a waiter gave up (timeout, cancellation, error).
 
@@ -509,10 +681,14 @@ class BaseLockManager:
         abandon = getattr(self.driver, "abandon", None)
         if abandon is None:
             return
+        scope = set_deadline(time.monotonic() + UNDO_LIMIT)
         try:
-            shield(abandon(resource, secret))
-        except BackendError:
+            with cancel_after(UNDO_LIMIT + _GRACE):
+                shield(abandon(resource, secret))
+        except (BackendError, TimeoutError):
             _log.debug("abandon of a wait on %r failed", resource, exc_info=True)
+        finally:
+            reset(scope)
 
     def _reenter(self, lease: Lease, ttl: float) -> None:
         if lease._error is not None:
@@ -525,7 +701,16 @@ class BaseLockManager:
         lease._deadline = client_deadline(sent, ttl, drift=self.drift, margin=self.margin)
         lease._depth += 1
 
+    def _check_issued(self, lease: Lease, what: str) -> None:
+        if not lease._issued or lease._manager is not self:
+            raise NotOwnerError(
+                f"cannot {what} the lease on {lease.resource!r} (token {lease.token}): "
+                f"{self!r} did not issue it, so its holder does not own the lock",
+                resource=lease.resource,
+            )
+
     def _renew(self, lease: Lease, ttl: float) -> None:
+        self._check_issued(lease, "renew")
         if lease._released:
             raise NotOwnerError(
                 f"lease on {lease.resource!r} (token {lease.token}) was released",
@@ -542,6 +727,7 @@ class BaseLockManager:
         self.events.emit(EventKind.RENEWED, self.source, lease.resource, lease.token)
 
     def _release(self, lease: Lease) -> None:
+        self._check_issued(lease, "release")
         if lease._released:
             raise NotOwnerError(
                 f"lease on {lease.resource!r} (token {lease.token}) is already released",
@@ -597,6 +783,8 @@ class BaseLockManager:
             if sent >= lease._deadline:
                 lease._mark_lost("the lease reached its deadline before a renewal succeeded")
                 return
+            # The renewal may take until the lease's deadline, and no longer.
+            scope = set_deadline(time.monotonic() + max(lease._deadline - sent, 0.001))
             try:
                 with cancel_after(max(lease._deadline - sent, 0.001)):
                     renewed = self.driver.renew(lease.resource, lease._secret, lease.ttl)
@@ -625,6 +813,8 @@ class BaseLockManager:
             except Exception as exc:
                 lease._mark_lost(f"renewal failed unexpectedly: {exc!r}")
                 raise
+            finally:
+                reset(scope)
             if lease._stop.is_set():
                 return
             if not renewed:

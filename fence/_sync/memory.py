@@ -4,9 +4,13 @@
 
 from __future__ import annotations
 
+import time
+
 from fence._clock import Clock
 from fence._compat import Waiter
 from fence._core import TokenMode
+from fence._deadline import deadline
+from fence._errors import BackendError
 from fence._events import EventBus
 from fence._memory import MemoryBackend
 from fence._sync.manager import BaseLockManager
@@ -16,35 +20,49 @@ __all__ = ["MemoryDriver", "MemoryLockManager"]
 
 
 class MemoryDriver:
-    """Drives a :class:`MemoryBackend`; waits until it is resumed when it is paused."""
+    """Drives a :class:`MemoryBackend`; waits until it is resumed when it is paused, or
+    until the caller's deadline (:mod:`fence._deadline`), as a frozen server would make a
+    client wait for its socket timeout."""
 
     source = "memory"
 
     def __init__(self, backend: MemoryBackend) -> None:
         self.backend = backend
 
-    def _enter(self) -> None:
+    def _enter(self, what: str, resource: str) -> None:
         while True:
             paused = self.backend.gate()
             if paused is None:
                 return
+            at = deadline()
             waiter = Waiter()
-            if not paused.attach(waiter):
-                waiter.wait(None)
+            if paused.attach(waiter):
+                continue
+            try:
+                if not waiter.wait(None if at is None else at - time.monotonic()):
+                    raise BackendError(
+                        f"the memory backend is paused: the {what} of {resource!r} did not "
+                        "run before the caller's deadline (nothing was done)",
+                        code="CONNECTION",
+                        retryable=True,
+                        sent=False,
+                    )
+            finally:
+                paused.detach(waiter)
 
     def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
         """See :meth:`fence.abc.Driver.acquire`."""
-        self._enter()
+        self._enter("acquire", resource)
         return self.backend.acquire(resource, secret, ttl, holder)
 
     def renew(self, resource: str, secret: str, ttl: float) -> bool:
         """See :meth:`fence.abc.Driver.renew`."""
-        self._enter()
+        self._enter("renew", resource)
         return self.backend.renew(resource, secret, ttl)
 
     def release(self, resource: str, secret: str) -> bool:
         """See :meth:`fence.abc.Driver.release`."""
-        self._enter()
+        self._enter("release", resource)
         return self.backend.release(resource, secret)
 
     def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
@@ -59,12 +77,12 @@ class MemoryDriver:
 
     def inspect(self, resource: str) -> LockInfo | None:
         """See :meth:`fence.abc.Driver.inspect`."""
-        self._enter()
+        self._enter("inspect", resource)
         return self.backend.inspect(resource)
 
     def revoke(self, resource: str) -> int:
         """See :meth:`fence.abc.Driver.revoke`."""
-        self._enter()
+        self._enter("revoke", resource)
         return self.backend.revoke(resource)
 
     def close(self) -> None:

@@ -458,6 +458,32 @@ class QuorumDriver:
             # That node failed; the next attempt asks them all again.
             sleep(min(max(timeout, 0.0), 0.05))
 
+    def cancel(self, resource: str, secret: str, ttl: float) -> bool:
+        """An acquire gave up without knowing what its last round did (a timeout, a
+        cancellation): cancel it on every node, each of which releases what the attempt
+        took there and refuses it if it arrives later. True if a majority held it.
+
+        Raises:
+            BackendError: a node did not answer; the manager tries again.
+        """
+        outcomes = self._each(
+            "cancel",
+            resource,
+            {
+                i: functools.partial(node.cancel, resource, secret, ttl)
+                for i, node in enumerate(self.nodes)
+            },
+        )
+        failed = [self.names[i] for i, o in outcomes.items() if isinstance(o, BackendError)]
+        if failed:
+            raise BackendError(
+                f"the clean-up of an abandoned acquire of {resource!r} did not reach "
+                f"{', '.join(failed)}; it is retried while such a lock could live",
+                code="QUORUM",
+                retryable=True,
+            )
+        return sum(1 for o in outcomes.values() if o is True) >= self.majority
+
     def abandon(self, resource: str, secret: str) -> None:
         """A waiter gave up: forget its backoff state. Nothing is queued on the nodes."""
         self._attempts.pop(secret, None)

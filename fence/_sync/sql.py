@@ -9,32 +9,38 @@ hybrid tokens (C2, C3, C10). The statements are in :mod:`fence._sql_schema`.
 
 Waiting: on PostgreSQL a release runs ``pg_notify`` in its own statement and waiters are
 woken through one ``LISTEN`` connection per driver, with a bounded poll as a fallback; on
-SQLite a release made in this process wakes the waiters of this process at once and other
-waiters poll with a jittered interval. The generic manager also wakes every waiter when the
+SQLite a release made in this process wakes a waiter of this process at once and other
+waiters poll with a jittered interval. Each release wakes one waiter of each process (the
+one that has waited longest), not all of them. The generic manager also wakes every waiter when the
 holder's lease ends by its ttl.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
+import socket
+import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
+from sqlalchemy import event, text
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import StaticPool
 
 from fence._clock import Clock
-from fence._compat import Task, Waiter, spawn
+from fence._compat import Task, Waiter, call_later, settle, spawn
 from fence._compat import sleep as _sleep
 from fence._core import MAX_TOKEN, TokenMode
+from fence._deadline import deadline, reset, set_deadline
 from fence._errors import BackendError, ConfigurationError, InvalidTokenError, RetryableError
 from fence._events import EventBus
 from fence._signal import Signal
@@ -74,6 +80,21 @@ _LISTEN_SLICE = 1.0
 
 _STATEMENTS = ("acquire", "renew", "release", "inspect", "revoke")
 
+#: What an engine built from a ``sqlite:`` file URL sets on every connection: WAL (readers
+#: never block the writer, a commit appends to the log instead of rewriting pages), the
+#: matching ``synchronous=NORMAL`` (a power loss can lose the last commits, not corrupt the
+#: file), and a busy timeout for writers that meet another writer.
+SQLITE_PRAGMAS: dict[str, str | int] = {
+    "journal_mode": "WAL",
+    "synchronous": "NORMAL",
+    "busy_timeout": 5000,
+}
+
+#: ``connect_timeout`` (seconds) of a PostgreSQL engine built from a URL, unless the URL or
+#: ``engine_options`` give one: a server that accepts connections and then hangs holds a
+#: new connection this long at most (psycopg's floor is 2 s).
+PG_CONNECT_TIMEOUT = 5
+
 
 def _is_memory(url: URL) -> bool:
     if url.get_backend_name() != "sqlite":
@@ -84,10 +105,12 @@ def _is_memory(url: URL) -> bool:
 def make_engine(url: str | URL, options: Mapping[str, Any] | None = None) -> sa.Engine:
     """Create an engine for the SQL lock manager from a URL.
 
-    ``postgresql://`` gets the psycopg 3 driver, and ``sqlite://`` the default SQLite
-    driver of the engine kind (aiosqlite for asyncio), unless the URL names a driver. The
-    engine runs in autocommit mode (every lease statement is its own transaction). An
-    in-memory SQLite database gets a single-connection
+    ``postgresql://`` gets the psycopg 3 driver (with ``connect_timeout``
+    :data:`PG_CONNECT_TIMEOUT`), and ``sqlite://`` the default SQLite driver of the engine
+    kind (aiosqlite for asyncio), unless the URL names a driver. The engine runs in
+    autocommit mode (every lease statement is its own transaction). A SQLite file gets
+    :data:`SQLITE_PRAGMAS` (WAL, ``synchronous=NORMAL``, a 5 s busy timeout) on every
+    connection. An in-memory SQLite database gets a single-connection
     :class:`~sqlalchemy.pool.StaticPool`, the only pool that keeps one database for all
     callers.
 
@@ -103,12 +126,47 @@ def make_engine(url: str | URL, options: Mapping[str, Any] | None = None) -> sa.
     # Autocommit for the whole pool, so no checkout switches the isolation level back and
     # forth, and nothing is left to roll back when a connection returns to the pool.
     kwargs: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
-    if _is_memory(parsed):
+    memory = _is_memory(parsed)
+    if memory:
         kwargs["poolclass"] = StaticPool
         kwargs["connect_args"] = {"check_same_thread": False}
-    kwargs.update(options or {})
+    elif parsed.get_backend_name() == "postgresql" and "connect_timeout" not in parsed.query:
+        kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT}
+    given = dict(options or {})
+    if "connect_args" in given and "connect_args" in kwargs:
+        given["connect_args"] = {**kwargs["connect_args"], **given["connect_args"]}
+    kwargs.update(given)
     create = sa.create_engine
-    return create(parsed, **kwargs)
+    engine = create(parsed, **kwargs)
+    if parsed.get_backend_name() == "sqlite" and not memory:
+        target = engine
+        event.listen(target, "connect", _set_sqlite_pragmas)
+    return engine
+
+
+def _set_sqlite_pragmas(dbapi_connection: Any, record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        for name, value in SQLITE_PRAGMAS.items():
+            cursor.execute(f"PRAGMA {name} = {value}")
+    finally:
+        cursor.close()
+
+
+def _cut(fd: int, fired: list[bool]) -> None:
+    """Shut the socket ``fd`` down: a round trip blocked on it (in any thread) ends with a
+    lost-connection error. The connection is not reused afterwards."""
+    fired[0] = True
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 def _listen_args(engine: sa.Engine) -> tuple[list[Any], dict[str, Any]]:
@@ -166,7 +224,13 @@ class SQLDriver:
         autocommit: the engine was created with ``isolation_level="AUTOCOMMIT"``; the
             driver then uses it as it is. Otherwise each call's connection is switched to
             autocommit at checkout and back at return.
-        owns_engine: dispose of the engine in :meth:`close`.
+        owns_engine: dispose of the engine in :meth:`close` (and it was built by
+            :func:`make_engine`, with :data:`SQLITE_PRAGMAS` on SQLite).
+        fence_table: the storage guards' fence register table (``(scope, fence)``, see
+            ``fence.adapters.sql.FenceRegister``) in the same schema, whose row with
+            the resource's name as scope no token may go below: acquire and revoke issue
+            tokens above it, and revoke raises it. ``None``: the lease row is the only
+            register.
 
     Raises:
         ConfigurationError: an unsupported database, an in-memory SQLite database without
@@ -188,6 +252,7 @@ class SQLDriver:
         create_table: bool = False,
         autocommit: bool = False,
         owns_engine: bool = False,
+        fence_table: str | None = None,
     ) -> None:
         dialect = engine.dialect.name
         if dialect not in ("postgresql", "sqlite"):
@@ -199,12 +264,23 @@ class SQLDriver:
         self.table = table
         self.schema = schema
         self.token_mode = TokenMode(token_mode)
+        self.fence_table = fence_table
         self.statements: LeaseStatements = lease_statements(
-            dialect, table=table, schema=schema, token_mode=self.token_mode, notify=notify
+            dialect,
+            table=table,
+            schema=schema,
+            token_mode=self.token_mode,
+            notify=notify,
+            fence_table=fence_table,
         )
-        self._sql: dict[str, TextClause] = {
-            name: text(getattr(self.statements, name)) for name in _STATEMENTS
+        self._raw_sql: dict[str, str] = {
+            name: getattr(self.statements, name) for name in _STATEMENTS
         }
+        self._sql: dict[str, TextClause] = {name: text(sql) for name, sql in self._raw_sql.items()}
+        if self.statements.raise_fence is not None:
+            self._raw_sql["raise_fence"] = self.statements.raise_fence
+            self._sql["raise_fence"] = text(self.statements.raise_fence)
+        self._lock_row = text(self.statements.lock_row or "")
         # Autocommit: each statement is its own transaction, one round trip, no BEGIN/COMMIT.
         self._auto = (
             engine if autocommit else engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -215,6 +291,8 @@ class SQLDriver:
         where = engine.url.render_as_string(hide_password=True)
         self._where = f"{self.statements.dialect} table {table!r} ({where})"
 
+        self._pg = dialect == "postgresql"
+        self._busy_ms = int(SQLITE_PRAGMAS["busy_timeout"]) if owns_engine else None
         pool = engine.pool
         memory = _is_memory(engine.url)
         if memory and not isinstance(pool, StaticPool):
@@ -227,6 +305,13 @@ class SQLDriver:
         if isinstance(pool, StaticPool):
             with _serial_locks_guard:
                 self._serial = _serial_locks.setdefault(pool, _SerialLock())
+        # The DB-API shortcut needs an engine that is autocommit already, on pysqlite.
+        self._raw = (
+            dialect == "sqlite"
+            and autocommit
+            and self._serial is None
+            and engine.dialect.driver == "pysqlite"
+        )
 
         self._channel: str | None = None
         self._params: dict[str, Any] = {}
@@ -306,8 +391,59 @@ class SQLDriver:
         if row is None:
             return False
         if self._local:
-            self._board.bump(resource)
+            self._board.wake_one(resource)
         return True
+
+    def cancel(self, resource: str, secret: str, ttl: float) -> bool:
+        """An acquire gave up without knowing what its last statement did (a timeout, a
+        cancellation): release the lock if that statement took it.
+
+        The statement may still be waiting in the database, behind another transaction's
+        lock on the row. The release therefore first takes that row lock itself, in a
+        transaction, so it queues behind the stranded statement and sees what it did
+        (PostgreSQL grants row locks in arrival order). ``ttl`` is unused: SQL has no
+        tombstone. Returns whether the lock was held.
+        """
+        # The release may have to open a connection, which the caller's deadline cannot
+        # cut short (psycopg waits at least 2 s for a server that hangs): it runs on its
+        # own, for as long as the lock could live, and the caller waits only until its
+        # deadline.
+        outcome: list[Any] = []
+        done = Signal()
+        spawn(self._cancel, resource, secret, ttl, outcome, done, name=f"fence-cancel:{resource}")
+        at = deadline()
+        waiter = Waiter()
+        if not done.attach(waiter):
+            try:
+                waiter.wait(None if at is None else at - time.monotonic())
+            finally:
+                done.detach(waiter)
+        if not outcome:
+            raise BackendError(
+                f"cancel of {resource!r} on {self._where}: no answer before the caller's "
+                "deadline; the release goes on until the database answers",
+                code="CONNECTION",
+                retryable=True,
+            )
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return bool(outcome[0])
+
+    def _cancel(
+        self, resource: str, secret: str, ttl: float, outcome: list[Any], done: Signal
+    ) -> None:
+        scope = set_deadline(time.monotonic() + ttl)
+        try:
+            params = {"resource": resource, "secret": secret, **self._params}
+            row = self._execute("release", resource, params, lock_row=True)
+            if row is not None and self._local:
+                self._board.wake_one(resource)
+            outcome.append(row is not None)
+        except Exception as exc:
+            outcome.append(exc)
+        finally:
+            reset(scope)
+            done.set()
 
     def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
         """Return on a release seen by this process, or after a jittered poll slice."""
@@ -329,6 +465,12 @@ class SQLDriver:
         finally:
             self._board.detach(resource, waiter)
 
+    def abandon(self, resource: str, secret: str) -> None:
+        """A waiter gave up; it may have been the one a release woke (each release wakes
+        one waiter of this process): wake another in its place. No I/O."""
+        del secret
+        self._board.wake_one(resource)
+
     def inspect(self, resource: str) -> LockInfo | None:
         """See :meth:`fence.abc.Driver.inspect`."""
         row = self._execute("inspect", resource, {"resource": resource})
@@ -343,8 +485,12 @@ class SQLDriver:
         if row is None:
             raise BackendError(f"revoke of {resource!r} on {self._where} returned no row")
         token = _checked_token(row[0])
+        if "raise_fence" in self._sql:
+            # SQLite has no data-modifying CTE: the register is raised in a second
+            # statement, after the lease row already holds the token.
+            self._execute("raise_fence", resource, {"resource": resource, "token": token})
         if self._local:
-            self._board.bump(resource)
+            self._board.wake_one(resource)
         return token
 
     def close(self) -> None:
@@ -392,17 +538,65 @@ class SQLDriver:
         return self._board.mark()
 
     def _execute(
-        self, name: str, resource: str, params: dict[str, Any], *, retry: bool = True
+        self,
+        name: str,
+        resource: str,
+        params: dict[str, Any],
+        *,
+        retry: bool = True,
+        lock_row: bool = False,
     ) -> Row[Any] | None:
         if self._create_pending:
             self.create_table()
+        at = deadline()
+        if not _IS_ASYNC and self._raw and not lock_row:
+            return cast("Row[Any] | None", self._execute_raw(name, resource, params, at))
         statement = self._sql[name]
         for attempt in (1, 2):
+            if at is not None and at <= time.monotonic():
+                raise BackendError(
+                    f"{self._call(name, resource)} on {self._where}: no time left for the "
+                    "statement (the caller's deadline passed); nothing was sent",
+                    code="TIMEOUT",
+                    retryable=True,
+                    sent=False,
+                )
+            fired = [False]
             try:
                 with self._serialised(), self._auto.connect() as conn:
-                    result = conn.execute(statement, params)
-                    return result.first()
+                    alarm = None
+                    busy = None
+                    if at is not None:
+                        if self._pg:
+                            fd = self._socket(conn)
+                            if fd is not None:
+                                alarm = call_later(
+                                    at - time.monotonic(), functools.partial(_cut, fd, fired)
+                                )
+                        elif self._busy_ms is not None:
+                            busy = max(1, int((at - time.monotonic()) * 1000))
+                            if busy < self._busy_ms:
+                                conn.exec_driver_sql(f"PRAGMA busy_timeout = {busy}")
+                            else:
+                                busy = None
+                    try:
+                        if lock_row:
+                            return self._locked(conn, statement, params)
+                        if self._pg:
+                            result = conn.execute(statement, params)
+                        else:
+                            # aiosqlite runs the statement on in its thread if the task is
+                            # cancelled: let it finish, so a clean-up sees what it did.
+                            result = settle(conn.execute(statement, params))
+                        return result.first()
+                    finally:
+                        if alarm is not None:
+                            alarm.cancel()
+                        if busy is not None:
+                            conn.exec_driver_sql(f"PRAGMA busy_timeout = {self._busy_ms}")
             except sa_exc.DBAPIError as exc:
+                if fired[0]:
+                    raise self._timed_out(name, resource, exc) from exc
                 if retry and attempt == 1 and exc.connection_invalidated:
                     # A pooled connection died (the server restarted). SQLAlchemy has
                     # invalidated the pool; the call is safe to repeat once on a new one.
@@ -411,15 +605,98 @@ class SQLDriver:
             except sa_exc.SQLAlchemyError as exc:
                 raise self._error(exc, name, resource) from exc
             except OSError as exc:
+                if fired[0]:
+                    raise self._timed_out(name, resource, exc) from exc
                 raise self._error(exc, name, resource) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _execute_raw(
+        self, name: str, resource: str, params: dict[str, Any], at: float | None
+    ) -> Any:
+        """Sync SQLite on an autocommit engine: one statement on the pool's DB-API
+        connection, without SQLAlchemy's per-statement work (most of a call's cost
+        in-process). Same statements, same pool, same connect-time settings."""
+        if at is not None and at <= time.monotonic():
+            raise BackendError(
+                f"{self._call(name, resource)} on {self._where}: no time left for the "
+                "statement (the caller's deadline passed); nothing was sent",
+                code="TIMEOUT",
+                retryable=True,
+                sent=False,
+            )
+        engine: Any = self.engine
+        try:
+            conn = engine.raw_connection()
+        except sa_exc.SQLAlchemyError as exc:
+            raise self._error(exc, name, resource) from exc
+        try:
+            cursor = conn.cursor()
+            busy = None
+            try:
+                if at is not None and self._busy_ms is not None:
+                    busy = max(1, int((at - time.monotonic()) * 1000))
+                    if busy < self._busy_ms:
+                        cursor.execute(f"PRAGMA busy_timeout = {busy}")
+                    else:
+                        busy = None
+                cursor.execute(self._raw_sql[name], params)
+                rows = cursor.fetchall()
+            finally:
+                if busy is not None:
+                    cursor.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+                cursor.close()
+        except sqlite3.Error as exc:
+            raise self._error(exc, name, resource) from exc
+        finally:
+            conn.close()
+        return rows[0] if rows else None
+
+    def _locked(self, conn: Any, statement: TextClause, params: dict[str, Any]) -> Row[Any] | None:
+        """Run ``statement`` in a transaction that first takes the resource's row lock
+        (PostgreSQL) or the database's write lock (SQLite)."""
+        conn.exec_driver_sql("BEGIN" if self._pg else "BEGIN IMMEDIATE")
+        try:
+            if self._pg:
+                conn.execute(self._lock_row, {"resource": params["resource"]})
+            row: Row[Any] | None = (conn.execute(statement, params)).first()
+            conn.exec_driver_sql("COMMIT")
+        except BaseException:
+            try:
+                conn.exec_driver_sql("ROLLBACK")
+            except sa_exc.SQLAlchemyError:
+                pass  # the connection broke: the server rolls back by itself
+            raise
+        return row
+
+    @staticmethod
+    def _socket(conn: Any) -> int | None:
+        """The file descriptor of a pooled PostgreSQL connection's socket."""
+        try:
+            proxied = conn
+            return int(proxied.connection.driver_connection.pgconn.socket)
+        except Exception:  # a driver other than psycopg, or a broken connection
+            return None
+
+    @staticmethod
+    def _call(action: str, resource: str) -> str:
+        return f"{action} of {resource!r}" if resource else action
+
+    def _timed_out(self, action: str, resource: str, exc: BaseException) -> BackendError:
+        return BackendError(
+            f"{self._call(action, resource)} on {self._where}: the database did not answer "
+            f"before the caller's deadline ({_first_line(exc)}); the connection was cut, and "
+            "the outcome is unknown until it answers again",
+            code="CONNECTION",
+            retryable=True,
+            sent=True,
+        )
+
     def _error(self, exc: BaseException, action: str, resource: str) -> BackendError:
-        what = f"{action} of {resource!r}" if resource else action
-        where = f"{what} on {self._where}"
+        where = f"{self._call(action, resource)} on {self._where}"
         orig = getattr(exc, "orig", None) or exc
         sqlstate = getattr(orig, "sqlstate", None)
         message = _first_line(orig)
+        text_ = str(orig)
         if sqlstate in ("40001", "40P01"):
             return RetryableError(
                 f"{where}: serialization failure or deadlock ({message}); repeat the call",
@@ -431,9 +708,27 @@ class SQLDriver:
                 "manager's create_table() or in a migration with the DDL of lease_table_ddl()",
                 code="SCHEMA",
             )
-        connection_lost = isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError) or (
-            isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
-        )
+        if sqlstate == "3D000" or ("database" in text_ and "does not exist" in text_):
+            return BackendError(
+                f"{where}: the server answered, but the database does not exist ({message}); "
+                "create it or fix the database name in the URL",
+                code="DATABASE",
+            )
+        if sqlstate in ("28P01", "28000") or "authentication failed" in text_:
+            return BackendError(
+                f"{where}: the server refused the credentials ({message}); fix the user or "
+                "password in the URL",
+                code="AUTH",
+            )
+        if self.dialect == "sqlite" and "unable to open database file" in text_:
+            return BackendError(
+                f"{where}: SQLite cannot open the database file ({message}); check that "
+                "its directory exists and is writable",
+                code="DATABASE",
+            )
+        connection_lost = isinstance(
+            exc, sa_exc.OperationalError | sa_exc.InterfaceError | sqlite3.OperationalError
+        ) or (isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated)
         if self.dialect == "sqlite" and connection_lost and "locked" in message:
             return BackendError(
                 f"{where}: the database stayed locked by another writer ({message}); "
@@ -449,11 +744,17 @@ class SQLDriver:
                 retryable=True,
             )
         if isinstance(exc, sa_exc.TimeoutError):
+            pool = self.engine.pool
+            size = getattr(pool, "size", lambda: "?")()
+            overflow = getattr(pool, "_max_overflow", "?")
             return BackendError(
-                f"{where}: no connection free in the pool ({message}); raise pool_size or "
-                "the pool timeout",
+                f"{where}: every connection of the engine's pool was busy ({message}; "
+                f"pool_size={size}, max_overflow={overflow}: a client-side limit, nothing "
+                "was sent). Raise pool_size, max_overflow or pool_timeout (engine_options "
+                "when the manager builds the engine)",
                 code="POOL",
                 retryable=True,
+                sent=False,
             )
         return BackendError(f"{where} failed: {message}", code="SQL")
 
@@ -502,7 +803,7 @@ class SQLDriver:
                     notes = conn.notifies(timeout=_LISTEN_SLICE, stop_after=1)
                     for note in notes:
                         if note.payload:
-                            self._board.bump(note.payload)
+                            self._board.wake_one(note.payload)
             except psycopg.Error as exc:
                 _log.debug("LISTEN connection for %s lost: %s", self._where, exc)
             finally:
@@ -540,6 +841,7 @@ class SQLLockManager(BaseLockManager):
             (saves switching each connection at checkout); default: only an engine the
             manager created.
         engine_options: more engine-creation arguments when ``engine`` is a URL.
+        fence_table: the guards' fence register table; see :class:`SQLDriver`.
         **options: see :class:`fence.BaseLockManager` (``ttl``, ``renew``, ``drift``,
             ``margin``, ``clock``, ``events``, ``reentrant``).
 
@@ -569,6 +871,7 @@ class SQLLockManager(BaseLockManager):
         create_table: bool = False,
         autocommit: bool | None = None,
         engine_options: Mapping[str, Any] | None = None,
+        fence_table: str | None = None,
         ttl: float = 30.0,
         renew: bool = False,
         drift: float = 0.01,
@@ -595,6 +898,7 @@ class SQLLockManager(BaseLockManager):
             create_table=create_table,
             autocommit=autocommit,
             owns_engine=owns,
+            fence_table=fence_table,
         )
         self.sql_driver = driver
         super().__init__(

@@ -7,6 +7,7 @@ Each test runs once per backend registered in ``tests/backend_*.py``. The sync t
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -150,15 +151,29 @@ async def test_try_acquire_when_held_returns_none(make_manager: Make, resource: 
 
 
 async def test_acquire_timeout(make_manager: Make, resource: str) -> None:
+    """The wait ends at the timeout (with a generous bound for a loaded machine: the bound
+    is the point), and a timeout of 0 tries once."""
     manager = make_manager(ttl=30)
     lease = await manager.acquire(resource)
 
     async def attempt() -> Any:
-        return await manager.acquire(resource, timeout=0.3)
+        start = time.monotonic()
+        try:
+            return await manager.acquire(resource, timeout=0.3)
+        finally:
+            elapsed.append(time.monotonic() - start)
 
+    elapsed: list[float] = []
     with pytest.raises(AcquireTimeout) as info:
         await other_owner(attempt)
     assert info.value.resource == resource
+    assert 0.3 <= elapsed[0] < 0.3 + 2.0
+
+    async def once() -> Any:
+        return await manager.acquire(resource, timeout=0)
+
+    with pytest.raises(AcquireTimeout):
+        await other_owner(once)
     assert lease.valid
     await lease.release()
 
@@ -274,6 +289,38 @@ async def test_non_owner_cannot_release(make_manager: Make, resource: str) -> No
     assert info is not None
     assert info.token == newer.token
     await newer.release()
+
+
+async def test_forged_lease_cannot_renew_or_release(make_manager: Make, resource: str) -> None:
+    """C11: a lease the manager did not issue (built by hand, with a guessed secret) is
+    refused by renew() as by release(), with NotOwnerError, before any I/O; the real
+    holder keeps its lock."""
+    manager = make_manager()
+    holder = await manager.acquire(resource, ttl=30)
+    forged = AsyncLease(
+        manager,
+        resource,
+        holder.token,
+        "a-guessed-secret",
+        30.0,
+        manager.clock.monotonic() + 30,
+        object(),
+    )
+    with pytest.raises(NotOwnerError):
+        await forged.renew()
+    with pytest.raises(NotOwnerError):
+        await forged.release()
+    info = await manager.inspect(resource)
+    assert info is not None
+    assert info.token == holder.token
+    foreign = make_manager()
+    stolen = AsyncLease(
+        foreign, resource, holder.token, holder._secret, 30.0, holder.deadline, object()
+    )
+    with pytest.raises(NotOwnerError):
+        await stolen.renew()
+    assert holder.valid
+    await holder.release()
 
 
 async def test_release_twice_raises(make_manager: Make, resource: str) -> None:

@@ -54,6 +54,9 @@ async def server_time_us(client: Any) -> int:
     return int(seconds) * 1_000_000 + int(micros)
 
 
+IS_ASYNC = True  # unasync: IS_ASYNC = False
+
+
 async def until(predicate: Any, timeout: float = 5.0) -> None:
     """Wait (polling, in a test only) until ``await predicate()`` is true."""
     for _ in range(int(timeout / 0.01)):
@@ -231,17 +234,33 @@ async def test_revoke_fences_out_the_hung_holder_at_the_guard(
         await manager.close()
 
 
-async def test_revoke_never_lowers_a_higher_fence(
-    redis_url: str, client: Any, resource: str
+@pytest.mark.parametrize("mode", [TokenMode.COUNTER, TokenMode.HYBRID])
+async def test_no_token_at_or_below_the_fence_register(
+    redis_url: str, client: Any, resource: str, mode: TokenMode
 ) -> None:
+    """A lost counter (an AOF tail, an eviction) does not take revoke or acquire below the
+    guards' fence register: the revoker's own claim passes, and so does the next holder's.
+    The register is never lowered."""
     keys = resource_keys("fence:", resource)
-    manager = AsyncRedisLockManager(redis_url, token_mode=TokenMode.COUNTER, check_config=False)
+    manager = AsyncRedisLockManager(redis_url, token_mode=mode, check_config=False)
+    guard = AsyncRedisGuard(client, scope="resource")
     try:
         lease = await manager.acquire(resource)
-        await client.set(keys.fence, 1000)
+        await guard.claim(resource, lease.token)
+        await lease.release()
+        fence = lease.token + 10**12  # a register far above the clock and the counter
+        await client.set(keys.fence, fence)
+        await client.delete(keys.token)  # the counter is lost
         revoked = await manager.revoke(resource)
-        assert revoked == lease.token + 1
-        assert int(await client.get(keys.fence)) == 1000
+        assert revoked > fence
+        assert await guard.claim(resource, revoked) == revoked
+        await client.delete(keys.token)
+        await client.set(keys.fence, revoked + 5)
+        newer = await manager.acquire(resource)
+        assert newer.token > revoked + 5
+        assert await guard.claim(resource, newer.token) == newer.token
+        assert int(await client.get(keys.fence)) == newer.token
+        await newer.release()
     finally:
         await manager.close()
 
@@ -266,12 +285,29 @@ async def test_inspect_reports_holder_token_and_server_ttl(redis_url: str, resou
 # -- waiting ------------------------------------------------------------------------------
 
 
-async def test_release_wakes_one_waiter_through_the_signal_list(
+async def subscribers(client: Any, channel: str) -> int:
+    """How many connections are subscribed to ``channel`` (``PUBSUB NUMSUB``)."""
+    reply = await client.execute_command("PUBSUB", "NUMSUB", channel)
+    return int(reply[1])
+
+
+async def next_message(pubsub: Any, timeout: float = 5.0) -> Any:
+    """The next published message on ``pubsub`` (skipping confirmations), or None."""
+    for _ in range(int(timeout / 0.05)):
+        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
+        if msg is not None:
+            return msg
+    return None
+
+
+async def test_release_wakes_a_waiter_through_the_managers_channel(
     redis_url: str, client: Any, resource: str
 ) -> None:
-    """The release pushes one wake-up to ``fence:{R}:signal``; a waiter blocked in BLPOP
-    gets it and takes the lock long before the holder's ttl."""
+    """The waiting manager subscribes to ``fence:{R}:signal`` (one connection, whoever
+    waits); the release publishes on it, and the waiter takes the lock long before the
+    holder's ttl."""
     manager = AsyncRedisLockManager(redis_url, ttl=60)
+    signal = resource_keys("fence:", resource).signal
     try:
         holder = await manager.acquire(resource)
 
@@ -280,15 +316,106 @@ async def test_release_wakes_one_waiter_through_the_signal_list(
             await lease.release()
             return int(lease.token)
 
+        tasks = [await spawn(waiter) for _ in range(3)]
+
+        async def subscribed() -> bool:
+            return await subscribers(client, signal) == 1
+
+        await until(subscribed)
+        assert manager.driver.board.waiting(resource) >= 1
+        await holder.release()
+        tokens = [await join(task) for task in tasks]
+        assert min(tokens) > holder.token
+        assert len(set(tokens)) == 3
+        assert await subscribers(client, signal) == 1  # still one connection for them all
+    finally:
+        await manager.close()
+    assert await subscribers(client, signal) == 0
+
+
+async def test_many_waiters_share_a_few_connections(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """Issue 14: a thousand asyncio waiters (two hundred threads) on one lock in one
+    manager. Every one acquires in turn, with strictly increasing tokens, over at most
+    four connections: the pool of three and the pub/sub listener. None fails on a
+    client-side limit."""
+    waiters = 1000 if IS_ASYNC else 200
+    before = len(await client.client_list())
+    manager = AsyncRedisLockManager(redis_url, ttl=60, max_connections=3)
+    tokens: list[int] = []
+    peak = [0]
+    try:
+        holder = await manager.acquire(resource)
+
+        async def wait() -> None:
+            lease = await manager.acquire(resource, timeout=120)
+            tokens.append(lease.token)
+            await lease.release()
+
+        tasks = [await spawn(wait) for _ in range(waiters)]
+
+        async def all_waiting() -> bool:
+            peak[0] = max(peak[0], len(await client.client_list()) - before)
+            return manager.driver.board.waiting(resource) == waiters
+
+        await until(all_waiting, timeout=120)
+        await holder.release()
+        for task in tasks:
+            await join(task)
+        peak[0] = max(peak[0], len(await client.client_list()) - before)
+    finally:
+        await manager.close()
+    assert len(tokens) == waiters
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == waiters
+    assert min(tokens) > holder.token
+    assert peak[0] <= 4
+
+
+async def test_pool_of_a_given_client_names_its_limit(redis_url: str, resource: str) -> None:
+    """A given client whose own pool is exhausted: the error says so (a client-side limit
+    and how to raise it), and does not blame the server."""
+    given = redis.asyncio.Redis.from_url(redis_url, max_connections=1)
+    manager = AsyncRedisLockManager(given, check_config=False)
+    taken = await given.connection_pool.get_connection()
+    try:
+        with pytest.raises(BackendError) as info:
+            await manager.acquire(resource, timeout=0)
+    finally:
+        await given.connection_pool.release(taken)
+        await manager.close()
+        await given.aclose()
+    assert info.value.code == "POOL"
+    assert "max_connections=1" in str(info.value)
+    assert "did not answer" not in str(info.value)
+
+
+async def test_a_channel_dropped_under_a_waiter_is_subscribed_again(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """The listener drops channels nobody waited on for a while; if that crosses a waiter
+    coming back (its UNSUBSCRIBE reaches the server after the waiter's check), the waiter
+    must not be left deaf until the holder's ttl: the manager subscribes again."""
+    manager = AsyncRedisLockManager(redis_url, ttl=60)
+    signal = resource_keys("fence:", resource).signal
+    try:
+        holder = await manager.acquire(resource)
+
+        async def waiter() -> int:
+            lease = await manager.acquire(resource, timeout=10)
+            await lease.release()
+            return int(lease.token)
+
         task = await spawn(waiter)
-        # The waiter is blocked in BLPOP on the signal list (a blocked client shows it).
-        signal = resource_keys("fence:", resource).signal
 
-        async def blocked() -> bool:
-            return any(c.get("cmd") == "blpop" for c in await client.client_list())
+        async def subscribed() -> bool:
+            return await subscribers(client, signal) == 1
 
-        await until(blocked)
-        assert await client.llen(signal) == 0
+        await until(subscribed)
+        await manager.driver._listener._conn.send("UNSUBSCRIBE", signal)
+        await sleep(0.3)
+        await until(subscribed)  # subscribed again
         await holder.release()
         assert await join(task) > holder.token
     finally:
@@ -298,8 +425,9 @@ async def test_release_wakes_one_waiter_through_the_signal_list(
 async def test_fifo_serves_waiters_in_arrival_order(
     redis_url: str, client: Any, resource: str
 ) -> None:
-    """FIFO: waiters get the lock in the order they queued, each woken on its own list,
-    with one failed attempt each: nobody else wakes at a release (no thundering herd)."""
+    """FIFO: waiters get the lock in the order they queued, each woken by a message that
+    names it: after the release, each makes exactly one attempt, the one that wins (no
+    thundering herd)."""
     manager = AsyncRedisLockManager(redis_url, fifo=True, queue_ttl=30, ttl=60)
     keys = resource_keys("fence:", resource)
     attempts: dict[str, int] = {}
@@ -331,12 +459,17 @@ async def test_fifo_serves_waiters_in_arrival_order(
                 return int(await client.zcard(keys.queue)) == n
 
             await until(queued)
+
+        async def all_waiting() -> bool:
+            return manager.driver.board.waiting(resource) == 3
+
+        await until(all_waiting)
+        attempts.clear()
         await holder.release()
         for task in tasks:
             await join(task)
         assert order == [0, 1, 2]
-        waiter_attempts = sorted(attempts.values())
-        assert waiter_attempts == [1, 2, 2, 2]  # the holder once; each waiter fail + win
+        assert sorted(attempts.values()) == [1, 1, 1]
         assert await client.zcard(keys.queue) == 0
     finally:
         await manager.close()
@@ -427,19 +560,22 @@ async def test_fifo_dead_waiter_expires_from_the_queue(
 async def test_abandon_passes_the_turn_on_only_when_the_lock_is_free(
     redis_url: str, client: Any, resource: str
 ) -> None:
-    """A waiter that gave up may have consumed the release's wake-up (cancelled in BLPOP):
-    its abandon pushes a new one if the lock is free, and nothing while it is held."""
+    """A waiter that gave up may have been the one its manager woke: its abandon publishes
+    a new wake-up if the lock is free, and nothing while it is held."""
     keys = resource_keys("fence:", resource)
     manager = AsyncRedisLockManager(redis_url)
+    pubsub = client.pubsub()
     try:
+        await pubsub.subscribe(keys.signal)
         holder = await manager.acquire(resource)
         await manager.driver.abandon(resource, "gone-secret")
-        assert await client.llen(keys.signal) == 0  # held: nothing to pass on
         await holder.release()
-        await client.delete(keys.signal)  # the wake-up the cancelled waiter consumed
+        assert (await next_message(pubsub))["data"] == b""  # the release's, nothing before
         await manager.driver.abandon(resource, "gone-secret")
-        assert await client.llen(keys.signal) == 1
+        assert (await next_message(pubsub))["data"] == b""
+        assert await next_message(pubsub, 0.2) is None
     finally:
+        await pubsub.aclose()
         await manager.close()
 
 
@@ -448,24 +584,28 @@ async def test_fifo_abandon_leaves_the_queue_and_wakes_the_next(
 ) -> None:
     keys = resource_keys("fence:", resource)
     manager = AsyncRedisLockManager(redis_url, fifo=True, queue_ttl=30)
+    pubsub = client.pubsub()
     try:
+        await pubsub.subscribe(keys.signal)
         holder = await manager.acquire(resource)
         first, second = waiter_id("first-secret"), waiter_id("second-secret")
         await manager.driver.wait(resource, 0.001, _reply(first))
         await manager.driver.wait(resource, 0.001, _reply(second))
         assert await client.zrange(keys.queue, 0, -1) == [first.encode(), second.encode()]
-        await holder.release()  # wakes the head, "first"
-        assert await client.llen(keys.wake_prefix + first) == 1
+        await holder.release()  # wakes the head, "first", by name
+        assert (await next_message(pubsub))["data"] == first.encode()
         await manager.driver.abandon(resource, "first-secret")
         assert await client.zrange(keys.queue, 0, -1) == [second.encode()]
-        assert await client.llen(keys.wake_prefix + second) == 1
+        assert (await next_message(pubsub))["data"] == second.encode()
     finally:
+        await pubsub.aclose()
         await manager.close()
 
 
 def _reply(wid: str) -> AcquireReply:
-    """What a failed attempt of a waiter that is not queued yet hands to ``wait``."""
-    return AcquireReply(None, None, (wid, False))
+    """What a failed attempt of a waiter that is not queued yet hands to ``wait`` (no
+    mark of the board: the wait takes its own)."""
+    return AcquireReply(None, None, (None, wid, False))
 
 
 # -- clients ------------------------------------------------------------------------------
@@ -498,14 +638,33 @@ async def test_decoded_client_works(redis_url: str, resource: str) -> None:
         await client.aclose()
 
 
-async def test_url_manager_closes_its_clients(redis_url: str, resource: str) -> None:
-    manager = AsyncRedisLockManager(redis_url)
-    lease = await manager.acquire(resource)
-    await lease.release()
-    pool = manager.driver.client.connection_pool
-    assert pool._available_connections  # the manager opened one
-    await manager.close()
-    assert not any(c.is_connected for c in pool._available_connections)
+async def test_url_manager_closes_its_connections(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """A manager built from a URL opens one pool (at most ``max_connections``) and one
+    pub/sub connection, and closes them all."""
+    before = len(await client.client_list())
+    manager = AsyncRedisLockManager(redis_url, max_connections=2)
+    try:
+        lease = await manager.acquire(resource)
+
+        async def wait() -> None:
+            got = await manager.acquire(resource, timeout=10)
+            await got.release()
+
+        waiters = [await spawn(wait) for _ in range(5)]
+
+        async def subscribed() -> bool:
+            return await subscribers(client, resource_keys("fence:", resource).signal) == 1
+
+        await until(subscribed)
+        assert len(await client.client_list()) - before <= 3
+        await lease.release()
+        for task in waiters:
+            await join(task)
+    finally:
+        await manager.close()
+    assert len(await client.client_list()) == before
 
 
 def test_wrong_client_flavour_is_refused(redis_url: str) -> None:
@@ -573,13 +732,43 @@ async def test_hybrid_without_persistence_is_quiet(redis_url: str, resource: str
         await manager.close()
 
 
+async def test_a_user_who_may_not_subscribe_is_told(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """Waiting needs SUBSCRIBE: a user without it gets a PERMISSION error that says so,
+    not a silent wait until the holder's ttl."""
+    user = f"nosub-{secrets.token_hex(3)}"
+    await client.acl_setuser(
+        user,
+        enabled=True,
+        nopass=True,
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-subscribe"],
+    )
+    holder_manager = AsyncRedisLockManager(redis_url, check_config=False)
+    url = redis_url.replace("redis://", f"redis://{user}:x@")
+    manager = AsyncRedisLockManager(url, check_config=False)
+    try:
+        holder = await holder_manager.acquire(resource, ttl=30)
+        with pytest.raises(BackendError) as info:
+            await manager.acquire(resource, timeout=5)
+        assert info.value.code == "PERMISSION"
+        assert "SUBSCRIBE" in str(info.value)
+        await holder.release()
+    finally:
+        await manager.close()
+        await holder_manager.close()
+        await client.acl_deluser(user)
+
+
 async def test_disabled_config_is_skipped_quietly(
     redis_url: str, client: Any, resource: str
 ) -> None:
     """Managed Redis often forbids CONFIG: the check is skipped, the manager works."""
     user = f"limited-{secrets.token_hex(3)}"
     await client.acl_setuser(
-        user, enabled=True, nopass=True, keys=["*"], commands=["+@all", "-config"]
+        user, enabled=True, nopass=True, keys=["*"], channels=["*"], commands=["+@all", "-config"]
     )
     await client.config_set("maxmemory-policy", "allkeys-lru")  # would warn if seen
     limited = redis.asyncio.Redis.from_url(redis_url, username=user)

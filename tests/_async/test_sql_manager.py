@@ -31,6 +31,7 @@ from fence import (
 )
 from fence._async.sql import AsyncSQLDriver, AsyncSQLLockManager
 from fence._sql_schema import lease_table, lease_table_ddl, notify_channel
+from fence.adapters._sql_common import REGISTER_TABLE_DDL
 from fence.testing import EventRecorder
 from tests._acompat import join, sleep, spawn
 from tests.servers import PostgresServer
@@ -449,6 +450,41 @@ async def test_row_keeps_the_last_token_after_release_and_revoke(
     newer = await manager.acquire(resource)
     assert newer.token > revoked
     await newer.release()
+
+
+async def test_fence_register_is_a_floor_and_revoke_raises_it(
+    database: Any, managers: list[Any], table: str, resource: str
+) -> None:
+    """With ``fence_table``, no token goes at or below the guards' register row for the
+    resource, even when the lease row (the counter) is lost; revoke raises the row to its
+    token, never lowering it. Counter mode, where a lost counter would start over at 1."""
+    url, run = database
+    register = f"{table}_register"
+    run(REGISTER_TABLE_DDL.format(table=register))
+    manager = AsyncSQLLockManager(
+        url, table=table, token_mode=TokenMode.COUNTER, fence_table=register
+    )
+    managers.append(manager)
+    first = await manager.acquire(resource)
+    await first.release()
+    assert first.token == 1
+    run(f"INSERT INTO {register} (scope, fence) VALUES (%s, 50)", resource)
+    lease = await manager.acquire(resource)
+    assert lease.token == 51
+    await lease.release()
+    revoked = await manager.revoke(resource)
+    assert revoked == 52
+    assert run(f"SELECT fence FROM {register} WHERE scope = %s", resource) == [(52,)]
+    run(f"DELETE FROM {table} WHERE resource = %s", resource)  # the counter is lost
+    again = await manager.acquire(resource)
+    assert again.token == 53
+    await again.release()
+    run(f"UPDATE {register} SET fence = 100 WHERE scope = %s", resource)
+    assert await manager.revoke(resource) == 101
+    run(f"UPDATE {register} SET fence = 500 WHERE scope = %s", resource)
+    run(f"DELETE FROM {table} WHERE resource = %s", resource)
+    assert await manager.revoke(resource) == 501
+    assert run(f"SELECT fence FROM {register} WHERE scope = %s", resource) == [(501,)]
 
 
 async def test_missing_table_is_a_schema_error(

@@ -9,6 +9,7 @@ Each test runs once per backend registered in ``tests/backend_*.py``. The sync t
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -150,15 +151,29 @@ def test_try_acquire_when_held_returns_none(make_manager: Make, resource: str) -
 
 
 def test_acquire_timeout(make_manager: Make, resource: str) -> None:
+    """The wait ends at the timeout (with a generous bound for a loaded machine: the bound
+    is the point), and a timeout of 0 tries once."""
     manager = make_manager(ttl=30)
     lease = manager.acquire(resource)
 
     def attempt() -> Any:
-        return manager.acquire(resource, timeout=0.3)
+        start = time.monotonic()
+        try:
+            return manager.acquire(resource, timeout=0.3)
+        finally:
+            elapsed.append(time.monotonic() - start)
 
+    elapsed: list[float] = []
     with pytest.raises(AcquireTimeout) as info:
         other_owner(attempt)
     assert info.value.resource == resource
+    assert 0.3 <= elapsed[0] < 0.3 + 2.0
+
+    def once() -> Any:
+        return manager.acquire(resource, timeout=0)
+
+    with pytest.raises(AcquireTimeout):
+        other_owner(once)
     assert lease.valid
     lease.release()
 
@@ -274,6 +289,36 @@ def test_non_owner_cannot_release(make_manager: Make, resource: str) -> None:
     assert info is not None
     assert info.token == newer.token
     newer.release()
+
+
+def test_forged_lease_cannot_renew_or_release(make_manager: Make, resource: str) -> None:
+    """C11: a lease the manager did not issue (built by hand, with a guessed secret) is
+    refused by renew() as by release(), with NotOwnerError, before any I/O; the real
+    holder keeps its lock."""
+    manager = make_manager()
+    holder = manager.acquire(resource, ttl=30)
+    forged = Lease(
+        manager,
+        resource,
+        holder.token,
+        "a-guessed-secret",
+        30.0,
+        manager.clock.monotonic() + 30,
+        object(),
+    )
+    with pytest.raises(NotOwnerError):
+        forged.renew()
+    with pytest.raises(NotOwnerError):
+        forged.release()
+    info = manager.inspect(resource)
+    assert info is not None
+    assert info.token == holder.token
+    foreign = make_manager()
+    stolen = Lease(foreign, resource, holder.token, holder._secret, 30.0, holder.deadline, object())
+    with pytest.raises(NotOwnerError):
+        stolen.renew()
+    assert holder.valid
+    holder.release()
 
 
 def test_release_twice_raises(make_manager: Make, resource: str) -> None:

@@ -56,6 +56,9 @@ def server_time_us(client: Any) -> int:
     return int(seconds) * 1_000_000 + int(micros)
 
 
+IS_ASYNC = False
+
+
 def until(predicate: Any, timeout: float = 5.0) -> None:
     """Wait (polling, in a test only) until ``predicate()`` is true."""
     for _ in range(int(timeout / 0.01)):
@@ -231,15 +234,33 @@ def test_revoke_fences_out_the_hung_holder_at_the_guard(
         manager.close()
 
 
-def test_revoke_never_lowers_a_higher_fence(redis_url: str, client: Any, resource: str) -> None:
+@pytest.mark.parametrize("mode", [TokenMode.COUNTER, TokenMode.HYBRID])
+def test_no_token_at_or_below_the_fence_register(
+    redis_url: str, client: Any, resource: str, mode: TokenMode
+) -> None:
+    """A lost counter (an AOF tail, an eviction) does not take revoke or acquire below the
+    guards' fence register: the revoker's own claim passes, and so does the next holder's.
+    The register is never lowered."""
     keys = resource_keys("fence:", resource)
-    manager = RedisLockManager(redis_url, token_mode=TokenMode.COUNTER, check_config=False)
+    manager = RedisLockManager(redis_url, token_mode=mode, check_config=False)
+    guard = RedisGuard(client, scope="resource")
     try:
         lease = manager.acquire(resource)
-        client.set(keys.fence, 1000)
+        guard.claim(resource, lease.token)
+        lease.release()
+        fence = lease.token + 10**12  # a register far above the clock and the counter
+        client.set(keys.fence, fence)
+        client.delete(keys.token)  # the counter is lost
         revoked = manager.revoke(resource)
-        assert revoked == lease.token + 1
-        assert int(client.get(keys.fence)) == 1000
+        assert revoked > fence
+        assert guard.claim(resource, revoked) == revoked
+        client.delete(keys.token)
+        client.set(keys.fence, revoked + 5)
+        newer = manager.acquire(resource)
+        assert newer.token > revoked + 5
+        assert guard.claim(resource, newer.token) == newer.token
+        assert int(client.get(keys.fence)) == newer.token
+        newer.release()
     finally:
         manager.close()
 
@@ -264,12 +285,29 @@ def test_inspect_reports_holder_token_and_server_ttl(redis_url: str, resource: s
 # -- waiting ------------------------------------------------------------------------------
 
 
-def test_release_wakes_one_waiter_through_the_signal_list(
+def subscribers(client: Any, channel: str) -> int:
+    """How many connections are subscribed to ``channel`` (``PUBSUB NUMSUB``)."""
+    reply = client.execute_command("PUBSUB", "NUMSUB", channel)
+    return int(reply[1])
+
+
+def next_message(pubsub: Any, timeout: float = 5.0) -> Any:
+    """The next published message on ``pubsub`` (skipping confirmations), or None."""
+    for _ in range(int(timeout / 0.05)):
+        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
+        if msg is not None:
+            return msg
+    return None
+
+
+def test_release_wakes_a_waiter_through_the_managers_channel(
     redis_url: str, client: Any, resource: str
 ) -> None:
-    """The release pushes one wake-up to ``fence:{R}:signal``; a waiter blocked in BLPOP
-    gets it and takes the lock long before the holder's ttl."""
+    """The waiting manager subscribes to ``fence:{R}:signal`` (one connection, whoever
+    waits); the release publishes on it, and the waiter takes the lock long before the
+    holder's ttl."""
     manager = RedisLockManager(redis_url, ttl=60)
+    signal = resource_keys("fence:", resource).signal
     try:
         holder = manager.acquire(resource)
 
@@ -278,15 +316,104 @@ def test_release_wakes_one_waiter_through_the_signal_list(
             lease.release()
             return int(lease.token)
 
+        tasks = [spawn(waiter) for _ in range(3)]
+
+        def subscribed() -> bool:
+            return subscribers(client, signal) == 1
+
+        until(subscribed)
+        assert manager.driver.board.waiting(resource) >= 1
+        holder.release()
+        tokens = [join(task) for task in tasks]
+        assert min(tokens) > holder.token
+        assert len(set(tokens)) == 3
+        assert subscribers(client, signal) == 1  # still one connection for them all
+    finally:
+        manager.close()
+    assert subscribers(client, signal) == 0
+
+
+def test_many_waiters_share_a_few_connections(redis_url: str, client: Any, resource: str) -> None:
+    """Issue 14: a thousand asyncio waiters (two hundred threads) on one lock in one
+    manager. Every one acquires in turn, with strictly increasing tokens, over at most
+    four connections: the pool of three and the pub/sub listener. None fails on a
+    client-side limit."""
+    waiters = 1000 if IS_ASYNC else 200
+    before = len(client.client_list())
+    manager = RedisLockManager(redis_url, ttl=60, max_connections=3)
+    tokens: list[int] = []
+    peak = [0]
+    try:
+        holder = manager.acquire(resource)
+
+        def wait() -> None:
+            lease = manager.acquire(resource, timeout=120)
+            tokens.append(lease.token)
+            lease.release()
+
+        tasks = [spawn(wait) for _ in range(waiters)]
+
+        def all_waiting() -> bool:
+            peak[0] = max(peak[0], len(client.client_list()) - before)
+            return manager.driver.board.waiting(resource) == waiters
+
+        until(all_waiting, timeout=120)
+        holder.release()
+        for task in tasks:
+            join(task)
+        peak[0] = max(peak[0], len(client.client_list()) - before)
+    finally:
+        manager.close()
+    assert len(tokens) == waiters
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == waiters
+    assert min(tokens) > holder.token
+    assert peak[0] <= 4
+
+
+def test_pool_of_a_given_client_names_its_limit(redis_url: str, resource: str) -> None:
+    """A given client whose own pool is exhausted: the error says so (a client-side limit
+    and how to raise it), and does not blame the server."""
+    given = redis.Redis.from_url(redis_url, max_connections=1)
+    manager = RedisLockManager(given, check_config=False)
+    taken = given.connection_pool.get_connection()
+    try:
+        with pytest.raises(BackendError) as info:
+            manager.acquire(resource, timeout=0)
+    finally:
+        given.connection_pool.release(taken)
+        manager.close()
+        given.close()
+    assert info.value.code == "POOL"
+    assert "max_connections=1" in str(info.value)
+    assert "did not answer" not in str(info.value)
+
+
+def test_a_channel_dropped_under_a_waiter_is_subscribed_again(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """The listener drops channels nobody waited on for a while; if that crosses a waiter
+    coming back (its UNSUBSCRIBE reaches the server after the waiter's check), the waiter
+    must not be left deaf until the holder's ttl: the manager subscribes again."""
+    manager = RedisLockManager(redis_url, ttl=60)
+    signal = resource_keys("fence:", resource).signal
+    try:
+        holder = manager.acquire(resource)
+
+        def waiter() -> int:
+            lease = manager.acquire(resource, timeout=10)
+            lease.release()
+            return int(lease.token)
+
         task = spawn(waiter)
-        # The waiter is blocked in BLPOP on the signal list (a blocked client shows it).
-        signal = resource_keys("fence:", resource).signal
 
-        def blocked() -> bool:
-            return any(c.get("cmd") == "blpop" for c in client.client_list())
+        def subscribed() -> bool:
+            return subscribers(client, signal) == 1
 
-        until(blocked)
-        assert client.llen(signal) == 0
+        until(subscribed)
+        manager.driver._listener._conn.send("UNSUBSCRIBE", signal)
+        sleep(0.3)
+        until(subscribed)  # subscribed again
         holder.release()
         assert join(task) > holder.token
     finally:
@@ -294,8 +421,9 @@ def test_release_wakes_one_waiter_through_the_signal_list(
 
 
 def test_fifo_serves_waiters_in_arrival_order(redis_url: str, client: Any, resource: str) -> None:
-    """FIFO: waiters get the lock in the order they queued, each woken on its own list,
-    with one failed attempt each: nobody else wakes at a release (no thundering herd)."""
+    """FIFO: waiters get the lock in the order they queued, each woken by a message that
+    names it: after the release, each makes exactly one attempt, the one that wins (no
+    thundering herd)."""
     manager = RedisLockManager(redis_url, fifo=True, queue_ttl=30, ttl=60)
     keys = resource_keys("fence:", resource)
     attempts: dict[str, int] = {}
@@ -327,12 +455,17 @@ def test_fifo_serves_waiters_in_arrival_order(redis_url: str, client: Any, resou
                 return int(client.zcard(keys.queue)) == n
 
             until(queued)
+
+        def all_waiting() -> bool:
+            return manager.driver.board.waiting(resource) == 3
+
+        until(all_waiting)
+        attempts.clear()
         holder.release()
         for task in tasks:
             join(task)
         assert order == [0, 1, 2]
-        waiter_attempts = sorted(attempts.values())
-        assert waiter_attempts == [1, 2, 2, 2]  # the holder once; each waiter fail + win
+        assert sorted(attempts.values()) == [1, 1, 1]
         assert client.zcard(keys.queue) == 0
     finally:
         manager.close()
@@ -423,19 +556,22 @@ def test_fifo_dead_waiter_expires_from_the_queue(
 def test_abandon_passes_the_turn_on_only_when_the_lock_is_free(
     redis_url: str, client: Any, resource: str
 ) -> None:
-    """A waiter that gave up may have consumed the release's wake-up (cancelled in BLPOP):
-    its abandon pushes a new one if the lock is free, and nothing while it is held."""
+    """A waiter that gave up may have been the one its manager woke: its abandon publishes
+    a new wake-up if the lock is free, and nothing while it is held."""
     keys = resource_keys("fence:", resource)
     manager = RedisLockManager(redis_url)
+    pubsub = client.pubsub()
     try:
+        pubsub.subscribe(keys.signal)
         holder = manager.acquire(resource)
         manager.driver.abandon(resource, "gone-secret")
-        assert client.llen(keys.signal) == 0  # held: nothing to pass on
         holder.release()
-        client.delete(keys.signal)  # the wake-up the cancelled waiter consumed
+        assert (next_message(pubsub))["data"] == b""  # the release's, nothing before
         manager.driver.abandon(resource, "gone-secret")
-        assert client.llen(keys.signal) == 1
+        assert (next_message(pubsub))["data"] == b""
+        assert next_message(pubsub, 0.2) is None
     finally:
+        pubsub.close()
         manager.close()
 
 
@@ -444,24 +580,28 @@ def test_fifo_abandon_leaves_the_queue_and_wakes_the_next(
 ) -> None:
     keys = resource_keys("fence:", resource)
     manager = RedisLockManager(redis_url, fifo=True, queue_ttl=30)
+    pubsub = client.pubsub()
     try:
+        pubsub.subscribe(keys.signal)
         holder = manager.acquire(resource)
         first, second = waiter_id("first-secret"), waiter_id("second-secret")
         manager.driver.wait(resource, 0.001, _reply(first))
         manager.driver.wait(resource, 0.001, _reply(second))
         assert client.zrange(keys.queue, 0, -1) == [first.encode(), second.encode()]
-        holder.release()  # wakes the head, "first"
-        assert client.llen(keys.wake_prefix + first) == 1
+        holder.release()  # wakes the head, "first", by name
+        assert (next_message(pubsub))["data"] == first.encode()
         manager.driver.abandon(resource, "first-secret")
         assert client.zrange(keys.queue, 0, -1) == [second.encode()]
-        assert client.llen(keys.wake_prefix + second) == 1
+        assert (next_message(pubsub))["data"] == second.encode()
     finally:
+        pubsub.close()
         manager.close()
 
 
 def _reply(wid: str) -> AcquireReply:
-    """What a failed attempt of a waiter that is not queued yet hands to ``wait``."""
-    return AcquireReply(None, None, (wid, False))
+    """What a failed attempt of a waiter that is not queued yet hands to ``wait`` (no
+    mark of the board: the wait takes its own)."""
+    return AcquireReply(None, None, (None, wid, False))
 
 
 # -- clients ------------------------------------------------------------------------------
@@ -494,14 +634,31 @@ def test_decoded_client_works(redis_url: str, resource: str) -> None:
         client.close()
 
 
-def test_url_manager_closes_its_clients(redis_url: str, resource: str) -> None:
-    manager = RedisLockManager(redis_url)
-    lease = manager.acquire(resource)
-    lease.release()
-    pool = manager.driver.client.connection_pool
-    assert pool._available_connections  # the manager opened one
-    manager.close()
-    assert not any(c.is_connected for c in pool._available_connections)
+def test_url_manager_closes_its_connections(redis_url: str, client: Any, resource: str) -> None:
+    """A manager built from a URL opens one pool (at most ``max_connections``) and one
+    pub/sub connection, and closes them all."""
+    before = len(client.client_list())
+    manager = RedisLockManager(redis_url, max_connections=2)
+    try:
+        lease = manager.acquire(resource)
+
+        def wait() -> None:
+            got = manager.acquire(resource, timeout=10)
+            got.release()
+
+        waiters = [spawn(wait) for _ in range(5)]
+
+        def subscribed() -> bool:
+            return subscribers(client, resource_keys("fence:", resource).signal) == 1
+
+        until(subscribed)
+        assert len(client.client_list()) - before <= 3
+        lease.release()
+        for task in waiters:
+            join(task)
+    finally:
+        manager.close()
+    assert len(client.client_list()) == before
 
 
 def test_wrong_client_flavour_is_refused(redis_url: str) -> None:
@@ -569,10 +726,40 @@ def test_hybrid_without_persistence_is_quiet(redis_url: str, resource: str) -> N
         manager.close()
 
 
+def test_a_user_who_may_not_subscribe_is_told(redis_url: str, client: Any, resource: str) -> None:
+    """Waiting needs SUBSCRIBE: a user without it gets a PERMISSION error that says so,
+    not a silent wait until the holder's ttl."""
+    user = f"nosub-{secrets.token_hex(3)}"
+    client.acl_setuser(
+        user,
+        enabled=True,
+        nopass=True,
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-subscribe"],
+    )
+    holder_manager = RedisLockManager(redis_url, check_config=False)
+    url = redis_url.replace("redis://", f"redis://{user}:x@")
+    manager = RedisLockManager(url, check_config=False)
+    try:
+        holder = holder_manager.acquire(resource, ttl=30)
+        with pytest.raises(BackendError) as info:
+            manager.acquire(resource, timeout=5)
+        assert info.value.code == "PERMISSION"
+        assert "SUBSCRIBE" in str(info.value)
+        holder.release()
+    finally:
+        manager.close()
+        holder_manager.close()
+        client.acl_deluser(user)
+
+
 def test_disabled_config_is_skipped_quietly(redis_url: str, client: Any, resource: str) -> None:
     """Managed Redis often forbids CONFIG: the check is skipped, the manager works."""
     user = f"limited-{secrets.token_hex(3)}"
-    client.acl_setuser(user, enabled=True, nopass=True, keys=["*"], commands=["+@all", "-config"])
+    client.acl_setuser(
+        user, enabled=True, nopass=True, keys=["*"], channels=["*"], commands=["+@all", "-config"]
+    )
     client.config_set("maxmemory-policy", "allkeys-lru")  # would warn if seen
     limited = redis.Redis.from_url(redis_url, username=user)
     try:

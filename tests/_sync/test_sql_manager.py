@@ -32,6 +32,7 @@ from fence import (
 )
 from fence._sql_schema import lease_table, lease_table_ddl, notify_channel
 from fence._sync.sql import SQLDriver, SQLLockManager
+from fence.adapters._sql_common import REGISTER_TABLE_DDL
 from fence.testing import EventRecorder
 from tests._compat import join, sleep, spawn
 from tests.servers import PostgresServer
@@ -446,6 +447,39 @@ def test_row_keeps_the_last_token_after_release_and_revoke(
     newer = manager.acquire(resource)
     assert newer.token > revoked
     newer.release()
+
+
+def test_fence_register_is_a_floor_and_revoke_raises_it(
+    database: Any, managers: list[Any], table: str, resource: str
+) -> None:
+    """With ``fence_table``, no token goes at or below the guards' register row for the
+    resource, even when the lease row (the counter) is lost; revoke raises the row to its
+    token, never lowering it. Counter mode, where a lost counter would start over at 1."""
+    url, run = database
+    register = f"{table}_register"
+    run(REGISTER_TABLE_DDL.format(table=register))
+    manager = SQLLockManager(url, table=table, token_mode=TokenMode.COUNTER, fence_table=register)
+    managers.append(manager)
+    first = manager.acquire(resource)
+    first.release()
+    assert first.token == 1
+    run(f"INSERT INTO {register} (scope, fence) VALUES (%s, 50)", resource)
+    lease = manager.acquire(resource)
+    assert lease.token == 51
+    lease.release()
+    revoked = manager.revoke(resource)
+    assert revoked == 52
+    assert run(f"SELECT fence FROM {register} WHERE scope = %s", resource) == [(52,)]
+    run(f"DELETE FROM {table} WHERE resource = %s", resource)  # the counter is lost
+    again = manager.acquire(resource)
+    assert again.token == 53
+    again.release()
+    run(f"UPDATE {register} SET fence = 100 WHERE scope = %s", resource)
+    assert manager.revoke(resource) == 101
+    run(f"UPDATE {register} SET fence = 500 WHERE scope = %s", resource)
+    run(f"DELETE FROM {table} WHERE resource = %s", resource)
+    assert manager.revoke(resource) == 501
+    assert run(f"SELECT fence FROM {register} WHERE scope = %s", resource) == [(501,)]
 
 
 def test_missing_table_is_a_schema_error(database: Any, managers: list[Any], resource: str) -> None:

@@ -1,0 +1,191 @@
+"""A task cancelled inside the acquire's round trip leaves no lock behind, on every manager.
+
+The request has reached the server (or will, when it runs again) when the task is
+cancelled; the attempt may be granted after all. The manager cleans up before the
+``CancelledError`` reaches the caller, so the lock is free at the next round trip instead
+of being held for the whole ttl by a secret nobody has. asyncio only: a thread cannot be
+cancelled (its timeouts are in ``tests/_async/test_manager_deadlines.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from fence import MemoryBackend
+from fence._async.memory import AsyncMemoryLockManager
+from fence._async.redis import AsyncRedisLockManager
+from fence._async.sql import AsyncSQLLockManager
+from fence._redis_scripts import resource_keys
+from tests.servers import PostgresServer, RedisServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def resource() -> str:
+    return f"res:{secrets.token_hex(4)}"
+
+
+@pytest.fixture
+def debug_redis() -> Iterator[RedisServer]:
+    """A redis-server of the test's own that allows ``DEBUG SLEEP``."""
+    server = RedisServer("--enable-debug-command", "yes").start()
+    yield server
+    server.stop()
+
+
+async def cancel_after(task: asyncio.Task[object], seconds: float) -> None:
+    """Cancel ``task`` after ``seconds`` and wait until the cancellation reached its caller."""
+    await asyncio.sleep(seconds)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.parametrize("fifo", [False, True])
+async def test_redis_cancelled_inside_the_round_trip(
+    debug_redis: RedisServer, resource: str, fifo: bool
+) -> None:
+    """The server is busy (``DEBUG SLEEP``) while the acquire's request waits in its
+    buffer; the task is cancelled. By the time the cancellation reaches the caller, the
+    clean-up has been sent: when the server wakes it refuses (or releases) the attempt,
+    in whichever order it reads the two, and the next attempt finds the lock free."""
+    manager = AsyncRedisLockManager(debug_redis.url, ttl=60, fifo=fifo)
+    other = AsyncRedisLockManager(debug_redis.url, ttl=60, fifo=fifo)
+    raw = redis.Redis.from_url(debug_redis.url)
+    try:
+        assert await manager.inspect(resource) is None  # connected
+        sleeper = threading.Thread(target=raw.execute_command, args=("DEBUG", "SLEEP", "0.6"))
+        sleeper.start()
+        await asyncio.sleep(0.1)  # the server sleeps from now on
+        task = asyncio.create_task(manager.acquire(resource, timeout=30))
+        await cancel_after(task, 0.2)
+        sleeper.join()
+        assert await other.inspect(resource) is None
+        lease = await other.try_acquire(resource)
+        assert lease is not None
+        await lease.release()
+        # The clean-up reached the server (its tombstone is there, whenever the server read
+        # it), and the stranded attempt never took the lock.
+        void = resource_keys("fence:", resource).void_prefix
+        for _ in range(100):
+            if len(list(raw.scan_iter(match=void + "*"))) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert len(list(raw.scan_iter(match=void + "*"))) == 1
+        assert await other.inspect(resource) is None
+    finally:
+        raw.close()
+        await manager.close()
+        await other.close()
+
+
+async def test_redis_cancelled_while_the_server_is_stopped(resource: str) -> None:
+    """Cancelled while the server is frozen (SIGSTOP): the caller gets its cancellation
+    after at most the clean-up limit, and once the server runs again the lock is free."""
+    server = RedisServer().start()
+    manager = AsyncRedisLockManager(server.url, ttl=60)
+    try:
+        assert await manager.inspect(resource) is None
+        server.pause()
+        try:
+            task = asyncio.create_task(manager.acquire(resource, timeout=30))
+            await cancel_after(task, 0.3)
+        finally:
+            server.resume()
+        assert await manager.inspect(resource) is None
+        lease = await manager.try_acquire(resource)
+        assert lease is not None
+        await lease.release()
+    finally:
+        await manager.close()
+        server.stop()
+
+
+async def test_postgres_cancelled_inside_the_round_trip(
+    postgres_server: PostgresServer, resource: str
+) -> None:
+    """The acquire's statement waits behind another transaction's row lock when the task
+    is cancelled: psycopg cancels it on the server, the manager releases whatever it did,
+    and when the other transaction ends the lock is free."""
+    table = f"leases_{secrets.token_hex(4)}"
+    manager = AsyncSQLLockManager(postgres_server.url, table=table, create_table=True, ttl=60)
+    try:
+        first = await manager.acquire(resource)
+        await first.release()
+        with psycopg.connect(postgres_server.conninfo) as blocker:
+            blocker.execute(
+                f'SELECT 1 FROM "{table}" WHERE resource = %s FOR UPDATE',
+                (resource,),
+            )
+            task = asyncio.create_task(manager.acquire(resource, timeout=30))
+            await cancel_after(task, 0.3)
+        for _ in range(100):
+            if await manager.inspect(resource) is None:
+                break
+            await asyncio.sleep(0.05)
+        assert await manager.inspect(resource) is None
+        lease = await manager.try_acquire(resource)
+        assert lease is not None
+        await lease.release()
+    finally:
+        await manager.close()
+        with psycopg.connect(postgres_server.conninfo, autocommit=True) as conn:
+            conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+
+
+async def test_memory_cancelled_while_the_backend_is_paused(resource: str) -> None:
+    backend = MemoryBackend()
+    manager = AsyncMemoryLockManager(backend, ttl=60)
+    try:
+        backend.pause()
+        try:
+            task = asyncio.create_task(manager.acquire(resource, timeout=30))
+            await cancel_after(task, 0.1)
+        finally:
+            backend.resume()
+        assert await manager.inspect(resource) is None
+        lease = await manager.try_acquire(resource)
+        assert lease is not None
+        await lease.release()
+    finally:
+        await manager.close()
+
+
+async def test_sqlite_cancelled_inside_the_round_trip(tmp_path: Path, resource: str) -> None:
+    """The acquire's statement waits for another connection's write lock (SQLite's busy
+    wait, in aiosqlite's thread, which a cancelled task does not stop) when the task is
+    cancelled; the other connection commits a moment later and the stranded statement is
+    granted the lock after all. The cancellation reaches the caller once that statement is
+    done, and the clean-up that follows releases what it took."""
+    path = tmp_path / "locks.db"
+    manager = AsyncSQLLockManager(f"sqlite:///{path}", create_table=True, ttl=60)
+    try:
+        first = await manager.acquire(resource)
+        await first.release()
+        blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        blocker.execute("BEGIN IMMEDIATE")
+        commit = threading.Timer(0.6, blocker.execute, args=("COMMIT",))
+        commit.start()
+        try:
+            task = asyncio.create_task(manager.acquire(resource, timeout=30))
+            await cancel_after(task, 0.3)
+        finally:
+            commit.join()
+            blocker.close()
+        assert await manager.inspect(resource) is None
+        lease = await manager.try_acquire(resource)
+        assert lease is not None
+        assert lease.token > first.token
+        await lease.release()
+    finally:
+        await manager.close()

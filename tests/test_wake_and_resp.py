@@ -1,0 +1,177 @@
+"""The plain parts under the managers' waiting and connections: the wake board (who is
+woken by a release) and the RESP2 packing and parsing of the Redis manager's own
+connections. No I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from fence._resp import MORE, Address, Reader, RespError, pack, parse_url
+from fence._wake import WakeBoard
+
+
+class Probe:
+    """A waiter that counts its wake-ups."""
+
+    def __init__(self) -> None:
+        self.woken = 0
+
+    def wake(self) -> None:
+        self.woken += 1
+
+
+# -- the wake board --------------------------------------------------------------------------
+
+
+def test_a_release_wakes_one_waiter_in_arrival_order() -> None:
+    board = WakeBoard()
+    mark = board.mark()
+    first, second, third = Probe(), Probe(), Probe()
+    for probe in (first, second, third):
+        assert not board.attach("r", probe, mark)
+    assert board.wake_one("r")
+    assert (first.woken, second.woken, third.woken) == (1, 0, 0)
+    assert board.wake_one("r")
+    assert (first.woken, second.woken, third.woken) == (1, 1, 0)
+    assert board.waiting("r") == 1
+
+
+def test_the_reader_is_preferred_when_it_waits_for_the_resource() -> None:
+    board = WakeBoard()
+    mark = board.mark()
+    first, reader = Probe(), Probe()
+    board.attach("r", first, mark)
+    board.attach("r", reader, mark)
+    assert board.wake_one("r", prefer=reader)
+    assert (first.woken, reader.woken) == (0, 1)
+    other = Probe()
+    board.attach("s", other, board.mark())
+    assert board.wake_one("r", prefer=other)  # not waiting for "r": the first one wakes
+    assert (first.woken, other.woken) == (1, 0)
+
+
+def test_a_named_waiter_is_woken_and_nobody_else() -> None:
+    board = WakeBoard()
+    mark = board.mark()
+    a, b = Probe(), Probe()
+    board.attach("r", a, mark, key="waiter-a")
+    board.attach("r", b, mark, key="waiter-b")
+    assert board.wake_key("r", "waiter-b")
+    assert (a.woken, b.woken) == (0, 1)
+    assert not board.wake_key("r", "waiter-b")  # woken once, gone
+    assert not board.wake_key("r", "someone-elses")
+    assert a.woken == 0
+
+
+def test_a_change_after_the_mark_refuses_the_wait() -> None:
+    """The race between a refused attempt and the wait: a release posted in between makes
+    attach refuse, so the caller tries again instead of sleeping through it."""
+    board = WakeBoard()
+    mark = board.mark()
+    board.wake_one("r")  # nobody attached yet: only recorded
+    assert board.attach("r", Probe(), mark)
+    assert not board.attach("other", Probe(), mark)
+    later = board.mark()
+    board.changed("r")
+    assert board.attach("r", Probe(), later)
+
+
+def test_a_new_generation_wakes_everybody_and_voids_marks() -> None:
+    board = WakeBoard()
+    mark = board.mark()
+    probes = [Probe() for _ in range(3)]
+    for index, probe in enumerate(probes):
+        board.attach(f"r{index}", probe, mark, key=f"k{index}")
+    board.new_generation()
+    assert [p.woken for p in probes] == [1, 1, 1]
+    assert board.attach("r0", Probe(), mark)
+    assert not board.wake_key("r1", "k1")
+
+
+def test_detach_forgets_a_waiter() -> None:
+    board = WakeBoard()
+    mark = board.mark()
+    gone, stays = Probe(), Probe()
+    board.attach("r", gone, mark, key="gone")
+    board.attach("r", stays, mark)
+    board.detach("r", gone)
+    board.detach("r", gone)  # twice is harmless
+    assert not board.wake_key("r", "gone")
+    assert board.wake_one("r")
+    assert (gone.woken, stays.woken) == (0, 1)
+
+
+def test_bump_wakes_all_waiters_of_the_resource() -> None:
+    board = WakeBoard()
+    mark = board.mark()
+    probes = [Probe() for _ in range(3)]
+    for probe in probes:
+        board.attach("r", probe, mark)
+    board.bump("r")
+    assert [p.woken for p in probes] == [1, 1, 1]
+
+
+# -- RESP2 -----------------------------------------------------------------------------------
+
+
+def test_pack_sends_bulk_strings() -> None:
+    assert pack("SET", "k", b"v\r\n", 42) == (
+        b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\nv\r\n\r\n$2\r\n42\r\n"
+    )
+    assert pack("X", "é") == b"*2\r\n$1\r\nX\r\n$2\r\n\xc3\xa9\r\n"
+    with pytest.raises(TypeError):
+        pack("X", None)
+
+
+def test_reader_parses_every_reply_kind_in_pieces() -> None:
+    wire = (
+        b":1795450710097854\r\n$-1\r\n+OK\r\n-NOSCRIPT No matching script\r\n"
+        b"*3\r\n:0\r\n:-1\r\n*0\r\n$5\r\nab\r\nc\r\n*-1\r\n"
+    )
+    reader = Reader()
+    got = []
+    for byte in wire:  # one byte at a time: every cut of a reply is a valid pause
+        reader.feed(bytes([byte]))
+        reply = reader.get()
+        while reply is not MORE:
+            got.append(reply)
+            reply = reader.get()
+    assert got[0] == 1795450710097854
+    assert got[1] is None
+    assert got[2] == b"OK"
+    assert isinstance(got[3], RespError)
+    assert got[3].kind == "NOSCRIPT"
+    assert got[4] == [0, -1, []]
+    assert got[5] == b"ab\r\nc"
+    assert got[6] is None
+    assert not reader.pending
+
+
+def test_reader_refuses_what_is_not_resp() -> None:
+    reader = Reader()
+    reader.feed(b"HTTP/1.1 400 Bad Request\r\n")
+    with pytest.raises(ValueError, match="not a RESP2 reply"):
+        reader.get()
+
+
+@pytest.mark.parametrize(
+    ("url", "address"),
+    [
+        ("redis://127.0.0.1:6380/2", Address("127.0.0.1", 6380, None, 2, None, None)),
+        ("redis://:s%40cret@db", Address("db", 6379, None, 0, None, "s@cret")),
+        ("redis://app:pw@db:7000?db=3", Address("db", 7000, None, 3, "app", "pw")),
+        ("unix:///run/redis.sock?db=1", Address(None, 0, "/run/redis.sock", 1, None, None)),
+    ],
+)
+def test_parse_url(url: str, address: Address) -> None:
+    assert parse_url(url) == address
+    assert "pw" not in str(address)
+    assert "cret" not in str(address)
+
+
+@pytest.mark.parametrize(
+    "url", ["rediss://db:6380/0", "redis://db/0?socket_timeout=3", "http://db", "redis+x://db"]
+)
+def test_urls_the_own_connections_do_not_serve(url: str) -> None:
+    """TLS and client options go through redis-py."""
+    assert parse_url(url) is None
