@@ -374,8 +374,8 @@ def test_whole_cluster_restarted_from_disk(consensus: Consensus) -> None:
 
 
 def test_majority_frozen_acquire_fails_in_time_and_lease_is_lost(consensus: Consensus) -> None:
-    """SIGSTOP two of three: acquire raises a retryable BackendError within its request
-    timeout instead of hanging, and a renewed lease is reported lost at its deadline."""
+    """SIGSTOP two of three: acquire raises a retryable BackendError within its timeout
+    instead of hanging, and a renewed lease is reported lost at its deadline."""
     cluster = consensus.cluster
     manager = consensus.manager(ttl=TTL, request_timeout=2.0)
     lost: list[LeaseLostError] = []
@@ -388,10 +388,12 @@ def test_majority_frozen_acquire_fails_in_time_and_lease_is_lost(consensus: Cons
         other = consensus.manager(ttl=TTL, request_timeout=2.0)
         started = time.monotonic()
         with pytest.raises(BackendError) as info:
-            other.acquire("majority:other", timeout=10)
+            # Retried with backoff while the deadline allows (docs/managers.md), then the
+            # last error: within the timeout and its small margin, whatever the cluster does.
+            other.acquire("majority:other", timeout=3)
         took = time.monotonic() - started
         assert info.value.retryable
-        assert took < 2.0 + 1.5, f"acquire took {took:.1f} s with a 2 s request timeout"
+        assert took < 3.0 + 1.5, f"acquire took {took:.1f} s with a 3 s timeout"
         assert lease.wait_lost(timeout=TTL + 5)
         assert lost
         assert lost[0].token == lease.token

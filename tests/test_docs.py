@@ -5,7 +5,8 @@ starts with ``# continued`` runs after the Python blocks before it in the same f
 the last one that does not; one that starts with ``# continued from "Heading"`` runs after
 the blocks that the last block under that heading ran after, and that block. Each such
 chain runs once, whole, in a fresh directory, with the suite's servers handed in through
-``REDIS_URL`` and ``DATABASE_URL`` where a block reads them. The same chains, and
+``REDIS_URL``, ``DATABASE_URL``, ``QUORUM_URLS``, ``ETCD_URL`` and ``ZOOKEEPER_URL`` where a
+block reads them. The same chains, and
 ``examples/``, are type-checked with ``mypy --strict`` against the package as installed
 (``fence.adapters`` included).
 """
@@ -23,13 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [
-    ROOT / "README.md",
-    *(
-        ROOT / "docs" / n
-        for n in ("orm.md", "redis-guard.md", "sql-guard.md", "observability.md", "retry.md")
-    ),
-]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
@@ -101,6 +96,12 @@ def test_docs_block_runs_as_written(
         env["REDIS_URL"] = request.getfixturevalue("redis_url")
     if "DATABASE_URL" in program.text:
         env["DATABASE_URL"] = request.getfixturevalue("postgres_url")
+    if "QUORUM_URLS" in program.text:
+        env["QUORUM_URLS"] = ",".join(request.getfixturevalue("quorum_urls"))
+    if "ETCD_URL" in program.text:
+        env["ETCD_URL"] = request.getfixturevalue("etcd_url")
+    if "ZOOKEEPER_URL" in program.text:
+        env["ZOOKEEPER_URL"] = request.getfixturevalue("zookeeper_url")
     script = tmp_path / "block.py"
     script.write_text(program.text)
     completed = subprocess.run(

@@ -42,7 +42,7 @@ from fence._etcd import (
 )
 from fence._events import EventBus
 from fence._queue import Place, owner_after_predecessor_left
-from fence.abc import AcquireReply, LockInfo
+from fence.abc import AcquireReply, LockInfo, time_left
 
 __all__ = ["AsyncEtcdDriver", "AsyncEtcdLockManager"]
 
@@ -161,7 +161,8 @@ class AsyncEtcdDriver:
             BackendError: no member served the request within ``request_timeout``, or the
                 outcome of an unsafe request is unknown.
         """
-        end = time.monotonic() + self.request_timeout
+        # Bounded by the caller's deadline too (an acquire with a timeout), not only by ours.
+        end = time.monotonic() + time_left(self.request_timeout)
         # A member that stopped (SIGSTOP, a partition) accepts the connection and never
         # answers: each attempt gets a share of the time, so the others get a turn.
         share = max(self.request_timeout / len(self.endpoints), 0.2)

@@ -53,7 +53,7 @@ from fence._zookeeper import (
     token_of,
     validate_root,
 )
-from fence.abc import AcquireReply, LockInfo
+from fence.abc import AcquireReply, LockInfo, time_left
 
 __all__ = ["AsyncZooKeeperDriver", "AsyncZooKeeperLockManager"]
 
@@ -530,7 +530,8 @@ class AsyncZooKeeperDriver:
                     ) from exc
 
     def _deadline(self) -> float:
-        return time.monotonic() + self.request_timeout
+        # Bounded by the caller's deadline too (an acquire with a timeout), not only by ours.
+        return time.monotonic() + time_left(self.request_timeout)
 
     # -- the queue -------------------------------------------------------------------------
 
