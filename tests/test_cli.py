@@ -158,6 +158,13 @@ def test_ddl_prints_the_library_ddl() -> None:
     assert "TABLE IF NOT EXISTS" not in bare.stdout
 
 
+def test_the_ddl_shown_in_the_docs_is_what_the_command_prints() -> None:
+    command = "fence ddl --dialect postgresql --table accounts"
+    text = (Path(__file__).resolve().parent.parent / "docs" / "sql-guard.md").read_text()
+    shown = text.split(f"```bash\n{command}\n```\n\n```sql\n", 1)[1].split("```", 1)[0]
+    assert shown == run(*command.split()[1:]).stdout
+
+
 def test_ddl_runs_on_postgresql_and_the_managers_use_it(postgres_url: str) -> None:
     table, leases, register = unique("cli_accounts"), unique("cli_leases"), unique("cli_reg")
     engine = sa.create_engine(postgres_url)
