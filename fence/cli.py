@@ -270,9 +270,12 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def _backend(url: str) -> tuple[str, str]:
     """The backend kind of ``url`` and its scheme variant (``"cluster"`` of redis+cluster)."""
-    if "://" not in url:
+    try:
+        scheme = urlsplit(url).scheme.lower() if "://" in url else ""
+    except ValueError as exc:  # "Invalid IPv6 URL"
+        raise _UsageError(f"not a URL: {url!r} ({exc})") from None
+    if not scheme:
         raise _UsageError(f"not a URL: {url!r}; {_url_help('use')}")
-    scheme = urlsplit(url).scheme.lower()
     base, _, variant = scheme.partition("+")
     kind = _KINDS.get(base)
     if kind is None:
@@ -295,8 +298,9 @@ def _missing_package(exc: ModuleNotFoundError) -> _Failed:
 
 def _where(url: str) -> str:
     """The URL without credentials, for messages."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}{parts.path}"
+    scheme, _, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}://{netloc.rsplit('@', 1)[-1]}{slash}{path.split('?', 1)[0]}"
 
 
 def _sqlite_path(url: str) -> str | None:
@@ -337,8 +341,10 @@ def _errors(url: str) -> Iterator[None]:
         raise _missing_package(exc) from None
     except BackendError as exc:
         raise _Failed(str(exc)) from None
-    except (ConfigurationError, ValueError) as exc:
+    except ConfigurationError as exc:
         raise _UsageError(str(exc)) from None
+    except ValueError as exc:  # the driver's URL parser: a bad port, say
+        raise _UsageError(f"not a usable URL: {_where(url)} ({exc})") from None
     except FenceError as exc:
         raise _Failed(str(exc)) from None
     except OSError as exc:
@@ -353,6 +359,8 @@ def _errors(url: str) -> Iterator[None]:
             "kazoo",
             "httpx",
         ):
+            if type(exc).__name__ in ("ArgumentError", "NoSuchModuleError"):  # a bad URL, driver
+                raise _UsageError(f"not a usable URL: {_where(url)} ({exc})") from None
             raise _Failed(f"{_where(url)}: {type(exc).__name__}: {exc}") from None
         raise
 

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from fence._chaos.servers import PostgresServer, RedisServer
 from fence._chaos.timeline import render_svg
 from fence._chaos.worker import Board, Phase, WorkerConfig
 from fence._chaos.worker import main as worker_main
+from fence._interrupt import sigint_ignored
 
 __all__ = ["Settings", "main", "run"]
 
@@ -157,7 +158,7 @@ def run_pairing(
         ctx.Process(target=worker_main, args=(config, array), name=f"chaos-{config.name}")
         for config in configs
     ]
-    with _sigint_ignored():  # the workers inherit it: Ctrl-C is the controller's to handle
+    with sigint_ignored():  # the workers inherit it: Ctrl-C is the controller's to handle
         for proc in procs:
             proc.start()
     log: list[Record] = []
@@ -404,16 +405,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--keep", metavar="DIR", help="keep the worker logs in DIR")
     return parser
-
-
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Ignore SIGINT for a while; processes started meanwhile keep ignoring it."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _interrupted(signum: int, frame: Any) -> None:
