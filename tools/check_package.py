@@ -52,7 +52,7 @@ def main() -> int:
     parser.add_argument("--python", required=True, type=Path, help="the venv's python")
     parser.add_argument("--sdist", required=True, type=Path, help="the source distribution")
     args = parser.parse_args()
-    python = str(args.python)
+    python = str(args.python.absolute())  # not resolved: a venv python is a symlink
     with tempfile.TemporaryDirectory(prefix="iofence-package-run-") as tmp:
         work = Path(tmp)
         source = _unpack(args.sdist, work / "sdist")
