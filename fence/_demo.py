@@ -25,6 +25,8 @@ from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any, Protocol, cast
 
+from fence._interrupt import sigint_ignored
+
 __all__ = ["main"]
 
 RESOURCE = "account:42"
@@ -157,22 +159,35 @@ def run(fenced: bool, workdir: Path, out: Any = None) -> int:
     a = ctx.Process(target=_worker, args=("A", db, 50, fenced, events, a_end))
     b = ctx.Process(target=_worker, args=("B", db, 30, fenced, events, None))
     start = time.time()
-    a.start()
-    if not control.poll(60) or control.recv() != "ready":
-        raise RuntimeError("worker A did not start")
-    assert a.pid is not None
-    os.kill(a.pid, signal.SIGSTOP)
-    note("--", f"SIGSTOP A for {PAUSE:.0f} s: a GC pause, a VM freeze (its lease is {TTL:.0f} s)")
-    control.send("go")  # buffered: A reads it only once it is thawed
-    b.start()
-    b.join(60)
-    remaining = PAUSE - (time.time() - lines[-1][0])
-    if remaining > 0:
-        time.sleep(remaining)
-    note("--", "SIGCONT A: it wakes up and carries on where it stopped")
-    os.kill(a.pid, signal.SIGCONT)
-    a.join(60)
-    control.close()
+    try:
+        with sigint_ignored():  # Ctrl-C is the parent's to handle: see the finally
+            a.start()
+        if not control.poll(60) or control.recv() != "ready":
+            raise RuntimeError("worker A did not start")
+        assert a.pid is not None
+        os.kill(a.pid, signal.SIGSTOP)
+        note(
+            "--", f"SIGSTOP A for {PAUSE:.0f} s: a GC pause, a VM freeze (its lease is {TTL:.0f} s)"
+        )
+        control.send("go")  # buffered: A reads it only once it is thawed
+        with sigint_ignored():
+            b.start()
+        b.join(60)
+        remaining = PAUSE - (time.time() - lines[-1][0])
+        if remaining > 0:
+            time.sleep(remaining)
+        note("--", "SIGCONT A: it wakes up and carries on where it stopped")
+        os.kill(a.pid, signal.SIGCONT)
+        a.join(60)
+    finally:
+        # Interrupted (Ctrl-C) or failed: a worker left frozen would hang the exit, which
+        # waits for every child.
+        for proc in (a, b):
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+                proc.join(10)
+        control.close()
     while not events.empty():
         lines.append(events.get())
     events.close()

@@ -1,20 +1,208 @@
-"""The ``fence`` command line."""
+"""The ``fence`` command line: see a lock, end it, print the DDL, check a backend.
+
+::
+
+    fence inspect URL RESOURCE      who holds RESOURCE: holder, token, time left, the fence
+    fence revoke URL RESOURCE       end its lease by force and print the new token
+    fence ddl --dialect D [--table T ...]
+                                    the lease table, the fence register and fence columns
+    fence doctor URL                check the backend's settings: ok, warn or fail each
+    fence demo                      a paused holder's stale write refused (SQLite)
+    fence chaos                     every pairing under pauses and server crashes
+
+``URL`` is what :func:`fence.connect` takes: ``redis://``, ``redis+cluster://``,
+``postgresql://``, ``sqlite:///file.db``, ``etcd://h1:2379,...``, ``zookeeper://h1:2181,...``.
+
+Exit status: 0 when the command did its job (and every doctor check passed); 1 when it
+could not (a server that does not answer, a refusal, a missing driver package, a failed
+check); 2 for a usage error (bad arguments, a URL that names no backend); 130 when
+interrupted (Ctrl-C).
+"""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import contextlib
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit
 
 import fence
+from fence._core import TokenMode, validate_resource
+from fence._errors import BackendError, ConfigurationError, FenceError
+
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+
+#: The command did its job.
+EXIT_OK = 0
+#: The command could not do its job, or a doctor check failed.
+EXIT_FAILED = 1
+#: The command line was wrong: arguments, or a URL that names no backend.
+EXIT_USAGE = 2
+#: Interrupted by SIGINT (Ctrl-C): 128 + 2, as shells report it.
+EXIT_INTERRUPTED = 130
+
+# Backends by URL scheme (the part before any "+driver").
+_KINDS = {
+    "memory": "memory",
+    "redis": "redis",
+    "rediss": "redis",
+    "unix": "redis",
+    "postgresql": "sql",
+    "postgres": "sql",
+    "sqlite": "sql",
+    "etcd": "etcd",
+    "etcds": "etcd",
+    "zookeeper": "zookeeper",
+    "zk": "zookeeper",
+}
+
+# The extra that installs each driver package.
+_EXTRAS = {
+    "redis": "redis",
+    "sqlalchemy": "sql",
+    "greenlet": "sql",
+    "psycopg": "postgres",
+    "httpx": "etcd",
+    "kazoo": "zookeeper",
+}
+
+
+class _UsageError(Exception):
+    """The command line is wrong: exit 2."""
+
+
+class _Failed(Exception):
+    """The command could not do its job: exit 1."""
+
+
+class _Interrupted(KeyboardInterrupt):
+    """Ctrl-C at a moment that leaves something to say (exit 130)."""
+
+
+# -- the parser -------------------------------------------------------------------------------
+
+
+def _url_help(what: str) -> str:
+    return (
+        f"{what}: redis://, redis+cluster://, postgresql://, sqlite:///file.db, "
+        "etcd://h1:2379,..., zookeeper://h1:2181,..."
+    )
+
+
+def _add_backend_options(parser: argparse.ArgumentParser, *, tokens: bool) -> None:
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="connect and read timeout (default 5)",
+    )
+    parser.add_argument(
+        "--prefix", default=None, help="Redis key prefix of the managers and guards (fence:)"
+    )
+    parser.add_argument(
+        "--lease-table", default=None, metavar="NAME", help="SQL lease table (fence_leases)"
+    )
+    parser.add_argument(
+        "--register", default=None, metavar="NAME", help="SQL fence register (fence_register)"
+    )
+    parser.add_argument(
+        "--schema", default=None, help="SQL schema of the lease table and the register"
+    )
+    if tokens:
+        parser.add_argument(
+            "--token-mode",
+            choices=[m.value for m in TokenMode],
+            default=None,
+            help="Redis and SQL: the managers' token mode (hybrid)",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``fence`` command."""
     parser = argparse.ArgumentParser(
-        prog="fence", description="iofence: fencing tokens for distributed locks."
+        prog="fence",
+        description="iofence: fencing tokens for distributed locks.",
+        epilog="Exit status: 0 ok, 1 failed (or a doctor check failed), 2 usage error, "
+        "130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"iofence {fence.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="who holds a lock: holder, token, time left, and the fence where one is kept",
+        description="Show who holds RESOURCE: the holder's label, its token and the time "
+        "left on its lease by the backend's clock, the last token issued and the fence, where "
+        "the backend keeps them (Redis: fence:{R}:token and fence:{R}:fence; SQL: the lease "
+        "row and the fence register's row for RESOURCE; etcd and ZooKeeper keep no fence).",
+    )
+    inspect.add_argument("url", metavar="URL", help=_url_help("the lock manager's backend"))
+    inspect.add_argument("resource", metavar="RESOURCE", help="the locked resource")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_backend_options(inspect, tokens=False)
+
+    revoke = commands.add_parser(
+        "revoke",
+        help="end a lock's lease by force and print the new token",
+        description="End every lease on RESOURCE, whoever holds it (a hung holder), and print "
+        "a token above every token issued for it. On Redis the resource's fence "
+        "(fence:{R}:fence) is raised to it; elsewhere, claim it on your guards to refuse the "
+        "old holder's writes before the next holder writes.",
+    )
+    revoke.add_argument("url", metavar="URL", help=_url_help("the lock manager's backend"))
+    revoke.add_argument("resource", metavar="RESOURCE", help="the locked resource")
+    _add_backend_options(revoke, tokens=True)
+
+    ddl_parser = commands.add_parser(
+        "ddl",
+        help="print the SQL for the lease table, the fence register and fence columns",
+        description="Print the DDL iofence needs, for a migration or for psql / sqlite3: the "
+        "SQL lock manager's lease table, the fence register, and for every --table the fence "
+        "column and the tombstone flag.",
+    )
+    ddl_parser.add_argument(
+        "--dialect", required=True, choices=["postgresql", "sqlite"], help="the database"
+    )
+    ddl_parser.add_argument(
+        "--table",
+        action="append",
+        default=[],
+        metavar="TABLE",
+        help="an existing table to fence (repeatable; schema.table is fine)",
+    )
+    ddl_parser.add_argument("--lease-table", default=None, metavar="NAME", help="(fence_leases)")
+    ddl_parser.add_argument("--register", default=None, metavar="NAME", help="(fence_register)")
+    ddl_parser.add_argument("--schema", default=None, help="schema of the lease table and register")
+    ddl_parser.add_argument("--no-lease-table", action="store_true", help="leave it out")
+    ddl_parser.add_argument("--no-register", action="store_true", help="leave it out")
+    ddl_parser.add_argument(
+        "--no-tombstone", action="store_true", help="no tombstone flag on the tables"
+    )
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check a backend's settings for fencing: ok, warn or fail, with what to do",
+        description="Read the backend's settings and judge them: Redis eviction policy, "
+        "persistence and fsync, role, clock offset; PostgreSQL fsync, synchronous_commit, "
+        "wal_level, role, clock offset, missing tables; SQLite journal mode, busy timeout, "
+        "missing tables; etcd and ZooKeeper members, quorum and leader. Exits 1 if a check "
+        "fails.",
+    )
+    doctor.add_argument("url", metavar="URL", help=_url_help("the backend"))
+    doctor.add_argument(
+        "--strict", action="store_true", help="exit 1 on a warning too, not only on a failure"
+    )
+    _add_backend_options(doctor, tokens=True)
+
     commands.add_parser(
         "demo",
         help="watch a paused lock holder's stale write being refused (SQLite, no server)",
@@ -28,8 +216,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# -- entry point ------------------------------------------------------------------------------
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``fence`` command; return its exit status."""
+    """Run the ``fence`` command; return its exit status.
+
+    A usage error exits 2 (argparse exits on its own); a failure prints one line and
+    returns 1; Ctrl-C returns 130. None of them prints a traceback.
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as exc:
+        note = f": {exc}" if isinstance(exc, _Interrupted) else ""
+        print(f"fence: interrupted{note}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except _UsageError as exc:
+        print(f"fence: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except _Failed as exc:
+        print(f"fence: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
@@ -44,5 +254,457 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command is None:
         parser.print_help()
-        return 2
-    return 0  # pragma: no cover - every command returns on its own
+        return EXIT_USAGE
+    # Library and driver logs (kazoo's reconnection attempts) would mix with the output;
+    # what matters reaches the user as an error, in one line.
+    if not logging.getLogger().handlers:
+        logging.getLogger().addHandler(logging.NullHandler())
+    if getattr(args, "timeout", 1) <= 0:
+        raise _UsageError(f"--timeout must be positive, got {args.timeout}")
+    run = {"inspect": _inspect, "revoke": _revoke, "ddl": _ddl, "doctor": _doctor}
+    return run[args.command](args)
+
+
+# -- shared helpers ---------------------------------------------------------------------------
+
+
+def _backend(url: str) -> tuple[str, str]:
+    """The backend kind of ``url`` and its scheme variant (``"cluster"`` of redis+cluster)."""
+    try:
+        scheme = urlsplit(url).scheme.lower() if "://" in url else ""
+    except ValueError as exc:  # "Invalid IPv6 URL"
+        raise _UsageError(f"not a URL: {url!r} ({exc})") from None
+    if not scheme:
+        raise _UsageError(f"not a URL: {url!r}; {_url_help('use')}")
+    base, _, variant = scheme.partition("+")
+    kind = _KINDS.get(base)
+    if kind is None:
+        raise _UsageError(f"no lock manager for {scheme!r}; {_url_help('use')}")
+    if kind == "memory":
+        raise _UsageError(
+            "memory:// locks live inside one process: no other process, this command "
+            "included, can see them"
+        )
+    return kind, variant if kind == "redis" else ""
+
+
+def _missing_package(exc: ModuleNotFoundError) -> _Failed:
+    top = (exc.name or "").split(".")[0]
+    extra = _EXTRAS.get(top)
+    if extra is None:
+        return _Failed(f"a module is missing: {exc}")
+    return _Failed(f"{top} is not installed: pip install 'iofence[{extra}]'")
+
+
+def _where(url: str) -> str:
+    """The URL without credentials, for messages."""
+    scheme, _, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}://{netloc.rsplit('@', 1)[-1]}{slash}{path.split('?', 1)[0]}"
+
+
+def _sqlite_path(url: str) -> str | None:
+    """The file of a sqlite:// URL (``None`` for another URL); refuses an in-memory one."""
+    from fence._doctor import sqlite_file
+
+    if not urlsplit(url).scheme.lower().startswith("sqlite"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    path = sqlite_file(make_url(url).database)
+    if path is None:
+        raise _UsageError(
+            "an in-memory SQLite database lives inside one process; name a file: "
+            "sqlite:///path/to/locks.db"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def _quiet_warnings() -> Iterator[None]:
+    """Show library warnings (a risky Redis setting) as one line each on stderr."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for warning in caught:
+                print(f"fence: warning: {warning.message}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _errors(url: str) -> Iterator[None]:
+    """Turn library and driver errors into a usage error or a one-line failure."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        raise _missing_package(exc) from None
+    except BackendError as exc:
+        raise _Failed(str(exc)) from None
+    except ConfigurationError as exc:
+        raise _UsageError(str(exc)) from None
+    except ValueError as exc:  # the driver's URL parser: a bad port, say
+        raise _UsageError(f"not a usable URL: {_where(url)} ({exc})") from None
+    except FenceError as exc:
+        raise _Failed(str(exc)) from None
+    except OSError as exc:
+        raise _Failed(f"{_where(url)}: {exc}") from None
+    except Exception as exc:
+        # Driver errors that the managers do not wrap (a bad URL that SQLAlchemy or
+        # redis-py refuses at connect time, say): one line, never a traceback.
+        if type(exc).__module__.split(".")[0] in (
+            "sqlalchemy",
+            "redis",
+            "psycopg",
+            "kazoo",
+            "httpx",
+        ):
+            if type(exc).__name__ in ("ArgumentError", "NoSuchModuleError"):  # a bad URL, driver
+                raise _UsageError(f"not a usable URL: {_where(url)} ({exc})") from None
+            raise _Failed(f"{_where(url)}: {type(exc).__name__}: {exc}") from None
+        raise
+
+
+def _manager(args: argparse.Namespace, kind: str) -> Any:
+    """The sync lock manager for ``args.url``, built by :func:`fence.connect`."""
+    options: dict[str, Any] = {}
+    if kind == "redis":
+        options["socket_timeout"] = args.timeout
+        if args.prefix is not None:
+            options["prefix"] = args.prefix
+    elif kind == "sql":
+        options["table"] = args.lease_table or "fence_leases"
+        if args.schema is not None:
+            options["schema"] = args.schema
+        if urlsplit(args.url).scheme.lower().startswith("postgres"):
+            timeout = max(2, math.ceil(args.timeout))  # libpq: whole seconds, at least 2
+            options["engine_options"] = {"connect_args": {"connect_timeout": timeout}}
+            options["listen"] = False  # nothing here waits for a release
+    elif kind in ("etcd", "zookeeper"):
+        options["request_timeout"] = args.timeout
+    token_mode = getattr(args, "token_mode", None)
+    if token_mode is not None:
+        if kind not in ("redis", "sql"):
+            raise _UsageError(f"--token-mode is for Redis and SQL; {kind} issues its own tokens")
+        options["token_mode"] = TokenMode(token_mode)
+    if kind != "redis" and args.prefix is not None:
+        raise _UsageError("--prefix is for Redis")
+    if kind != "sql" and (args.lease_table or args.register or args.schema):
+        raise _UsageError("--lease-table, --register and --schema are for SQL")
+    path = _sqlite_path(args.url) if kind == "sql" else None
+    if path is not None and not os.path.exists(path):
+        raise _Failed(f"no SQLite database at {path}")
+    return fence.connect(args.url, **options)
+
+
+def _resource(value: str) -> str:
+    try:
+        return validate_resource(value)
+    except FenceError as exc:
+        raise _UsageError(str(exc)) from None
+
+
+# -- inspect ----------------------------------------------------------------------------------
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    resource = _resource(args.resource)
+    kind, variant = _backend(args.url)
+    report: dict[str, Any] = {"resource": resource, "backend": kind, "url": _where(args.url)}
+    with _errors(args.url):
+        manager = _manager(args, kind)
+        try:
+            with _quiet_warnings():
+                info = manager.inspect(resource)
+                report["held"] = info is not None
+                if info is not None:
+                    report["holder"] = info.holder
+                    report["token"] = info.token
+                    report["remaining"] = round(info.remaining, 3)
+                report.update(_kept(args, kind, variant, manager, resource))
+        finally:
+            with contextlib.suppress(Exception):
+                manager.close()
+    if args.json:
+        print(json.dumps(report))
+        return EXIT_OK
+    rows = [("resource", resource), ("backend", f"{kind} at {report['url']}")]
+    if info is None:
+        rows.append(("held by", "nobody: the lock is free"))
+    else:
+        rows += [
+            ("held by", info.holder or "(no label)"),
+            ("token", str(info.token)),
+            ("time left", f"{info.remaining:.3f} s by the backend's clock"),
+        ]
+    if "last_token" in report:
+        last = report["last_token"]
+        shown = "none issued" if last is None else str(last)
+        rows.append(("last token", f"{shown} ({report['last_token_at']})"))
+    fence_value = report.get("fence")
+    rows.append(
+        ("fence", f"{'not set' if fence_value is None else fence_value} ({report['fence_at']})")
+    )
+    rows += [("note", note) for note in report.get("notes", [])]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name + ':':<{width + 1}} {value}")
+    return EXIT_OK
+
+
+def _kept(
+    args: argparse.Namespace, kind: str, variant: str, manager: Any, resource: str
+) -> dict[str, Any]:
+    """What the backend keeps beside the lease: the last token issued and the fence."""
+    if kind == "redis" and variant in ("", "cluster"):
+        return _redis_kept(args, variant == "cluster", resource)
+    if kind == "redis":
+        return {"fence": None, "fence_at": f"not read on redis+{variant}:// URLs"}
+    if kind == "sql":
+        return _sql_kept(args, manager, resource)
+    name, token = (
+        ("etcd", "key's create revision") if kind == "etcd" else ("ZooKeeper", "node's czxid")
+    )
+    return {
+        "fence": None,
+        "fence_at": f"{name} keeps none: the guards keep fences with the data",
+        "notes": [f"the token is the lock {token}"],
+    }
+
+
+def _redis_kept(args: argparse.Namespace, cluster: bool, resource: str) -> dict[str, Any]:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from fence._redis_scripts import DEFAULT_PREFIX, resource_keys
+
+    keys = resource_keys(args.prefix if args.prefix is not None else DEFAULT_PREFIX, resource)
+    options: dict[str, Any] = {
+        "socket_timeout": args.timeout,
+        "socket_connect_timeout": args.timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    factory: Any = redis.RedisCluster if cluster else redis.Redis
+    client = factory.from_url(args.url.replace("+cluster://", "://", 1), **options)
+    try:
+        last, fence_value = client.get(keys.token), client.get(keys.fence)
+    finally:
+        client.close()
+    return {
+        "last_token": None if last is None else int(last),
+        "last_token_at": keys.token,
+        "fence": None if fence_value is None else int(fence_value),
+        "fence_at": keys.fence,
+        "notes": [
+            (
+                f"{keys.fence} is the Redis guards' resource fence (scope='resource'); a "
+                f"per-key fence (scope='key') is {keys.wake_prefix[: -len('wake:')]}key:<key>"
+            )
+        ],
+    }
+
+
+def _sql_kept(args: argparse.Namespace, manager: Any, resource: str) -> dict[str, Any]:
+    import sqlalchemy as sa
+
+    table = args.lease_table or "fence_leases"
+    register = args.register or "fence_register"
+    where = f"{args.schema}." if args.schema else ""
+    leases = sa.table(table, sa.column("resource"), sa.column("token"), schema=args.schema)
+    fences = sa.table(register, sa.column("scope"), sa.column("fence"), schema=args.schema)
+    found: dict[str, Any] = {"last_token_at": f"{where}{table} row"}
+    with manager.engine.connect() as conn:
+        found["last_token"] = conn.execute(
+            sa.select(leases.c.token).where(leases.c.resource == resource)
+        ).scalar()
+        if sa.inspect(conn).has_table(register, schema=args.schema):
+            found["fence"] = conn.execute(
+                sa.select(fences.c.fence).where(fences.c.scope == resource)
+            ).scalar()
+            found["fence_at"] = f"{where}{register} row of scope {resource!r}"
+        else:
+            found["fence"] = None
+            found["fence_at"] = f"no {where}{register} table"
+    found["notes"] = ["row guards keep a fence in each row's fence column"]
+    return found
+
+
+# -- revoke -----------------------------------------------------------------------------------
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    resource = _resource(args.resource)
+    kind, _ = _backend(args.url)
+    with _errors(args.url):
+        manager = _manager(args, kind)
+        try:
+            with _quiet_warnings():
+                try:
+                    token = manager.revoke(resource)
+                except KeyboardInterrupt:
+                    raise _Interrupted(
+                        "the revoke may or may not have ended the lease (see fence inspect)"
+                    ) from None
+        finally:
+            with contextlib.suppress(Exception):
+                manager.close()
+    print(token)
+    if kind == "redis":
+        from fence._redis_scripts import DEFAULT_PREFIX, resource_keys
+
+        prefix = args.prefix if args.prefix is not None else DEFAULT_PREFIX
+        after = (
+            f"{resource_keys(prefix, resource).fence} is raised to it: Redis guards with "
+            "scope='resource' refuse older tokens from now on"
+        )
+    else:
+        after = (
+            "claim it on your guards (RowGuard.claim, FenceRegister.claim, RedisGuard.claim)"
+            " to refuse the old holder's writes before the next holder writes"
+        )
+    print(
+        f"fence revoke: every lease on {resource!r} ended; new token {token}; {after}.",
+        file=sys.stderr,
+    )
+    return EXIT_OK
+
+
+# -- ddl --------------------------------------------------------------------------------------
+
+
+def _ddl_script(
+    dialect: str,
+    tables: Sequence[str] = (),
+    *,
+    lease_table: str | None = "fence_leases",
+    register: str | None = "fence_register",
+    schema: str | None = None,
+    tombstone: bool = True,
+) -> str:
+    """The SQL that ``fence ddl`` prints: statements ending in ``;``, with comments.
+
+    Args:
+        dialect: ``"postgresql"`` or ``"sqlite"``.
+        tables: existing tables that get a fence column (``schema.table`` is fine).
+        lease_table: the SQL lock manager's lease table, or ``None`` to leave it out.
+        register: the fence register, or ``None`` to leave it out.
+        schema: the schema of the lease table and the register.
+        tombstone: give each table the tombstone flag of fenced deletes too.
+
+    Raises:
+        ConfigurationError: an unknown dialect or an empty name.
+    """
+    from fence._sql_schema import _dialect, lease_table_ddl
+
+    # fence.adapters ships from adapters/: imported by name, as the rest of fence does.
+    common = importlib.import_module("fence.adapters._sql_common")
+    fence_column_ddl: str = common.FENCE_COLUMN_DDL
+    register_ddl: str = common.REGISTER_TABLE_DDL
+    tombstone_ddl: str = common.TOMBSTONE_COLUMN_DDL
+
+    quote = _dialect(dialect).identifier_preparer.quote
+
+    def qualified(name: str, in_schema: str | None = None) -> str:
+        parts = [*([in_schema] if in_schema else []), *name.split(".")]
+        if not all(parts):
+            raise ConfigurationError(f"not a table name: {name!r}")
+        return ".".join(quote(part) for part in parts)
+
+    out = [f"-- iofence DDL for {dialect}: run it once, in a migration or by hand."]
+    if lease_table is not None:
+        out += [
+            "",
+            "-- The SQL lock manager's lease table (SQLLockManager, fence.lease_table_ddl).",
+            lease_table_ddl(dialect, table=lease_table, schema=schema) + ";",
+        ]
+    if register is not None:
+        out += [
+            "",
+            "-- The fence register: claims of the session hook, UnitOfWork and FenceRegister.",
+            register_ddl.format(table=qualified(register, schema)) + ";",
+        ]
+    for table in tables:
+        name = qualified(table)
+        what = "its fence column (existing rows start at 0)"
+        if tombstone:
+            what += " and the tombstone flag of fenced deletes"
+        out += ["", f"-- {table}: {what}.", fence_column_ddl.format(table=name) + ";"]
+        if tombstone:
+            out.append(tombstone_ddl.format(table=name) + ";")
+    return "\n".join(out) + "\n"
+
+
+def _ddl(args: argparse.Namespace) -> int:
+    try:
+        text = _ddl_script(
+            args.dialect,
+            args.table,
+            lease_table=None if args.no_lease_table else (args.lease_table or "fence_leases"),
+            register=None if args.no_register else (args.register or "fence_register"),
+            schema=args.schema,
+            tombstone=not args.no_tombstone,
+        )
+    except ModuleNotFoundError as exc:
+        raise _missing_package(exc) from None
+    except ConfigurationError as exc:
+        raise _UsageError(str(exc)) from None
+    sys.stdout.write(text)
+    return EXIT_OK
+
+
+# -- doctor -----------------------------------------------------------------------------------
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from fence import _doctor as doctor
+
+    kind, variant = _backend(args.url)
+    mode = TokenMode(args.token_mode or TokenMode.HYBRID)
+    with _errors(args.url):
+        if kind == "redis":
+            if variant not in ("", "cluster"):
+                raise _UsageError(
+                    f"fence doctor reads redis:// and redis+cluster:// URLs, not redis+{variant}://"
+                )
+            if args.lease_table or args.register or args.schema:
+                raise _UsageError("--lease-table, --register and --schema are for SQL")
+            url = args.url.replace("+cluster://", "://", 1)
+            checks = doctor.redis_checks(
+                url, timeout=args.timeout, token_mode=mode, cluster=variant == "cluster"
+            )
+        elif kind == "sql":
+            manager = _manager(args, kind)
+            try:
+                checks = doctor.sql_checks(
+                    manager.engine,
+                    lease_table=args.lease_table or "fence_leases",
+                    schema=args.schema,
+                    register=args.register or "fence_register",
+                    path=_sqlite_path(args.url),
+                )
+            finally:
+                with contextlib.suppress(Exception):
+                    manager.close()
+        elif kind == "etcd":
+            _no_sql_options(args)
+            checks = doctor.etcd_checks(args.url, timeout=args.timeout)
+        else:
+            _no_sql_options(args)
+            checks = doctor.zookeeper_checks(args.url, timeout=args.timeout)
+    print(f"fence doctor {_where(args.url)}")
+    for check in checks:
+        print(f"  {check.status:<4}  {check.name}: {check.finding}")
+        if check.advice:
+            print(f"        -> {check.advice}")
+    counts = {s: sum(c.status == s for c in checks) for s in (doctor.OK, doctor.WARN, doctor.FAIL)}
+    print(f"{counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail")
+    bad = counts["fail"] + (counts["warn"] if args.strict else 0)
+    return EXIT_FAILED if bad else EXIT_OK
+
+
+def _no_sql_options(args: argparse.Namespace) -> None:
+    if args.lease_table or args.register or args.schema or args.prefix is not None:
+        raise _UsageError("--prefix is for Redis; --lease-table, --register, --schema for SQL")
+    if args.token_mode is not None:
+        raise _UsageError("--token-mode is for Redis and SQL")

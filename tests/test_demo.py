@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 
 def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
@@ -32,3 +37,41 @@ def test_unfenced_demo_shows_the_lost_update() -> None:
     assert "REJECTED" not in out
     assert "final: balance = 150" in out
     assert "LOST" in out
+
+
+def _stopped_in_session(sid: int) -> bool:
+    """Whether a process of session ``sid`` is stopped (SIGSTOP): the demo froze worker A."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] == "T":  # state, ppid, pgrp, session
+            return True
+    return False
+
+
+def test_ctrl_c_while_a_worker_is_frozen(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fence", "demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        start_new_session=True,
+    )
+    try:
+        end = time.monotonic() + 60
+        while not _stopped_in_session(proc.pid):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < end, "worker A was never frozen"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, while A is frozen and B runs
+        _, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what a hang would leave behind
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

@@ -14,6 +14,7 @@ PUBLIC_MODULES = [
     "fence.testing",
     "fence.prometheus",
     "fence.otel",
+    "fence.cli",
     "fence.adapters",
     "fence.adapters.redis",
     "fence.adapters.sql",

@@ -1,9 +1,13 @@
-"""Packaging: ``adapters/`` ships as ``fence.adapters`` and never as a top-level package."""
+"""Packaging: ``adapters/`` ships as ``fence.adapters`` and never as a top-level package; the
+wheel carries the license, the sdist the whole project; the README reads right on a package
+index page. ``scripts/test-package`` installs the wheel and runs the examples with it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -40,6 +44,10 @@ def test_wheel_layout(tmp_path: Path) -> None:
     text = zipfile.ZipFile(wheel).read(metadata).decode()
     assert "Name: iofence" in text
     assert "Requires-Python: >=3.11" in text
+    assert "License-Expression: MIT" in text
+    assert "License-File: LICENSE" in text
+    license_file = next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))
+    assert zipfile.ZipFile(wheel).read(license_file) == (ROOT / "LICENSE").read_bytes()
     for extra in ("redis", "sql", "postgres", "all"):
         assert f"Provides-Extra: {extra}" in text
 
@@ -59,3 +67,28 @@ def test_core_import_needs_no_driver_package() -> None:
         "fence.RedisLockManager; assert 'redis' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sdist_ships_the_whole_project(tmp_path: Path) -> None:
+    build = "import sys; from setuptools import build_meta; build_meta.build_sdist(sys.argv[1])"
+    subprocess.run(
+        [sys.executable, "-c", build, str(tmp_path)], cwd=ROOT, check=True, capture_output=True
+    )
+    (sdist,) = tmp_path.glob("iofence-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert {"LICENSE", "README.md", "pyproject.toml"} <= names
+    # What the tests read beside themselves: tests/test_examples.py finds examples/.
+    assert {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py")} <= names
+    assert {f"docs/{p.name}" for p in (ROOT / "docs").iterdir()} <= names
+    tests = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")}
+    assert tests <= names
+    assert {"benchmarks/run.py", "tools/async_to_sync.py", "scripts/test"} <= names
+    assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
+
+
+def test_readme_has_no_link_a_package_index_page_breaks() -> None:
+    # On a package index page a relative link or picture points nowhere; there is no
+    # public URL to make them absolute, so the README names the files by path instead.
+    readme = (ROOT / "README.md").read_text()
+    assert re.findall(r"\]\((?!https?://)[^)]*\)", readme) == []

@@ -363,9 +363,8 @@ class ZooKeeperEnsemble(_Cluster):
         self.java = java
         self.jar = zookeeper_jar()
         self.tick_ms = tick_ms
-        self.dir = Path(tempfile.mkdtemp(prefix="iofence-zk-"))
         self._user: tuple[int, int] | None = None
-        if os.geteuid() == 0:
+        if os.geteuid() == 0:  # looked up before the folder is made: a refusal leaves nothing
             try:
                 pw = pwd.getpwnam("zookeeper")
             except KeyError:
@@ -374,6 +373,8 @@ class ZooKeeperEnsemble(_Cluster):
                     "creates it): ZooKeeper never runs as root"
                 ) from None
             self._user = (pw.pw_uid, pw.pw_gid)
+        self.dir = Path(tempfile.mkdtemp(prefix="iofence-zk-"))
+        if self._user is not None:
             os.chmod(self.dir, 0o755)  # noqa: S103 - the zookeeper user must enter it
         self.members: list[_Member] = []
         for index in range(size):

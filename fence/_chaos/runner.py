@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ from fence._chaos.servers import PostgresServer, RedisServer
 from fence._chaos.timeline import render_svg
 from fence._chaos.worker import Board, Phase, WorkerConfig
 from fence._chaos.worker import main as worker_main
+from fence._interrupt import sigint_ignored
 
 __all__ = ["Settings", "main", "run"]
 
@@ -156,8 +158,9 @@ def run_pairing(
         ctx.Process(target=worker_main, args=(config, array), name=f"chaos-{config.name}")
         for config in configs
     ]
-    for proc in procs:
-        proc.start()
+    with sigint_ignored():  # the workers inherit it: Ctrl-C is the controller's to handle
+        for proc in procs:
+            proc.start()
     log: list[Record] = []
     pauser: Pauser | None = None
     injector: FaultInjector | None = None
@@ -287,15 +290,20 @@ def run(settings: Settings, workdir: Path, timeline: Path | None = None) -> dict
     wanted = {server for pairing in chosen for server in pairing.servers}
     servers: dict[str, Any] = {}
     results: list[dict[str, Any]] = []
+    kinds = (
+        ("redis", RedisServer),
+        ("postgres", PostgresServer),
+        ("etcd", EtcdCluster),
+        ("zookeeper", ZooKeeperEnsemble),
+    )
     try:
-        if "redis" in wanted:
-            servers["redis"] = RedisServer().start()
-        if "postgres" in wanted:
-            servers["postgres"] = PostgresServer().start()
-        if "etcd" in wanted:
-            servers["etcd"] = EtcdCluster().start()
-        if "zookeeper" in wanted:
-            servers["zookeeper"] = ZooKeeperEnsemble().start()
+        # Every server is made (which finds its programs, or refuses) before any starts,
+        # and each is stopped below even if its start fails half way.
+        for name, kind in kinds:
+            if name in wanted:
+                servers[name] = kind()
+        for server in servers.values():
+            server.start()
         for pairing in chosen:
             _say(f"fence chaos: {pairing.name}: {pairing.description} ...")
             summary, log = run_pairing(pairing, servers, settings, workdir)
@@ -399,8 +407,39 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    # The first Ctrl-C stops the run; the ones after it must not cut the clean-up short
+    # (servers still running, temporary folders left behind).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _say("fence chaos: interrupted; stopping the workers and the servers")
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``fence chaos``; exit status 0 when every fenced pairing passed."""
+    """Entry point of ``fence chaos``.
+
+    Exit status: 0 when every fenced pairing passed, 1 when one did not or the run could
+    not start (a missing program, a server that did not come up), 2 for a usage error,
+    130 when interrupted (Ctrl-C); the servers and temporary folders are removed in every
+    case.
+    """
+    previous = signal.signal(signal.SIGINT, _interrupted)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, OSError) as exc:
+        _say(f"fence chaos: {exc}")
+        return 1
+    except subprocess.CalledProcessError as exc:
+        detail = exc.stderr.decode(errors="replace").strip() if exc.stderr else ""
+        _say(f"fence chaos: {' '.join(map(str, exc.cmd))} failed ({exc.returncode}) {detail}")
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     for name in ("ttl", "duration", "fault_every", "records", "workers", "pauses"):

@@ -164,23 +164,32 @@ class PostgresServer:
 
     Raises:
         RuntimeError: PostgreSQL is not installed, or the harness runs as root and there
-            is no ``postgres`` OS user to run the cluster as.
+            is no ``postgres`` OS user to run the cluster as, or no ``runuser``.
     """
 
     name = "postgres"
 
     def __init__(self) -> None:
         self.bindir = pg_bindir()
-        self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="iofence-chaos-pg-"))
-        self.data = self.dir / "data"
-        self.sockets = self.dir / "sockets"
         self._as_user: list[str] = []
+        pw: pwd.struct_passwd | None = None
+        # Every program and user is looked up before the folder is made, so that a missing
+        # one leaves nothing behind.
         if os.geteuid() == 0:
             try:
                 pw = pwd.getpwnam("postgres")
             except KeyError:
                 raise RuntimeError("running as root needs the 'postgres' OS user") from None
+            if shutil.which("runuser") is None:
+                raise RuntimeError(
+                    "runuser is not installed (apt-get install util-linux); as root, "
+                    "PostgreSQL runs as the 'postgres' user through it"
+                )
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="iofence-chaos-pg-"))
+        self.data = self.dir / "data"
+        self.sockets = self.dir / "sockets"
+        if pw is not None:
             os.chmod(self.dir, 0o755)  # noqa: S103 - the postgres user must enter it
             self.sockets.mkdir()
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)

@@ -1,0 +1,856 @@
+"""``fence doctor``: read a backend's settings and judge them for fencing tokens.
+
+Each check reads a setting (or a few) and says ``ok``, ``warn`` or ``fail``, with what to do
+when it is not ok. The judges (``judge_*``) are plain functions of what was read; the
+readers (``*_checks``) do the I/O, each with its backend's own client, and turn every error
+of an unreachable or refusing server into a failed check, never an exception.
+
+What is read, by backend:
+
+- Redis: ``INFO`` (version, role), ``CONFIG GET maxmemory-policy maxmemory appendonly
+  appendfsync save``, ``TIME`` against this host's clock. On a cluster, every primary.
+- PostgreSQL: ``server_version``, ``pg_is_in_recovery()``, ``fsync``, ``synchronous_commit``,
+  ``wal_level``, ``clock_timestamp()`` against this host's clock, and whether the lease
+  table and the fence register exist.
+- SQLite: the file, ``PRAGMA journal_mode``, ``PRAGMA busy_timeout`` of a connection made as
+  the lock manager makes it, and the two tables.
+- etcd: ``/v3/maintenance/status`` of every endpoint (version, leader, alarms) and
+  ``/v3/cluster/member/list``.
+- ZooKeeper: the ``srvr`` command of every server (version, mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from fence._core import TokenMode
+
+__all__ = [
+    "CLOCK_LIMIT",
+    "FAIL",
+    "OK",
+    "WARN",
+    "Check",
+    "etcd_checks",
+    "judge_clock",
+    "judge_etcd",
+    "judge_postgres",
+    "judge_redis",
+    "judge_sqlite",
+    "judge_tables",
+    "judge_zookeeper",
+    "redis_checks",
+    "sql_checks",
+    "zookeeper_checks",
+]
+
+OK = "ok"
+WARN = "warn"
+FAIL = "fail"
+
+#: Past this offset (seconds) between this host's clock and the server's, the clock check
+#: warns. iofence never reads this host's wall clock for leases or tokens; the offset is a
+#: witness of a server clock that may be wrong.
+CLOCK_LIMIT = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One verdict of ``fence doctor``.
+
+    Attributes:
+        status: ``"ok"``, ``"warn"`` or ``"fail"``.
+        name: what was checked (``"maxmemory-policy"``, ``"clock"``).
+        finding: what was found, in one sentence.
+        advice: what to do about it; empty when nothing needs doing.
+    """
+
+    status: str
+    name: str
+    finding: str
+    advice: str = ""
+
+
+# -- judges: no I/O -----------------------------------------------------------------------
+
+
+def judge_clock(offset: float, uncertainty: float, server: str) -> Check:
+    """Judge the offset between this host's clock and the server's.
+
+    Args:
+        offset: server clock minus this host's clock, in seconds, at the middle of the
+            round trip.
+        uncertainty: half the round trip, in seconds.
+        server: how the server's clock was read (``"TIME"``, ``"clock_timestamp()"``).
+    """
+    finding = (
+        f"the server's {server} is {offset:+.3f} s from this host's clock (±{uncertainty:.3f} s)"
+    )
+    if abs(offset) - uncertainty <= CLOCK_LIMIT:
+        return Check(OK, "clock", finding)
+    return Check(
+        WARN,
+        "clock",
+        finding,
+        "run NTP (chrony, systemd-timesyncd) on both hosts. iofence reads only the server's "
+        "clock for expiry and hybrid tokens, never this host's; but hybrid tokens survive a "
+        "failover only while the servers' clocks agree, and this offset says one clock is off",
+    )
+
+
+def judge_redis(settings: Mapping[str, str], token_mode: TokenMode) -> list[Check]:
+    """Judge a Redis server's eviction and persistence settings (C3, C12).
+
+    Args:
+        settings: ``CONFIG GET`` results for ``maxmemory-policy``, ``maxmemory``,
+            ``appendonly``, ``appendfsync`` and ``save``.
+        token_mode: the token mode the managers use.
+    """
+    checks = []
+    counter = token_mode is TokenMode.COUNTER
+    policy = settings.get("maxmemory-policy", "")
+    limit = settings.get("maxmemory", "0")
+    if policy.startswith("allkeys-"):
+        unlimited = limit in ("", "0")
+        checks.append(
+            Check(
+                WARN if unlimited else FAIL,
+                "maxmemory-policy",
+                f"{policy} (maxmemory {limit}): under memory pressure Redis may evict fence keys "
+                "and token counters, which have no ttl; an evicted fence lets a stale token "
+                "write again" + (" (not in force while maxmemory is 0)" if unlimited else ""),
+                "CONFIG SET maxmemory-policy noeviction (best) or a volatile-* policy, which "
+                "evicts only keys with a ttl; and in redis.conf",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                OK,
+                "maxmemory-policy",
+                f"{policy or 'unknown'}: fence keys and token counters (no ttl) are never evicted",
+            )
+        )
+    appendonly = settings.get("appendonly", "")
+    fsync = settings.get("appendfsync", "")
+    save = settings.get("save", "")
+    if appendonly == "yes":
+        if fsync == "always":
+            checks.append(
+                Check(
+                    OK,
+                    "persistence",
+                    "appendonly yes, appendfsync always: every acknowledged write survives a "
+                    "crash of the machine",
+                )
+            )
+        elif fsync == "everysec":
+            finding = (
+                "appendonly yes, appendfsync everysec: a killed process loses nothing, a power "
+                "cut up to about 1 s of writes (fences written then go back"
+            )
+            if counter:
+                checks.append(
+                    Check(
+                        WARN,
+                        "persistence",
+                        finding + ", and counter tokens issued then are issued again)",
+                        "appendfsync always for counter tokens, or use hybrid tokens",
+                    )
+                )
+            else:
+                checks.append(Check(OK, "persistence", finding + "; hybrid tokens survive it)"))
+        else:
+            checks.append(
+                Check(
+                    WARN,
+                    "persistence",
+                    f"appendonly yes, appendfsync {fsync or 'unknown'}: the OS flushes the AOF "
+                    "when it likes, so a power cut can lose many seconds of fences"
+                    + (" and counter tokens" if counter else ""),
+                    "appendfsync everysec (hybrid tokens) or always (counter tokens)",
+                )
+            )
+    else:
+        if save:
+            finding = (
+                f"appendonly {appendonly or 'unknown'}, RDB snapshots only (save {save!r}): a "
+                "restart goes back to the last snapshot, and fences raised since are lost: a "
+                "stale writer gets in again"
+            )
+        else:
+            finding = (
+                f"appendonly {appendonly or 'unknown'}, no snapshots: a restart empties Redis, "
+                "and every fence is lost: the first stale writer after it gets in"
+            )
+        finding += (
+            "; counter tokens repeat"
+            if counter
+            else "; hybrid tokens survive it (the server clock moves on)"
+        )
+        checks.append(
+            Check(
+                FAIL if counter else WARN,
+                "persistence",
+                finding,
+                "CONFIG SET appendonly yes, with appendfsync everysec (hybrid tokens) or always "
+                "(counter tokens); and in redis.conf. Without Redis guards, hybrid tokens need "
+                "no persistence",
+            )
+        )
+    return checks
+
+
+def judge_postgres(settings: Mapping[str, str]) -> list[Check]:
+    """Judge a PostgreSQL server's durability settings for tokens and fences (C2, C3).
+
+    Args:
+        settings: ``fsync``, ``synchronous_commit``, ``wal_level`` and ``in_recovery``
+            (``"on"``/``"off"``).
+    """
+    checks = []
+    if settings.get("in_recovery") == "on":
+        checks.append(
+            Check(
+                FAIL,
+                "role",
+                "the server is a standby (pg_is_in_recovery()): it refuses every write, so "
+                "every acquire and guarded write fails",
+                "point the URL at the primary",
+            )
+        )
+    fsync = settings.get("fsync", "")
+    if fsync == "off":
+        checks.append(
+            Check(
+                FAIL,
+                "fsync",
+                "fsync off: a crash of the machine can lose acknowledged commits or corrupt the "
+                "database; fences go back and counter tokens repeat",
+                "set fsync = on (postgresql.conf, then reload)",
+            )
+        )
+    else:
+        checks.append(Check(OK, "fsync", f"fsync {fsync or 'unknown'}"))
+    sync = settings.get("synchronous_commit", "")
+    if sync == "off":
+        checks.append(
+            Check(
+                WARN,
+                "synchronous_commit",
+                "synchronous_commit off: a crash loses the last commits (up to 3 x "
+                "wal_writer_delay); fences raised by them go back, counter tokens repeat; "
+                "hybrid tokens survive as long as the clock does not go back",
+                "set synchronous_commit = on, at least for the lease and fence statements "
+                "(ALTER ROLE ... SET synchronous_commit = on)",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                OK,
+                "synchronous_commit",
+                f"synchronous_commit {sync or 'unknown'}: a commit is durable when it returns",
+            )
+        )
+    wal = settings.get("wal_level", "")
+    if wal == "minimal":
+        checks.append(
+            Check(
+                WARN,
+                "wal_level",
+                "wal_level minimal: no standby can follow and no point-in-time recovery is "
+                "possible; after a lost disk the last dump comes back, with older fences",
+                "wal_level = replica (restart needed), with a synchronous standby "
+                "(synchronous_standby_names) to fail over to",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                OK,
+                "wal_level",
+                f"wal_level {wal or 'unknown'}: a standby can follow; fail over only to a "
+                "synchronous one, or counter tokens can repeat",
+            )
+        )
+    return checks
+
+
+def judge_sqlite(journal_mode: str, busy_timeout_ms: int) -> list[Check]:
+    """Judge a SQLite database's journal mode and a connection's busy timeout.
+
+    Args:
+        journal_mode: ``PRAGMA journal_mode`` of the file.
+        busy_timeout_ms: ``PRAGMA busy_timeout`` of a connection made as the lock manager
+            makes it.
+    """
+    checks = []
+    mode = journal_mode.lower()
+    if mode == "wal":
+        checks.append(Check(OK, "journal_mode", "wal: readers do not block the writer"))
+    else:
+        checks.append(
+            Check(
+                WARN,
+                "journal_mode",
+                f"{mode}: every write blocks every reader of the file, so lock calls and guarded "
+                "writes of other processes wait on each other",
+                "run PRAGMA journal_mode=WAL once; the file keeps it",
+            )
+        )
+    if busy_timeout_ms <= 0:
+        checks.append(
+            Check(
+                WARN,
+                "busy_timeout",
+                "0 ms: a lock call that meets another writer fails at once (SQLITE_BUSY)",
+                "give the connections a busy timeout: sqlite:///file.db?timeout=5",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                OK,
+                "busy_timeout",
+                f"{busy_timeout_ms} ms for connections made from this URL: a lock call waits "
+                "that long for another writer, then raises BackendError(code='BUSY')",
+            )
+        )
+    return checks
+
+
+def judge_tables(
+    lease_table: str, has_lease: bool, register: str, has_register: bool
+) -> list[Check]:
+    """Judge whether the lease table and the fence register exist.
+
+    Args:
+        lease_table: the lease table's name, as shown.
+        has_lease: whether it exists.
+        register: the fence register's name, as shown.
+        has_register: whether it exists.
+    """
+    checks = []
+    if has_lease:
+        checks.append(Check(OK, "lease table", f"{lease_table} exists"))
+    else:
+        checks.append(
+            Check(
+                FAIL,
+                "lease table",
+                f"{lease_table} is missing: the SQL lock manager refuses every call until it "
+                "exists",
+                "create it: fence ddl --dialect DIALECT (or SQLLockManager(..., "
+                "create_table=True) once)",
+            )
+        )
+    if has_register:
+        checks.append(Check(OK, "fence register", f"{register} exists"))
+    else:
+        checks.append(
+            Check(
+                WARN,
+                "fence register",
+                f"{register} is missing: claims through a register (the session hook, "
+                "UnitOfWork, FenceRegister) are refused until it exists",
+                "create it: fence ddl --dialect DIALECT; not needed if only row guards are used",
+            )
+        )
+    return checks
+
+
+@dataclass(frozen=True, slots=True)
+class _Member:
+    """What one consensus member answered: its address, or the error."""
+
+    where: str
+    error: str = ""
+    version: str = ""
+    role: str = ""  # "leader", "follower", ... ; "" when unknown
+    leader: str = ""  # the leader this member knows (etcd: a member id)
+    name: str = ""
+    alarms: tuple[str, ...] = ()
+
+
+def judge_etcd(
+    members: Sequence[_Member], cluster_size: int | None, names: Mapping[str, str]
+) -> list[Check]:
+    """Judge the endpoints of an etcd URL: reachable, one leader (so a quorum), no alarm.
+
+    A member knows a leader only while a quorum of the cluster elects one, so the leader
+    check is the quorum check; the member list says whether the URL names every member.
+
+    Args:
+        members: what each endpoint of the URL answered.
+        cluster_size: how many members the cluster lists, if one answered.
+        names: member names by member id, from the member list.
+    """
+    checks = _judge_members("etcd", members)
+    up = [m for m in members if not m.error]
+    if not up:
+        checks.append(
+            Check(
+                FAIL,
+                "endpoints",
+                f"none of the URL's {len(members)} endpoints answers: every lock call fails",
+                "check the URL and that the members run",
+            )
+        )
+        return checks
+    if len(up) < len(members):
+        checks.append(
+            Check(
+                WARN,
+                "endpoints",
+                f"{len(up)} of the URL's {len(members)} endpoints answer",
+                "start the stopped members, or take the ones that left out of the URL",
+            )
+        )
+    else:
+        checks.append(Check(OK, "endpoints", f"all {len(members)} answer"))
+    leaders = {m.leader for m in up if m.leader not in ("", "0")}
+    if not leaders:
+        checks.append(
+            Check(
+                FAIL,
+                "leader",
+                "no member knows a leader: the cluster has no quorum and every lock call fails",
+                "start the stopped members; check the members' logs",
+            )
+        )
+    elif len(leaders) > 1:
+        checks.append(
+            Check(
+                WARN,
+                "leader",
+                f"members name different leaders ({', '.join(sorted(leaders))}): an election "
+                "may be under way",
+                "run fence doctor again; if it stays, check the network between the members",
+            )
+        )
+    else:
+        (leader,) = leaders
+        at = next((m.where for m in up if m.role == "leader"), "an endpoint not in the URL")
+        checks.append(Check(OK, "leader", f"member {names.get(leader) or leader} at {at}"))
+    if cluster_size is not None and cluster_size > len(members):
+        checks.append(
+            Check(
+                WARN,
+                "endpoints",
+                f"the URL names {len(members)} of the cluster's {cluster_size} members: the "
+                "lock manager talks only to those",
+                "name every member's client URL in the etcd:// URL",
+            )
+        )
+    return checks
+
+
+def judge_zookeeper(members: Sequence[_Member]) -> list[Check]:
+    """Judge the servers of a ZooKeeper ensemble: reachable, serving, a quorum, one leader.
+
+    Args:
+        members: what each host of the URL answered to ``srvr``.
+    """
+    checks = _judge_members("zookeeper", members)
+    total = len(members)
+    majority = total // 2 + 1
+    serving = [m for m in members if not m.error and m.role != "not serving"]
+    if len(serving) < majority:
+        checks.append(
+            Check(
+                FAIL,
+                "quorum",
+                f"{len(serving)} of {total} servers serve: no quorum, every lock call fails",
+                "start the stopped servers",
+            )
+        )
+    elif len(serving) < total:
+        lose = len(serving) - majority + 1
+        checks.append(
+            Check(
+                WARN,
+                "quorum",
+                f"{len(serving)} of {total} servers serve: a quorum, but losing {lose} more "
+                "stops every lock call",
+                "start the stopped servers",
+            )
+        )
+    else:
+        checks.append(Check(OK, "quorum", f"all {total} servers serve"))
+    roles = [m.role for m in serving]
+    leaders = [m.where for m in serving if m.role == "leader"]
+    if "standalone" in roles:
+        checks.append(
+            Check(
+                WARN,
+                "leader",
+                "a standalone server: no failover, its loss stops every lock call",
+                "run an ensemble of 3 or 5 servers",
+            )
+        )
+    elif len(leaders) == 1:
+        checks.append(Check(OK, "leader", leaders[0]))
+    elif len(leaders) > 1:
+        checks.append(
+            Check(
+                WARN,
+                "leader",
+                f"{len(leaders)} servers say they lead: an election may be under way",
+                "run fence doctor again",
+            )
+        )
+    elif serving and all(roles):
+        checks.append(Check(FAIL, "leader", "no server leads", "check the servers' logs"))
+    return checks
+
+
+def _judge_members(kind: str, members: Sequence[_Member]) -> list[Check]:
+    """One check per member, and one per alarm it raised."""
+    checks = []
+    for member in members:
+        if member.error:
+            checks.append(
+                Check(
+                    WARN,
+                    "member",
+                    f"{member.where}: {member.error}",
+                    "start it, or take it out of the URL if it left the cluster",
+                )
+            )
+            continue
+        label = f" ({member.name})" if member.name else ""
+        role = member.role or "role unknown (srvr refused)"
+        status = WARN if member.role == "not serving" else OK
+        advice = "it has no quorum: start the stopped servers" if status == WARN else ""
+        checks.append(
+            Check(
+                status, "member", f"{member.where}{label}: {kind} {member.version}, {role}", advice
+            )
+        )
+        for alarm in member.alarms:
+            checks.append(
+                Check(
+                    FAIL,
+                    "alarm",
+                    f"{member.where}: {alarm}: the cluster refuses writes",
+                    "etcdctl alarm list; for NOSPACE: compact, defragment, etcdctl alarm disarm",
+                )
+            )
+    return checks
+
+
+# -- readers: one backend each --------------------------------------------------------------
+
+
+def _clock_offset(read_server_seconds: Callable[[], float]) -> tuple[float, float]:
+    """The offset to the server's clock from the best of three readings (shortest trip)."""
+    best: tuple[float, float] | None = None
+    for _ in range(3):
+        before = time.time()
+        server = read_server_seconds()
+        after = time.time()
+        sample = (server - (before + after) / 2, (after - before) / 2)
+        if best is None or sample[1] < best[1]:
+            best = sample
+    assert best is not None
+    return best
+
+
+def _where(url: str) -> str:
+    """The URL without its credentials."""
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
+def redis_checks(
+    url: str, *, timeout: float, token_mode: TokenMode, cluster: bool = False
+) -> list[Check]:
+    """Check a Redis server, or every primary of a Redis Cluster.
+
+    Args:
+        url: a ``redis://``, ``rediss://`` or ``unix://`` URL.
+        timeout: connect and read timeout, in seconds.
+        token_mode: the token mode the managers use.
+        cluster: ``url`` names a node of a Redis Cluster.
+    """
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.exceptions import RedisError
+    from redis.retry import Retry
+
+    options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    where = _where(url)
+    try:
+        if cluster:
+            client: Any = redis.RedisCluster.from_url(url, **options)
+            nodes = [(f"{n.host}:{n.port}", n.redis_connection) for n in client.get_primaries()]
+        else:
+            client = redis.Redis.from_url(url, **options)
+            nodes = [(where, client)]
+    except (RedisError, OSError) as exc:
+        return [_unreachable(where, exc)]
+    try:
+        checks: list[Check] = []
+        for label, node in nodes:
+            found = _redis_node(node, label, token_mode)
+            checks += found if len(nodes) == 1 else [_labelled(c, label) for c in found]
+        return checks
+    finally:
+        with contextlib.suppress(RedisError, OSError):
+            client.close()
+
+
+def _labelled(check: Check, label: str) -> Check:
+    """The check of one cluster node, named with the node."""
+    if check.finding.startswith(label):
+        return check
+    return Check(check.status, f"{check.name} ({label})", check.finding, check.advice)
+
+
+def _unreachable(where: str, exc: BaseException) -> Check:
+    return Check(
+        FAIL,
+        "reachable",
+        f"{where} did not answer: {exc}",
+        "check the host, port, credentials and TLS in the URL, and that the server runs",
+    )
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _redis_node(client: Any, where: str, token_mode: TokenMode) -> list[Check]:
+    from redis.exceptions import RedisError, ResponseError
+
+    try:
+        info = client.info("server")
+        replication = client.info("replication")
+    except (RedisError, OSError) as exc:
+        return [_unreachable(where, exc)]
+    version = info.get("redis_version", "?")
+    role = _text(replication.get("role", "?"))
+    checks = []
+    if role == "master":
+        checks.append(Check(OK, "reachable", f"{where}: Redis {version}, role master"))
+    else:
+        checks.append(
+            Check(
+                FAIL,
+                "reachable",
+                f"{where}: Redis {version}, role {role}: a replica refuses the writes of every "
+                "acquire and guarded write",
+                "point the URL at the primary",
+            )
+        )
+    settings: dict[str, str] = {}
+    try:
+        for name in ("maxmemory-policy", "maxmemory", "appendonly", "appendfsync", "save"):
+            got = client.config_get(name)
+            settings.update({_text(k): _text(v) for k, v in got.items()})
+    except ResponseError as exc:
+        checks.append(
+            Check(
+                WARN,
+                "settings",
+                f"CONFIG GET is refused ({exc}): eviction and persistence cannot be read",
+                "check them where the server is configured (a managed service's console): "
+                "maxmemory-policy noeviction or volatile-*, appendonly yes",
+            )
+        )
+    except (RedisError, OSError) as exc:
+        return [*checks, _unreachable(where, exc)]
+    else:
+        checks += judge_redis(settings, token_mode)
+
+    def server_seconds() -> float:
+        seconds, micros = client.time()
+        return int(seconds) + int(micros) / 1e6
+
+    try:
+        checks.append(judge_clock(*_clock_offset(server_seconds), "TIME"))
+    except (RedisError, OSError) as exc:
+        checks.append(_unreachable(where, exc))
+    return checks
+
+
+def sql_checks(
+    engine: Any, *, lease_table: str, schema: str | None, register: str, path: str | None
+) -> list[Check]:
+    """Check a PostgreSQL or SQLite database through the lock manager's engine.
+
+    Args:
+        engine: the SQLAlchemy engine of a :class:`fence.SQLLockManager` built from the URL.
+        lease_table: the lease table's name.
+        schema: its schema, or ``None``.
+        register: the fence register's name (same schema).
+        path: the SQLite file, or ``None`` on PostgreSQL.
+    """
+    import sqlalchemy as sa
+
+    dialect = engine.dialect.name
+    where = _where(str(engine.url)) if path is None else path
+    try:
+        with engine.connect() as conn:
+            if dialect == "postgresql":
+                checks = _postgres(conn, where)
+            elif dialect == "sqlite":
+                version = conn.exec_driver_sql("SELECT sqlite_version()").scalar()
+                checks = [Check(OK, "reachable", f"{where}: SQLite {version}")]
+                mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
+                busy = conn.exec_driver_sql("PRAGMA busy_timeout").scalar()
+                checks += judge_sqlite(str(mode), int(busy or 0))
+            else:
+                return [
+                    Check(
+                        FAIL,
+                        "dialect",
+                        f"{dialect}: the SQL lock manager supports PostgreSQL and SQLite",
+                        "use a postgresql:// or sqlite:// URL",
+                    )
+                ]
+            inspector = sa.inspect(conn)
+            qualified = f"{schema}.{lease_table}" if schema else lease_table
+            qualified_register = f"{schema}.{register}" if schema else register
+            checks += judge_tables(
+                qualified,
+                inspector.has_table(lease_table, schema=schema),
+                qualified_register,
+                inspector.has_table(register, schema=schema),
+            )
+            return checks
+    except sa.exc.DBAPIError as exc:
+        return [_unreachable(where, exc.orig if exc.orig is not None else exc)]
+    except OSError as exc:
+        return [_unreachable(where, exc)]
+
+
+def _postgres(conn: Any, where: str) -> list[Check]:
+    row = conn.exec_driver_sql(
+        "SELECT current_setting('server_version'), pg_is_in_recovery(), "
+        "current_setting('fsync'), current_setting('synchronous_commit'), "
+        "current_setting('wal_level')"
+    ).one()
+    version, recovery, fsync, sync, wal = row
+    checks = [Check(OK, "reachable", f"{where}: PostgreSQL {version}")]
+    settings = {
+        "in_recovery": "on" if recovery else "off",
+        "fsync": str(fsync),
+        "synchronous_commit": str(sync),
+        "wal_level": str(wal),
+    }
+    checks += judge_postgres(settings)
+
+    def server_seconds() -> float:
+        return float(conn.exec_driver_sql("SELECT extract(epoch FROM clock_timestamp())").scalar())
+
+    checks.append(judge_clock(*_clock_offset(server_seconds), "clock_timestamp()"))
+    return checks
+
+
+def etcd_checks(url: str, *, timeout: float) -> list[Check]:
+    """Check every endpoint of an ``etcd://`` URL: status, leader, alarms, members.
+
+    Args:
+        url: ``etcd://h1:2379,h2:2379,h3:2379`` (``etcds://`` for TLS).
+        timeout: per request, in seconds.
+    """
+    import httpx
+
+    from fence._etcd import parse_endpoints
+
+    endpoints, _ = parse_endpoints(url)
+    members: list[_Member] = []
+    size: int | None = None
+    names: dict[str, str] = {}
+    with httpx.Client(timeout=timeout) as http:
+        for endpoint in endpoints:
+            where = endpoint.split("://", 1)[-1]
+            try:
+                reply = http.post(f"{endpoint}/v3/maintenance/status", json={})
+                reply.raise_for_status()
+                status = reply.json()
+                if size is None:
+                    listed = http.post(f"{endpoint}/v3/cluster/member/list", json={})
+                    listed.raise_for_status()
+                    found = listed.json().get("members", [])
+                    size = len(found)
+                    names = {str(m.get("ID", "")): str(m.get("name", "")) for m in found}
+            except (httpx.HTTPError, ValueError) as exc:
+                members.append(_Member(where, error=str(exc) or type(exc).__name__))
+                continue
+            me = str(status.get("header", {}).get("member_id", ""))
+            leader = str(status.get("leader", ""))
+            members.append(
+                _Member(
+                    where,
+                    version=str(status.get("version", "?")),
+                    role="leader" if me and me == leader else "follower",
+                    leader=leader,
+                    name=names.get(me, ""),
+                    alarms=tuple(str(e) for e in status.get("errors", []) or []),
+                )
+            )
+    return judge_etcd(members, size, names)
+
+
+def zookeeper_checks(url: str, *, timeout: float) -> list[Check]:
+    """Check every server of a ``zookeeper://`` URL with the ``srvr`` command.
+
+    ``srvr`` is the one four-letter command ZooKeeper allows by default
+    (``4lw.commands.whitelist``); a server that refuses it counts as reachable, role
+    unknown.
+
+    Args:
+        url: ``zookeeper://h1:2181,h2:2181,h3:2181/root``.
+        timeout: per server, in seconds.
+    """
+    from fence._zookeeper import parse_hosts
+
+    hosts, _ = parse_hosts(url)
+    members = [_srvr(host, timeout) for host in hosts.split(",")]
+    return judge_zookeeper(members)
+
+
+def _srvr(host: str, timeout: float) -> _Member:
+    name, _, port = host.rpartition(":")
+    if not name:
+        name, port = port, "2181"
+    try:
+        with socket.create_connection((name.strip("[]"), int(port)), timeout=timeout) as sock:
+            sock.sendall(b"srvr")
+            chunks = []
+            while chunk := sock.recv(4096):
+                chunks.append(chunk)
+    except (OSError, ValueError) as exc:
+        return _Member(host, error=str(exc) or type(exc).__name__)
+    text = b"".join(chunks).decode("utf-8", "replace")
+    if "not in the whitelist" in text:
+        return _Member(host, version="?", role="")
+    if "not currently serving" in text:
+        return _Member(host, version="?", role="not serving")
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    version = fields.get("Zookeeper version", "?").strip().split("-", 1)[0].split(",", 1)[0]
+    return _Member(host, version=version, role=fields.get("Mode", "").strip())
+
+
+def sqlite_file(database: str | None) -> str | None:
+    """The file of a SQLite URL's database, or ``None`` for an in-memory database."""
+    if not database or database == ":memory:" or "mode=memory" in database:
+        return None
+    if database.startswith("file:"):
+        database = database[len("file:") :].split("?", 1)[0]
+    return os.path.abspath(database)

@@ -1,0 +1,25 @@
+"""Ctrl-C and the worker processes of ``fence demo`` and ``fence chaos``.
+
+Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the workers too. A
+worker that gets it dies with a ``KeyboardInterrupt`` traceback, or is left frozen by a
+SIGSTOP nobody lifts. So the workers ignore SIGINT (they are started while it is ignored,
+which a new process keeps), and the parent alone stops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+
+__all__ = ["sigint_ignored"]
+
+
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT for a while; processes started meanwhile keep ignoring it."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,104 @@
+"""``fence chaos`` without the programs it needs, and under Ctrl-C: one line, exit status 1 or
+130, no traceback, and nothing left behind (no temporary folder, no server process).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "fence", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr
+    return done
+
+
+@pytest.fixture
+def private_tmp(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A TMPDIR of the test's own (to see what a run leaves), and an environment using it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return tmp, {**os.environ, "TMPDIR": str(tmp)}
+
+
+def test_chaos_without_redis_server(
+    private_tmp: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    tmp, env = private_tmp
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    done = run("chaos", "--pairing", "redis+redis", env={**env, "PATH": str(empty)})
+    assert done.returncode == 1
+    assert "redis-server is not installed" in done.stderr
+    assert list(tmp.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a run as root starts PostgreSQL by runuser")
+def test_chaos_without_runuser(private_tmp: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    tmp, env = private_tmp
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    done = run("chaos", "--pairing", "sql+sql", env={**env, "PATH": str(empty)})
+    assert done.returncode == 1
+    assert "runuser" in done.stderr
+    assert list(tmp.iterdir()) == []
+
+
+def _processes_under(path: Path) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if str(path) in cmdline:
+                found.append(cmdline)
+    return found
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_chaos_run_cleanly(private_tmp: tuple[Path, dict[str, str]]) -> None:
+    tmp, env = private_tmp
+    err = tmp.parent / "stderr.txt"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "fence", "chaos", "--pairing", "redis+redis",
+                "--workers", "3", "--duration", "120", "--no-faults",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        # Wait until the workers write their logs: the servers and the workers are up.
+        end = time.monotonic() + 120
+        while not any(p.stat().st_size for p in tmp.rglob("*.jsonl")):
+            assert proc.poll() is None, err.read_text()
+            assert time.monotonic() < end, "the chaos run never started its workers"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
+        out, _ = proc.communicate(timeout=120)
+    text = err.read_text()
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text
+    assert "KeyboardInterrupt" not in text
+    assert "fence chaos: interrupted" in text
+    assert out == ""
+    assert list(tmp.iterdir()) == []
+    assert _processes_under(tmp) == []

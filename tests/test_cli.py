@@ -1,0 +1,519 @@
+"""The ``fence`` command, run as a user runs it: a subprocess, against the suite's servers.
+
+Every run is checked for its exit status (0 ok, 1 failed, 2 usage, 130 interrupted), for
+what it prints, and for the absence of a traceback: bad URLs, unreachable ports, a missing
+server program and Ctrl-C each end in one line that says what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+import fence
+from fence._chaos.servers import free_port
+from fence.adapters.redis import RedisGuard
+from fence.adapters.sql import (
+    FENCE_COLUMN_DDL,
+    REGISTER_TABLE_DDL,
+    TOMBSTONE_COLUMN_DDL,
+    FenceRegister,
+    fence_register_table,
+)
+from tests.cluster import RedisClusterServers
+
+
+def run(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``fence ARGS`` in a subprocess; never a traceback, whatever the outcome."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fence", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr
+    return done
+
+
+def lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines()]
+
+
+def fields(text: str) -> dict[str, str]:
+    """The ``name: value`` rows of ``fence inspect``."""
+    rows = (line.split(": ", 1) for line in lines(text) if ": " in line)
+    return {name: value.strip() for name, value in rows}
+
+
+def unique(stem: str) -> str:
+    return f"{stem}_{secrets.token_hex(3)}"
+
+
+# -- usage errors, bad URLs, unreachable servers ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["inspect", "nope", "r"], "not a URL"),
+        (["inspect", "mysql://h/db", "r"], "no lock manager for 'mysql'"),
+        (["revoke", "memory://", "r"], "memory:// locks live inside one process"),
+        (["doctor", "sqlite://"], "in-memory SQLite"),
+        (["inspect", "redis://127.0.0.1:6379/0", ""], "resource"),
+        (["inspect", "redis://h:notaport/0", "r"], "Redis URL"),
+        (["inspect", "postgresql://u@h:notaport/db", "r"], "not a usable URL"),
+        (["doctor", "postgresql://[bad"], "not a URL"),
+        (["doctor", "etcd://"], "no etcd endpoint"),
+        (["doctor", "etcd://127.0.0.1:2379", "--prefix", "x:"], "--prefix is for Redis"),
+        (["inspect", "redis://h/0", "r", "--timeout", "0"], "--timeout must be positive"),
+        (["ddl", "--dialect", "postgresql", "--table", "a..b"], "not a table name"),
+    ],
+)
+def test_usage_errors_exit_2(args: list[str], says: str) -> None:
+    done = run(*args)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
+    assert done.stdout == ""
+
+
+def test_argparse_errors_exit_2() -> None:
+    assert run("ddl").returncode == 2  # --dialect is required
+    assert run("ddl", "--dialect", "mysql").returncode == 2
+    assert run("inspect", "redis://h/0").returncode == 2  # RESOURCE missing
+    assert run().returncode == 2  # no command: the help, and 2
+
+
+@pytest.mark.parametrize("command", ["inspect", "revoke"])
+@pytest.mark.parametrize(
+    ("scheme", "says"),
+    [
+        ("redis://127.0.0.1:{port}/0", "did not answer"),
+        ("postgresql://postgres@127.0.0.1:{port}/postgres", "unreachable"),
+        ("etcd://127.0.0.1:{port}", "did not serve"),
+    ],
+)
+def test_unreachable_server_exits_1(command: str, scheme: str, says: str) -> None:
+    done = run(command, scheme.format(port=free_port()), "order:42", "--timeout", "2")
+    assert done.returncode == 1, done.stderr
+    assert says in done.stderr
+    assert done.stdout == ""
+
+
+def test_doctor_of_an_unreachable_server_fails_its_first_check() -> None:
+    port = free_port()
+    done = run("doctor", f"redis://127.0.0.1:{port}/0", "--timeout", "2")
+    assert done.returncode == 1
+    assert lines(done.stdout)[1].startswith("fail  reachable:")
+    assert "0 ok, 0 warn, 1 fail" in done.stdout
+
+
+def test_missing_sqlite_file_is_not_created(tmp_path: Path) -> None:
+    path = tmp_path / "absent.db"
+    for args in (["inspect", f"sqlite:///{path}", "r"], ["doctor", f"sqlite:///{path}"]):
+        done = run(*args)
+        assert done.returncode == 1
+        assert f"no SQLite database at {path}" in done.stderr
+    assert not path.exists()
+
+
+def test_missing_driver_package_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['redis'] = None; from fence.cli import main; "
+        "sys.exit(main(['inspect', 'redis://127.0.0.1:1/0', 'r']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "pip install 'iofence[redis]'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# -- ddl --------------------------------------------------------------------------------------
+
+
+def test_ddl_prints_the_library_ddl() -> None:
+    done = run("ddl", "--dialect", "postgresql", "--table", "accounts", "--table", "app.Orders")
+    assert done.returncode == 0
+    text = done.stdout
+    assert fence.lease_table_ddl("postgresql") + ";" in text
+    assert REGISTER_TABLE_DDL.format(table="fence_register") + ";" in text
+    assert FENCE_COLUMN_DDL.format(table="accounts") + ";" in text
+    assert TOMBSTONE_COLUMN_DDL.format(table="accounts") + ";" in text
+    assert FENCE_COLUMN_DDL.format(table='app."Orders"') + ";" in text  # quoted as needed
+    bare = run("ddl", "--dialect", "sqlite", "--no-lease-table", "--no-register", "--table", "t")
+    statements = [s for s in bare.stdout.split(";") if s.strip() and "ALTER" in s]
+    assert len(statements) == 2  # the fence column and the tombstone flag, nothing else
+    assert "TABLE IF NOT EXISTS" not in bare.stdout
+
+
+def test_the_ddl_shown_in_the_docs_is_what_the_command_prints() -> None:
+    command = "fence ddl --dialect postgresql --table accounts"
+    text = (Path(__file__).resolve().parent.parent / "docs" / "sql-guard.md").read_text()
+    shown = text.split(f"```bash\n{command}\n```\n\n```sql\n", 1)[1].split("```", 1)[0]
+    assert shown == run(*command.split()[1:]).stdout
+
+
+def test_ddl_runs_on_postgresql_and_the_managers_use_it(postgres_url: str) -> None:
+    table, leases, register = unique("cli_accounts"), unique("cli_leases"), unique("cli_reg")
+    engine = sa.create_engine(postgres_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE TABLE {table} (id INT PRIMARY KEY, balance INT)")
+        conn.exec_driver_sql(f"INSERT INTO {table} VALUES (1, 10)")
+    done = run(
+        "ddl", "--dialect", "postgresql", "--table", table,
+        "--lease-table", leases, "--register", register,
+    )  # fmt: skip
+    assert done.returncode == 0
+    with engine.begin() as conn:
+        conn.exec_driver_sql(done.stdout)
+        columns = {c["name"]: c for c in sa.inspect(conn).get_columns(table)}
+        assert conn.exec_driver_sql(f"SELECT fence, deleted FROM {table}").one() == (0, False)
+    assert str(columns["fence"]["type"]) == "BIGINT"
+    names = ["--lease-table", leases, "--register", register]
+    manager = fence.connect(postgres_url, table=leases)
+    try:
+        lease = manager.acquire("account:1", ttl=30)
+        held = run("inspect", postgres_url, "account:1", *names, "--json")
+        assert held.returncode == 0, held.stderr
+        report = json.loads(held.stdout)
+        assert report["held"] is True
+        assert report["token"] == report["last_token"] == lease.token
+        assert 0 < report["remaining"] <= 30
+        assert report["fence"] is None
+        assert report["fence_at"] == f"{register} row of scope 'account:1'"
+        revoked = run("revoke", postgres_url, "account:1", "--lease-table", leases)
+        assert revoked.returncode == 0, revoked.stderr
+        token = int(revoked.stdout)
+        assert token > lease.token
+        with engine.begin() as conn:  # what the message after a revoke asks for
+            FenceRegister(conn, fence_register_table(name=register)).claim("account:1", token)
+        after = fields(run("inspect", postgres_url, "account:1", *names).stdout)
+        assert after["held by"] == "nobody: the lock is free"
+        assert after["last token"] == f"{token} ({leases} row)"
+        assert after["fence"] == f"{token} ({register} row of scope 'account:1')"
+        assert manager.acquire("account:1", owner="next", ttl=5).token > token
+        doctor = run("doctor", postgres_url, *names)
+        assert f"ok    lease table: {leases} exists" in lines(doctor.stdout)
+        assert f"ok    fence register: {register} exists" in lines(doctor.stdout)
+    finally:
+        manager.close()
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP TABLE {table}, {leases}, {register}")
+        engine.dispose()
+
+
+def test_ddl_runs_on_sqlite_and_doctor_judges_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "app.db"
+    url = f"sqlite:///{path}"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER)")
+    before = run("doctor", url)
+    assert before.returncode == 1  # the lease table is missing
+    out = lines(before.stdout)
+    assert (
+        "fail  lease table: fence_leases is missing: the SQL lock manager refuses every "
+        "call until it exists" in out
+    )
+    assert any(line.startswith("warn  fence register: fence_register is missing") for line in out)
+    assert any(line.startswith("warn  journal_mode: delete") for line in out)
+    assert any(line.startswith("ok    busy_timeout: 5000 ms") for line in out)
+
+    done = run("ddl", "--dialect", "sqlite", "--table", "accounts")
+    with sqlite3.connect(path) as db:
+        db.executescript(done.stdout)  # as `fence ddl ... | sqlite3 app.db` would
+        db.execute("PRAGMA journal_mode=WAL")
+    after = run("doctor", url)
+    assert after.returncode == 0, after.stdout
+    assert "5 ok, 0 warn, 0 fail" in after.stdout
+    slow = run("doctor", f"{url}?timeout=0")
+    assert "warn  busy_timeout: 0 ms" in slow.stdout
+    assert slow.returncode == 0
+    assert run("doctor", f"{url}?timeout=0", "--strict").returncode == 1
+
+    manager = fence.connect(url)
+    try:
+        lease = manager.acquire("account:7", ttl=30)
+        shown = run("inspect", url, "account:7")
+        assert shown.returncode == 0
+        assert fields(shown.stdout)["token"] == str(lease.token)
+        assert fields(shown.stdout)["fence"] == "not set (fence_register row of scope 'account:7')"
+    finally:
+        manager.close()
+
+
+# -- inspect and revoke -----------------------------------------------------------------------
+
+
+def test_inspect_and_revoke_on_redis(redis_url: str) -> None:
+    free = run("inspect", redis_url, "order:42")
+    assert free.returncode == 0
+    shown = fields(free.stdout)
+    assert shown["held by"] == "nobody: the lock is free"
+    assert shown["last token"] == "none issued (fence:{order:42}:token)"
+    assert shown["fence"] == "not set (fence:{order:42}:fence)"
+    client = redis.Redis.from_url(redis_url)
+    manager = fence.RedisLockManager(client, ttl=30)
+    guard = RedisGuard(client, scope="resource")
+    try:
+        lease = manager.acquire("order:42")
+        guard.set("{order:42}:status", "paid", token=lease.token)
+        held = run("inspect", redis_url, "order:42", "--json")
+        report = json.loads(held.stdout)
+        assert report["held"] is True
+        assert report["token"] == report["last_token"] == lease.token
+        assert report["holder"] == manager.inspect("order:42").holder  # type: ignore[union-attr]
+        assert 0 < report["remaining"] <= 30
+        assert report["fence"] == lease.token  # the guarded write raised the resource fence
+
+        revoked = run("revoke", redis_url, "order:42")
+        assert revoked.returncode == 0
+        token = int(revoked.stdout)
+        assert token > lease.token
+        assert "fence:{order:42}:fence is raised to it" in revoked.stderr
+        after = run("inspect", redis_url, "order:42")
+        assert fields(after.stdout)["fence"] == f"{token} (fence:{{order:42}}:fence)"
+        assert fields(after.stdout)["held by"] == "nobody: the lock is free"
+        # The hung holder's late write is refused: the revoke raised the resource's fence.
+        with pytest.raises(fence.StaleTokenError):
+            guard.set("{order:42}:status", "stale", token=lease.token)
+        assert client.get("{order:42}:status") == b"paid"
+    finally:
+        manager.close()
+        client.close()
+
+
+def test_inspect_and_revoke_with_a_prefix_and_counter_tokens(redis_url: str) -> None:
+    manager = fence.connect(
+        redis_url, prefix="app:", token_mode=fence.TokenMode.COUNTER, check_config=False
+    )
+    try:
+        lease = manager.acquire("job", ttl=30)
+        assert lease.token == 1
+        revoked = run("revoke", redis_url, "job", "--prefix", "app:", "--token-mode", "counter")
+        assert revoked.stdout.strip() == "2"
+        # The manager's start-up check of the server (no persistence, counter tokens): one
+        # line on stderr, not a Python warning with its source line.
+        assert "fence: warning: Redis at" in revoked.stderr
+        assert "Warning:" not in revoked.stderr
+        shown = run("inspect", redis_url, "job", "--prefix", "app:")
+        assert fields(shown.stdout)["fence"] == "2 (app:{job}:fence)"
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("backend", ["etcd", "zookeeper"])
+def test_inspect_and_revoke_on_consensus(backend: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue(f"{backend}_url")
+    manager = fence.connect(url)
+    try:
+        lease = manager.acquire("job:7", ttl=30)
+        held = run("inspect", url, "job:7")
+        assert held.returncode == 0, held.stderr
+        shown = fields(held.stdout)
+        assert shown["token"] == str(lease.token)
+        name = "etcd" if backend == "etcd" else "ZooKeeper"
+        assert (
+            shown["fence"] == f"not set ({name} keeps none: the guards keep fences with the data)"
+        )
+        revoked = run("revoke", url, "job:7")
+        assert revoked.returncode == 0, revoked.stderr
+        assert int(revoked.stdout) > lease.token
+        assert "nobody: the lock is free" in run("inspect", url, "job:7").stdout
+        assert manager.acquire("job:7", owner="next", ttl=5, timeout=10).token > int(revoked.stdout)
+    finally:
+        manager.close()
+
+
+# -- doctor -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_config(redis_url: str) -> Iterator[redis.Redis]:
+    """A client of the session's redis-server whose settings are put back afterwards."""
+    client = redis.Redis.from_url(redis_url)
+    saved = {
+        name: client.config_get(name)[name]
+        for name in ("maxmemory-policy", "maxmemory", "appendonly", "appendfsync")
+    }
+    yield client
+    for name, value in saved.items():
+        client.config_set(name, value)
+    client.close()
+
+
+def test_doctor_redis_reads_eviction_persistence_and_clock(
+    redis_url: str, redis_config: redis.Redis
+) -> None:
+    done = run("doctor", redis_url)
+    out = lines(done.stdout)
+    assert done.returncode == 0, done.stdout  # the suite's server: no persistence, a warning
+    assert out[1].startswith("ok    reachable:")
+    assert out[1].endswith("role master")
+    assert out[2].startswith("ok    maxmemory-policy: noeviction")
+    assert out[3].startswith("warn  persistence: appendonly no, no snapshots")
+    assert any(line.startswith("ok    clock: the server's TIME is") for line in out)
+    assert run("doctor", redis_url, "--strict").returncode == 1
+    assert run("doctor", redis_url, "--token-mode", "counter").returncode == 1
+
+    redis_config.config_set("maxmemory", "512mb")
+    redis_config.config_set("maxmemory-policy", "allkeys-lru")
+    redis_config.config_set("appendonly", "yes")
+    redis_config.config_set("appendfsync", "always")
+    done = run("doctor", redis_url)
+    out = lines(done.stdout)
+    assert done.returncode == 1
+    assert out[2].startswith("fail  maxmemory-policy: allkeys-lru (maxmemory 536870912)")
+    assert (
+        out[3] == "-> CONFIG SET maxmemory-policy noeviction (best) or a volatile-* "
+        "policy, which evicts only keys with a ttl; and in redis.conf"
+    )
+    assert any(
+        line.startswith("ok    persistence: appendonly yes, appendfsync always") for line in out
+    )
+
+
+@pytest.mark.redis
+def test_doctor_inspect_and_revoke_on_a_redis_cluster() -> None:
+    cluster = RedisClusterServers().start()
+    try:
+        url = cluster.url.replace("redis://", "redis+cluster://")
+        done = run("doctor", url)
+        assert done.returncode == 0, done.stdout
+        for port in cluster.ports:  # every primary is checked
+            assert any(
+                line.startswith(f"ok    maxmemory-policy (127.0.0.1:{port}): noeviction")
+                for line in lines(done.stdout)
+            )
+        token = int(run("revoke", url, "order:1").stdout)
+        assert fields(run("inspect", url, "order:1").stdout)["fence"] == (
+            f"{token} (fence:{{order:1}}:fence)"
+        )
+    finally:
+        cluster.stop()
+
+
+def test_doctor_postgres_reads_durability_clock_and_tables(postgres_url: str) -> None:
+    missing = unique("cli_absent")
+    done = run("doctor", postgres_url, "--lease-table", missing, "--register", missing)
+    out = lines(done.stdout)
+    assert done.returncode == 1
+    assert out[1].startswith("ok    reachable:")
+    assert "PostgreSQL" in out[1]
+    # The suite's throwaway cluster trades durability for speed, and doctor says so.
+    assert out[2].startswith("fail  fsync: fsync off")
+    assert out[4].startswith("warn  synchronous_commit: synchronous_commit off")
+    assert any(line.startswith("ok    wal_level: wal_level replica") for line in out)
+    assert any(line.startswith("ok    clock: the server's clock_timestamp() is") for line in out)
+    assert (
+        f"fail  lease table: {missing} is missing: the SQL lock manager refuses every "
+        "call until it exists" in out
+    )
+    # synchronous_commit is read from the session, as the lock manager's statements see it.
+    sync = run("doctor", postgres_url + "?options=-c%20synchronous_commit%3Don")
+    assert any(
+        line.startswith("ok    synchronous_commit: synchronous_commit on")
+        for line in lines(sync.stdout)
+    )
+
+
+def test_doctor_etcd_and_zookeeper(etcd_url: str, zookeeper_url: str) -> None:
+    for url, answered in (
+        (etcd_url, "endpoints: all 3 answer"),
+        (zookeeper_url, "quorum: all 3 servers serve"),
+    ):
+        done = run("doctor", url)
+        out = lines(done.stdout)
+        assert done.returncode == 0, done.stdout
+        assert sum(line.startswith("ok    member:") for line in out) == 3
+        assert f"ok    {answered}" in out
+        assert any(line.startswith("ok    leader:") for line in out)
+    dead = free_port()
+    base, _, path = etcd_url.partition("://")[2].partition("/")
+    done = run("doctor", f"etcd://{base},127.0.0.1:{dead}/{path}", "--timeout", "2")
+    out = lines(done.stdout)
+    assert done.returncode == 0
+    assert any(line.startswith(f"warn  member: 127.0.0.1:{dead}:") for line in out)
+    assert "warn  endpoints: 3 of the URL's 4 endpoints answer" in out
+    assert any(line.startswith("ok    leader:") for line in out)
+
+
+def test_doctor_etcd_names_a_missing_member(etcd_url: str) -> None:
+    first = etcd_url.split("://")[1].split(",")[0]
+    done = run("doctor", f"etcd://{first}")
+    assert done.returncode == 0
+    assert (
+        "warn  endpoints: the URL names 1 of the cluster's 3 members: the lock manager "
+        "talks only to those" in lines(done.stdout)
+    )
+
+
+# -- Ctrl-C -----------------------------------------------------------------------------------
+
+
+class _Silent:
+    """A TCP server that accepts connections and never answers: a hung server."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = threading.Event()
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            self.accepted.set()
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        ("doctor", "fence: interrupted\n"),
+        ("revoke", "fence: interrupted: the revoke may or may not have ended the lease"),
+    ],
+)
+def test_ctrl_c_on_a_hung_server_exits_130(command: str, says: str) -> None:
+    server = _Silent()
+    args = [command, f"redis://127.0.0.1:{server.port}/0"]
+    args += ["order:42"] if command == "revoke" else []
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fence", *args, "--timeout", "100"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert server.accepted.wait(60), "the command never connected"
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        server.close()
+    assert proc.returncode == 130
+    assert says in err
+    assert "Traceback" not in err
