@@ -284,6 +284,21 @@ def judge_postgres(settings: Mapping[str, str]) -> list[Check]:
     return checks
 
 
+def _sqlite_journal_mode(path: str) -> str | None:
+    """The journal mode the SQLite file has, read through a read-only connection."""
+    import sqlite3
+    from pathlib import Path
+
+    try:
+        with contextlib.closing(
+            sqlite3.connect(Path(path).resolve().as_uri() + "?mode=ro", uri=True)
+        ) as db:
+            row = db.execute("PRAGMA journal_mode").fetchone()
+    except sqlite3.Error:
+        return None
+    return str(row[0]) if row else None
+
+
 def judge_sqlite(journal_mode: str, busy_timeout_ms: int) -> list[Check]:
     """Judge a SQLite database's journal mode and a connection's busy timeout.
 
@@ -302,7 +317,8 @@ def judge_sqlite(journal_mode: str, busy_timeout_ms: int) -> list[Check]:
                 WARN,
                 "journal_mode",
                 f"{mode}: every write blocks every reader of the file, so lock calls and guarded "
-                "writes of other processes wait on each other",
+                "writes of other processes wait on each other (a lock manager built from a "
+                "sqlite:// URL turns WAL on when it connects; engines you build do not)",
                 "run PRAGMA journal_mode=WAL once; the file keeps it",
             )
         )
@@ -703,6 +719,9 @@ def sql_checks(
 
     dialect = engine.dialect.name
     where = _where(str(engine.url)) if path is None else path
+    # The file's own journal mode, read before the engine connects: a lock manager built
+    # from a URL turns WAL on when it connects, and the doctor changes nothing.
+    file_mode = _sqlite_journal_mode(path) if dialect == "sqlite" and path is not None else None
     try:
         with engine.connect() as conn:
             if dialect == "postgresql":
@@ -710,7 +729,9 @@ def sql_checks(
             elif dialect == "sqlite":
                 version = conn.exec_driver_sql("SELECT sqlite_version()").scalar()
                 checks = [Check(OK, "reachable", f"{where}: SQLite {version}")]
-                mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
+                mode = file_mode
+                if mode is None:
+                    mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
                 busy = conn.exec_driver_sql("PRAGMA busy_timeout").scalar()
                 checks += judge_sqlite(str(mode), int(busy or 0))
             else:

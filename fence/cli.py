@@ -499,7 +499,7 @@ def _redis_kept(args: argparse.Namespace, cluster: bool, resource: str) -> dict[
         "notes": [
             (
                 f"{keys.fence} is the Redis guards' resource fence (scope='resource'); a "
-                f"per-key fence (scope='key') is {keys.wake_prefix[: -len('wake:')]}key:<key>"
+                f"per-key fence (scope='key') is {keys.fence[: -len('fence')]}key:<key>"
             )
         ],
     }

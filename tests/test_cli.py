@@ -103,7 +103,7 @@ def test_argparse_errors_exit_2() -> None:
 @pytest.mark.parametrize(
     ("scheme", "says"),
     [
-        ("redis://127.0.0.1:{port}/0", "did not answer"),
+        ("redis://127.0.0.1:{port}/0", "could not reach Redis at 127.0.0.1:"),
         ("postgresql://postgres@127.0.0.1:{port}/postgres", "unreachable"),
         ("etcd://127.0.0.1:{port}", "did not serve"),
     ],

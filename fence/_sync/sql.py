@@ -109,7 +109,8 @@ def make_engine(url: str | URL, options: Mapping[str, Any] | None = None) -> sa.
     :data:`PG_CONNECT_TIMEOUT`), and ``sqlite://`` the default SQLite driver of the engine
     kind (aiosqlite for asyncio), unless the URL names a driver. The engine runs in
     autocommit mode (every lease statement is its own transaction). A SQLite file gets
-    :data:`SQLITE_PRAGMAS` (WAL, ``synchronous=NORMAL``, a 5 s busy timeout) on every
+    :data:`SQLITE_PRAGMAS` (WAL, ``synchronous=NORMAL``, a 5 s busy timeout unless the URL
+    gives ``timeout``) on every
     connection. An in-memory SQLite database gets a single-connection
     :class:`~sqlalchemy.pool.StaticPool`, the only pool that keeps one database for all
     callers.
@@ -139,15 +140,20 @@ def make_engine(url: str | URL, options: Mapping[str, Any] | None = None) -> sa.
     create = sa.create_engine
     engine = create(parsed, **kwargs)
     if parsed.get_backend_name() == "sqlite" and not memory:
+        pragmas = dict(SQLITE_PRAGMAS)
+        if "timeout" in parsed.query:  # the URL's own busy timeout (seconds) wins
+            del pragmas["busy_timeout"]
         target = engine
-        event.listen(target, "connect", _set_sqlite_pragmas)
+        event.listen(target, "connect", functools.partial(_set_sqlite_pragmas, pragmas))
     return engine
 
 
-def _set_sqlite_pragmas(dbapi_connection: Any, record: Any) -> None:
+def _set_sqlite_pragmas(
+    pragmas: Mapping[str, str | int], dbapi_connection: Any, record: Any
+) -> None:
     cursor = dbapi_connection.cursor()
     try:
-        for name, value in SQLITE_PRAGMAS.items():
+        for name, value in pragmas.items():
             cursor.execute(f"PRAGMA {name} = {value}")
     finally:
         cursor.close()
