@@ -76,7 +76,7 @@ def _guard(conn: psycopg.Connection[Any], table: str, **kwargs: Any) -> RowGuard
 def test_update_upsert_delete_and_their_rejections(
     conn: psycopg.Connection[Any], accounts: str
 ) -> None:
-    guard = _guard(conn, accounts)
+    guard = _guard(conn, accounts, returning=True)
     row = guard.update(1, 7, {"balance": 11})
     assert (row["balance"], row["fence"]) == (11, 7)
     with pytest.raises(StaleTokenError) as caught:

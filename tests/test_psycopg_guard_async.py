@@ -40,7 +40,7 @@ async def _setup(conninfo: str) -> tuple[str, str]:
 async def test_every_async_operation(postgres_server: PostgresServer) -> None:
     table, register = await _setup(postgres_server.conninfo)
     async with await psycopg.AsyncConnection.connect(postgres_server.conninfo) as conn:
-        guard = AsyncRowGuard(conn, table, tombstone="deleted")
+        guard = AsyncRowGuard(conn, table, tombstone="deleted", returning=True)
         assert (await guard.update(1, 5, {"v": 10}))["fence"] == 5
         with pytest.raises(StaleTokenError) as caught:
             await guard.update(1, 4, {"v": 0})

@@ -140,13 +140,28 @@ def test_documented_ddl_runs_and_fences(engine: Engine, metadata: MetaData) -> N
 
 def test_update_accepts_equal_and_newer_tokens(engine: Engine, accounts: Table) -> None:
     with engine.begin() as conn:
-        guard = RowGuard(conn, accounts)
+        guard = RowGuard(conn, accounts, returning=True)
         row = guard.update(1, 7, {"balance": 11})
         assert row is not None
         assert (row.balance, row.fence) == (11, 7)
         guard.update(1, 7, {"balance": 12})
         guard.update(1, 9, {"balance": 13})
     assert (_row(engine, accounts, 1).balance, _row(engine, accounts, 1).fence) == (13, 9)
+
+
+def test_writes_prove_themselves_by_row_count_unless_asked_for_the_row(
+    engine: Engine, accounts: Table
+) -> None:
+    """The default costs a plain UPDATE: no row comes back; a registering read still
+    returns its row."""
+    with engine.begin() as conn:
+        guard = RowGuard(conn, accounts)
+        assert guard.update(1, 7, {"balance": 11}) is None
+        assert guard.upsert(7, {"id": 9, "balance": 1}) is None
+        row = guard.read_for_update(1, 7)
+        assert row is not None
+        assert (row.balance, row.fence) == (11, 7)
+        assert RowGuard(conn, accounts, returning=True).update(1, 7, {"balance": 12}) is not None
 
 
 def test_stale_update_changes_nothing_and_reports_the_fence(
@@ -281,7 +296,7 @@ def test_events_report_accepted_and_rejected_writes(engine: Engine, accounts: Ta
 
 def test_upsert_inserts_replaces_and_refuses_stale(engine: Engine, accounts: Table) -> None:
     with engine.begin() as conn:
-        guard = RowGuard(conn, accounts)
+        guard = RowGuard(conn, accounts, returning=True)
         row = guard.upsert(5, {"id": 3, "balance": 30})
         assert row is not None
         assert (row.balance, row.fence, row.owner) == (30, 5, "")

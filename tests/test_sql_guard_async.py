@@ -65,7 +65,7 @@ async def tables(engine: AsyncEngine) -> tuple[Table, Table]:
 async def test_every_async_row_operation(engine: AsyncEngine, tables: tuple[Table, Table]) -> None:
     items, _ = tables
     async with engine.begin() as conn:
-        guard = AsyncRowGuard(conn, items)
+        guard = AsyncRowGuard(conn, items, returning=True)
         row = await guard.update(1, 5, {"v": 10})
         assert row is not None
         assert (row.v, row.fence) == (10, 5)

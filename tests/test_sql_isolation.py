@@ -116,7 +116,7 @@ def test_read_committed_rechecks_the_fence_after_the_lock_wait(
     RowGuard(a, table).update(1, 34, {"v": 1})  # A holds the row lock, fence 34 uncommitted
 
     def write_b() -> Any:
-        result = _outcome(lambda: RowGuard(b, table).update(1, token_b, {"v": 2}))
+        result = _outcome(lambda: RowGuard(b, table, returning=True).update(1, token_b, {"v": 2}))
         b.commit()
         return result
 

@@ -178,9 +178,11 @@ class AsyncRowGuard(_Base):
         tombstone_insert: whether a tombstone holding only the key and fence can be
             inserted for an absent row (every other column nullable or defaulted). Set it
             to ``False`` when it cannot: claims of absent rows are then ``MISSING``.
-        returning: :meth:`update` and :meth:`upsert` return the written row
-            (``RETURNING *``); with ``False`` they return ``None`` and the row count proves
-            the write, which saves the transfer and decoding of the row.
+        returning: ``True``: :meth:`update` and :meth:`upsert` return the written row
+            (``RETURNING *``, its transfer and decoding cost about as much again as the
+            check). By default they return ``None`` and the row count proves the write,
+            at the cost of a plain ``UPDATE``; :meth:`read_for_update` returns its row
+            either way.
         events: the bus for ``WRITE_ACCEPTED`` / ``WRITE_REJECTED``.
 
     Example::
@@ -199,11 +201,11 @@ class AsyncRowGuard(_Base):
         fence: str = DEFAULT_FENCE_COLUMN,
         tombstone: str | None = None,
         tombstone_insert: bool = True,
-        returning: bool = True,
+        returning: bool | None = None,
         events: EventBus | None = None,
     ) -> None:
         super().__init__(conn, events)
-        self.returning = returning
+        self.returning = bool(returning)
         self.statements: PgRowStatements = row_statements(
             table,
             (key,) if isinstance(key, str) else tuple(key),

@@ -233,8 +233,12 @@ class AsyncRowGuard(_Base):
         fence: the fence column's name (default: the :func:`fence_column` of the table).
         tombstone: the soft-delete column's name (default: its :func:`tombstone_column`).
         key: the columns naming a row (default: the primary key).
-        returning: use ``RETURNING`` (default: where the dialect has it); ``False`` falls
-            back on row counts.
+        returning: ``True``: writes return the written row (``RETURNING *``, whose
+            transfer and decoding cost about as much again as the check). By default writes
+            return ``None`` and the row count proves them, at the cost of a plain statement
+            (``RETURNING`` only where the driver reports no row count), and
+            :meth:`read_for_update` returns its row by ``RETURNING``. ``False``: no
+            ``RETURNING`` at all (:meth:`read_for_update` then returns ``None``).
         events: the bus for ``WRITE_ACCEPTED`` / ``WRITE_REJECTED`` (default bus if omitted).
 
     Raises:
@@ -261,8 +265,13 @@ class AsyncRowGuard(_Base):
         super().__init__(conn, events)
         self.statements: RowStatements = row_statements(table, fence, tombstone, key)
         dialect = conn.dialect
+        # RETURNING for the reads that return a row; for writes only when asked for, or
+        # when the driver cannot count rows (then RETURNING is the proof of the write).
         self.update_returning = self._returning(returning, dialect.update_returning, "UPDATE")
         self.insert_returning = self._returning(returning, dialect.insert_returning, "INSERT")
+        counts = self.sane_rowcount and returning is None
+        self.write_update_returning = self.update_returning and not counts
+        self.write_insert_returning = self.insert_returning and not counts
 
     # -- reads ------------------------------------------------------------------------
 
@@ -322,7 +331,7 @@ class AsyncRowGuard(_Base):
         if not data:
             raise ConfigurationError("a fenced update needs values; use claim() to only fence")
         scope = RowScope(s.name, keyvals)
-        returning = self.update_returning
+        returning = self.write_update_returning
         self._check_rowcount(returning, scope, token)
         result = await self._execute(
             s.update(tuple(data), returning), s.params(keyvals, token, data), "fenced update", scope
@@ -361,7 +370,7 @@ class AsyncRowGuard(_Base):
         data = s.check_values(values, upsert=True)
         keyvals = s.key_values({name: data[name] for name in s.key_names})
         scope = s.scope(keyvals)
-        returning = self.insert_returning
+        returning = self.write_insert_returning
         self._check_rowcount(returning, scope, token)
         stmt = s.upsert(self.dialect, token, data, returning)
         result = await self._execute(stmt, None, "fenced upsert", scope)
@@ -373,17 +382,21 @@ class AsyncRowGuard(_Base):
         raise self._rejected(probe_rejection(scope, token, probe, need_live=False))
 
     async def _raise_fence(
-        self, key: Key, token: int, *, delete: bool, action: str
+        self, key: Key, token: int, *, delete: bool, action: str, read: bool = False
     ) -> tuple[Row[Any] | None, bool]:
         """Set ``fence = token`` on the row (inserting a tombstone if it is absent).
 
-        Returns the row (when ``RETURNING`` is used) and whether it is live.
+        Returns the row (when ``RETURNING`` is used: for a ``read``, or when asked for)
+        and whether it is live.
         """
         token = validate_token(token)
         s = self.statements
         keyvals = s.key_values(key)
         scope = s.scope(keyvals)
-        returning = self.update_returning and self.insert_returning
+        if read:
+            returning = self.update_returning and self.insert_returning
+        else:
+            returning = self.write_update_returning and self.write_insert_returning
         self._check_rowcount(returning, scope, token)
         result = await self._execute(
             s.raise_fence(delete=delete, returning=returning),
@@ -449,7 +462,9 @@ class AsyncRowGuard(_Base):
         Raises:
             StaleTokenError: as for :meth:`claim`.
         """
-        row, live = await self._raise_fence(key, token, delete=False, action="registering read")
+        row, live = await self._raise_fence(
+            key, token, delete=False, action="registering read", read=True
+        )
         return row if live else None
 
     async def delete(self, key: Key, token: int) -> None:
@@ -673,7 +688,8 @@ class AsyncFenceRegister(_Base):
         conn: the caller's connection; the register runs inside its transaction.
         table: the register table (default: ``fence_register``; see
             :func:`fence_register_table` and the DDL in the docs).
-        returning: use ``RETURNING`` (default: where the dialect has it).
+        returning: ``True`` to prove claims by ``RETURNING`` (default: by their row count,
+            as a plain statement; ``RETURNING`` only where the driver reports no row count).
         events: the bus for ``WRITE_ACCEPTED`` / ``WRITE_REJECTED``.
 
     Example::
@@ -697,7 +713,9 @@ class AsyncFenceRegister(_Base):
         self.statements: RegisterStatements = register_statements(
             table if table is not None else DEFAULT_REGISTER
         )
-        self.returning = self._returning(returning, conn.dialect.insert_returning, "INSERT")
+        supported = self._returning(returning, conn.dialect.insert_returning, "INSERT")
+        # A claim returns nothing: its row count proves it, unless the driver cannot count.
+        self.returning = supported and not (self.sane_rowcount and returning is None)
 
     async def _read_scopes(self, scopes: Sequence[str], *, lock: bool) -> dict[str, Probe]:
         """The fence of each scope that has one, read in chunks."""
