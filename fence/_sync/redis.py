@@ -33,6 +33,7 @@ from fence._compat import sleep
 from fence._core import TokenMode, client_deadline, validate_ttl
 from fence._errors import BackendError, ConfigurationError, FenceWarning, InvalidTokenError
 from fence._events import EventBus
+from fence._redis_conn import closed_connection
 from fence._redis_scripts import (
     ABANDON,
     ACQUIRE,
@@ -230,19 +231,35 @@ class RedisDriver:
             f"Redis at {self._where} failed the {what}: {exc}", code="RESPONSE", retryable=False
         )
 
-    def _run(self, script: Any, keys: list[str], args: list[Any], what: str) -> Any:
+    def _run(
+        self, script: Any, keys: list[str], args: list[Any], what: str, *, repeat: bool = True
+    ) -> Any:
         # EVALSHA straight through execute_command: the hot path is one round trip, and
         # a server that lost its script cache (restart, failover, SCRIPT FLUSH) gets the
         # script loaded again and the call repeated, never reported as a verdict.
-        client = self.client
         try:
             try:
-                return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                client.script_load(script.script)
-                return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                return self._evalsha(script, keys, args)
+            except RedisConnectionError as exc:
+                if not (repeat and closed_connection(exc)):
+                    raise
+            # The server closed the pooled connection under the call (a restart, an idle
+            # timeout): redis-py 5, and a client without retries, do not send it again.
+            # Every script here may run twice with the same arguments: acquire is reentrant
+            # by secret, renew and inspect change nothing more, abandon and enqueue keep one
+            # place, revoke issues one more token; a release whose first run's reply was
+            # lost in a crash finds the lock free and reports it not held.
+            return self._evalsha(script, keys, args)
         except (RedisError, OSError) as exc:
             raise self._error(exc, what) from exc
+
+    def _evalsha(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        client = self.client
+        try:
+            return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(script.script)
+            return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     # -- the driver protocol -------------------------------------------------------------
 
