@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -59,3 +60,12 @@ def test_core_import_needs_no_driver_package() -> None:
         "fence.RedisLockManager; assert 'redis' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_classifiers_name_only_the_python_the_suite_runs_on() -> None:
+    """The suite runs on one CPython (the README's tested versions): the classifiers
+    claim no other."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    prefix = "Programming Language :: Python :: "
+    named = {c.removeprefix(prefix) for c in project["classifiers"] if c.startswith(prefix)}
+    assert {v for v in named if "." in v} == {f"3.{sys.version_info.minor}"}
