@@ -758,6 +758,18 @@ class AsyncFencedPipeline:
         """Queue a claim; see :meth:`AsyncRedisGuard.claim`."""
         return self._add(token, op_claim(key))
 
+    async def _send_repeatable(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
+        """:meth:`_send`, once more if the server closed the connection under it and every
+        write is safe to repeat (see :meth:`AsyncRedisGuard._eval`)."""
+        try:
+            return await self._send(queued)
+        except BackendError as err:
+            if not closed_connection(err.__cause__ or err):
+                raise
+            if not all(op.code in _REPEATABLE for _, op, _, _ in queued):
+                raise
+        return await self._send(queued)
+
     async def execute(self) -> list[Any]:
         """Send every queued write in one round trip (two if the script must be loaded).
 
@@ -772,7 +784,7 @@ class AsyncFencedPipeline:
         """
         queued, self._queued = self._queued, []
         guard = self.guard
-        replies = await self._send(queued)
+        replies = await self._send_repeatable(queued)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             # A restart or SCRIPT FLUSH: those writes did not run. Load and send them again.
@@ -819,21 +831,10 @@ class AsyncFencedPipeline:
         return out
 
     async def _send(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
-        # Sent once more after the server closed the connection under it, if every write
-        # is safe to repeat (see AsyncRedisGuard._eval).
-        repeat = all(op.code in _REPEATABLE for _, op, _, _ in queued)
-        try:
-            return await self._send_once(queued)
-        except RedisError as err:
-            if not (repeat and closed_connection(err)):
-                raise _translate(err, "fenced pipeline") from err
-        try:
-            return await self._send_once(queued)
-        except RedisError as err:
-            raise _translate(err, "fenced pipeline") from err
-
-    async def _send_once(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
         pipe = self.guard.client.pipeline(transaction=False)
         for *_, args in queued:
             pipe.execute_command("EVALSHA", *args)
-        return list(await pipe.execute(raise_on_error=False))
+        try:
+            return list(await pipe.execute(raise_on_error=False))
+        except RedisError as err:
+            raise _translate(err, "fenced pipeline") from err

@@ -756,6 +756,18 @@ class FencedPipeline:
         """Queue a claim; see :meth:`RedisGuard.claim`."""
         return self._add(token, op_claim(key))
 
+    def _send_repeatable(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
+        """:meth:`_send`, once more if the server closed the connection under it and every
+        write is safe to repeat (see :meth:`RedisGuard._eval`)."""
+        try:
+            return self._send(queued)
+        except BackendError as err:
+            if not closed_connection(err.__cause__ or err):
+                raise
+            if not all(op.code in _REPEATABLE for _, op, _, _ in queued):
+                raise
+        return self._send(queued)
+
     def execute(self) -> list[Any]:
         """Send every queued write in one round trip (two if the script must be loaded).
 
@@ -770,7 +782,7 @@ class FencedPipeline:
         """
         queued, self._queued = self._queued, []
         guard = self.guard
-        replies = self._send(queued)
+        replies = self._send_repeatable(queued)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             # A restart or SCRIPT FLUSH: those writes did not run. Load and send them again.
@@ -817,21 +829,10 @@ class FencedPipeline:
         return out
 
     def _send(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
-        # Sent once more after the server closed the connection under it, if every write
-        # is safe to repeat (see RedisGuard._eval).
-        repeat = all(op.code in _REPEATABLE for _, op, _, _ in queued)
-        try:
-            return self._send_once(queued)
-        except RedisError as err:
-            if not (repeat and closed_connection(err)):
-                raise _translate(err, "fenced pipeline") from err
-        try:
-            return self._send_once(queued)
-        except RedisError as err:
-            raise _translate(err, "fenced pipeline") from err
-
-    def _send_once(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
         pipe = self.guard.client.pipeline(transaction=False)
         for *_, args in queued:
             pipe.execute_command("EVALSHA", *args)
-        return list(pipe.execute(raise_on_error=False))
+        try:
+            return list(pipe.execute(raise_on_error=False))
+        except RedisError as err:
+            raise _translate(err, "fenced pipeline") from err
