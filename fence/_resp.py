@@ -53,12 +53,18 @@ class ConnectionFailure(RedisConnectionError):
         sent: whether the request may have reached the server (its bytes were written);
             ``False`` means it certainly changed nothing.
         timed_out: the server did not answer within the time allowed.
+        closed: the server closed a connection that had been open, under the request (a
+            restart, an idle ``timeout``, ``CLIENT KILL``); a request that is safe to run
+            twice may be sent again on a new connection.
     """
 
-    def __init__(self, message: str, *, sent: bool, timed_out: bool = False) -> None:
+    def __init__(
+        self, message: str, *, sent: bool, timed_out: bool = False, closed: bool = False
+    ) -> None:
         super().__init__(message)
         self.sent = sent
         self.timed_out = timed_out
+        self.closed = closed
 
 
 class PoolExhausted(ConnectionFailure):

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -92,3 +93,12 @@ def test_readme_has_no_link_a_package_index_page_breaks() -> None:
     # public URL to make them absolute, so the README names the files by path instead.
     readme = (ROOT / "README.md").read_text()
     assert re.findall(r"\]\((?!https?://)[^)]*\)", readme) == []
+
+
+def test_classifiers_name_only_the_python_the_suite_runs_on() -> None:
+    """The suite runs on one CPython (the README's tested versions): the classifiers
+    claim no other."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    prefix = "Programming Language :: Python :: "
+    named = {c.removeprefix(prefix) for c in project["classifiers"] if c.startswith(prefix)}
+    assert {v for v in named if "." in v} == {f"3.{sys.version_info.minor}"}

@@ -88,6 +88,38 @@ async def test_async_restart_mid_run_reloads_the_script(aof_server: RedisServer)
         await client.aclose()
 
 
+async def test_async_restart_needs_no_client_retries(aof_server: RedisServer) -> None:
+    """A restart closes the pooled connection; a client without retries (redis-py 5's
+    default) does not send again, so the guard does, once, for a write that is safe to
+    repeat with its token, and never for one that would apply twice."""
+    client = redis.asyncio.Redis(port=aof_server.port, retry=Retry(NoBackoff(), 0))
+    guard = AsyncRedisGuard(client)
+    try:
+        await guard.set("k", 1, token=7)
+        await guard.incr("n", 5, token=7)
+        aof_server.restart()
+        await guard.set("k", 2, token=7)
+        aof_server.restart()
+        assert await guard.fence("k") == 7
+        aof_server.restart()
+        assert await guard.read_for_update("k", token=8) == b"2"
+        aof_server.restart()
+        results = await guard.pipeline().set("k", 3, token=7).set("k", 4, token=8).execute()
+        assert isinstance(results[0], StaleTokenError)
+        assert results[1] == 1
+        aof_server.restart()
+        batch = guard.batch(8).set("{b}:k", 5).hset("{b}:h", {"f": 1}).delete("{b}:d")
+        assert await batch.execute() == [1, 1, 0]
+        aof_server.restart()
+        with pytest.raises(BackendError) as caught:  # not sent again: it would apply twice
+            await guard.incr("n", 1, token=8)
+        assert (caught.value.code, caught.value.retryable) == ("CONNECTION", True)
+        assert await guard.get("n") == (b"5", 7)
+        assert await guard.get("k") == (b"4", 8)
+    finally:
+        await client.aclose()
+
+
 def test_killed_server_is_a_retryable_connection_error(aof_server: RedisServer) -> None:
     client = _no_retry_client(aof_server)
     guard = RedisGuard(client)

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
+from redis.retry import Retry
 
 from fence import EventBus, EventKind, LeaseLostError, TokenMode
 from fence._async.redis import AsyncRedisLockManager
@@ -158,6 +160,34 @@ def test_lost_signal_when_the_server_is_killed(server: RedisServer) -> None:
         newer.release()
     finally:
         manager.close()
+
+
+@pytest.mark.parametrize("built", ["url", "client"])
+async def test_async_manager_carries_on_across_restarts(built: str) -> None:
+    """Every restart closes the pooled connections. redis-py 5 does not send a command
+    again on a new one, nor does a client built without retries (as the manager builds its
+    own): the manager does, once, so no call fails after a restart."""
+    server = RedisServer("--appendonly", "yes", "--appendfsync", "always").start()
+    client = redis.asyncio.Redis(port=server.port, retry=Retry(NoBackoff(), 0))
+    manager = AsyncRedisLockManager(server.url if built == "url" else client, ttl=30)
+    try:
+        lease = await manager.acquire("job")
+        server.restart()
+        await lease.renew()
+        server.restart()
+        info = await manager.inspect("job")
+        assert info is not None
+        assert info.token == lease.token
+        server.restart()
+        await lease.release()
+        server.restart()
+        newer = await manager.acquire("job", timeout=0)
+        assert newer.token > lease.token
+        await newer.release()
+    finally:
+        await manager.close()
+        await client.aclose()
+        server.stop()
 
 
 # -- token regression (C3) -------------------------------------------------------------------

@@ -1,12 +1,18 @@
 """The plain parts under the managers' waiting and connections: the wake board (who is
 woken by a release) and the RESP2 packing and parsing of the Redis manager's own
-connections. No I/O."""
+connections, and the pool's resending after a connection the server closed (on a
+socket server of the test's own)."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
 
-from fence._resp import MORE, Address, Reader, RespError, pack, parse_url
+from fence._resp import MORE, Address, ConnectionFailure, Reader, RespError, pack, parse_url
+from fence._sync.resp import RespPool
 from fence._wake import WakeBoard
 
 
@@ -175,3 +181,74 @@ def test_parse_url(url: str, address: Address) -> None:
 def test_urls_the_own_connections_do_not_serve(url: str) -> None:
     """TLS and client options go through redis-py."""
     assert parse_url(url) is None
+
+
+# -- resending after a connection the server closed ------------------------------------------
+
+
+class _Closer:
+    """A TCP server on 127.0.0.1 that reads the first command of each connection and
+    closes it unanswered, except from connection ``answer_from`` on, where it replies
+    ``+OK``: a server that died under a command, then came back."""
+
+    def __init__(self, answer_from: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.answer_from = answer_from
+        self.connections = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                while True:
+                    data = conn.recv(65536)
+                    if not data:
+                        break
+                    if self.connections < self.answer_from:
+                        break  # the command arrived; no reply, the connection closes
+                    conn.sendall(b"+OK\r\n" * data.count(b"PING"))
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("resend", [True, False])
+def test_a_pool_resends_once_only_when_asked(resend: bool) -> None:
+    """A command whose connection the server closed under it is sent once more on a new
+    connection with ``resend`` (the single managers' scripts), never without it (the
+    quorum's calls, whose fault model has no duplicated messages)."""
+    server = _Closer(answer_from=2)
+    pool = RespPool(parse_url(f"redis://127.0.0.1:{server.port}"), max_connections=2)
+    try:
+        deadline = time.monotonic() + 5
+        if resend:
+            assert pool.request(pack("PING"), deadline, resend=True) == b"OK"
+        else:
+            with pytest.raises(ConnectionFailure) as caught:
+                pool.request(pack("PING"), deadline)
+            assert caught.value.closed
+            assert caught.value.sent
+        assert server.connections == (2 if resend else 1)
+    finally:
+        pool.close()
+        server.close()
+
+
+def test_a_pool_resends_at_most_once() -> None:
+    server = _Closer(answer_from=3)
+    pool = RespPool(parse_url(f"redis://127.0.0.1:{server.port}"), max_connections=2)
+    try:
+        with pytest.raises(ConnectionFailure) as caught:
+            pool.request(pack("PING"), time.monotonic() + 5, resend=True)
+        assert caught.value.closed
+        assert server.connections == 2
+    finally:
+        pool.close()
+        server.close()

@@ -44,6 +44,7 @@ from fence import (
     default_bus,
     validate_token,
 )
+from fence._redis_conn import closed_connection
 
 from .._redis_lua import (
     MANY,
@@ -77,6 +78,12 @@ RedisClient = redis.Redis | redis.cluster.RedisCluster
 
 _SOURCE = "redis-guard"
 
+#: The operations that leave the same state when sent twice with the same token, so a
+#: call made only of them is sent once more after the server closed its connection under
+#: it (:func:`fence._redis_conn.closed_connection`). ``incrby``, ``rpush`` and ``xadd``
+#: would apply twice if the first send had run: their caller gets the error instead.
+_REPEATABLE = frozenset({"set", "hset", "del", "claim", "get", "hgetall"})
+
 #: redis-py parses these error codes into classes and drops the code from the message.
 _STATE_ERRORS: tuple[tuple[type[RedisError], str], ...] = (
     (OutOfMemoryError, "OOM"),
@@ -106,8 +113,11 @@ def _translate(err: RedisError, what: str) -> FenceError:
             retryable=True,
         )
     text = str(err)
-    if isinstance(err, ClusterCrossSlotError) or (
-        isinstance(err, RedisClusterException) and "same key slot" in text
+    if (
+        isinstance(err, ClusterCrossSlotError)
+        or (isinstance(err, RedisClusterException) and "same key slot" in text)
+        # redis-py before 6.0 leaves the server's CROSSSLOT reply a plain ResponseError.
+        or (isinstance(err, ResponseError) and text.startswith("CROSSSLOT"))
     ):
         return CrossSlotError(
             f"{what}: the keys of one fenced call hash to several cluster slots (the server"
@@ -398,7 +408,12 @@ class RedisGuard:
         try:
             raw = self.client.get(fence_key)
         except RedisError as err:
-            raise _translate(err, f"fence of {scope!r}") from err
+            if not closed_connection(err):  # a read is always safe to send again
+                raise _translate(err, f"fence of {scope!r}") from err
+            try:
+                raw = self.client.get(fence_key)
+            except RedisError as again:
+                raise _translate(again, f"fence of {scope!r}") from again
         return parse_fence(scope, raw)
 
     def read_for_update(self, key: str, *, token: int) -> Any:
@@ -486,7 +501,7 @@ class RedisGuard:
         """One write by the leanest script that does it (:func:`command`); its result."""
         token = validate_token(token)
         script, keys, argv = command(self.layout, token, op, issuer=self.check_issuer)
-        reply = self._eval(script, keys, argv, op.key)
+        reply = self._eval(script, keys, argv, op.key, repeat=op.code in _REPEATABLE)
         if isinstance(reply, int):  # the bare number of a write that landed
             result: Any = reply
         else:
@@ -505,7 +520,8 @@ class RedisGuard:
     def _write(self, token: int, ops: Sequence[Op], *, one_slot: bool = False) -> list[Any]:
         token = validate_token(token)
         keys, argv = encode(self.layout, token, ops, issuer=self.check_issuer, one_slot=one_slot)
-        reply = self._eval(WRITE, keys, argv, ops[0].key)
+        repeat = all(op.code in _REPEATABLE for op in ops)
+        reply = self._eval(WRITE, keys, argv, ops[0].key, repeat=repeat)
         outcome = decode(token, ops, reply)
         bus = self.events
         if isinstance(outcome, FenceError):
@@ -520,29 +536,43 @@ class RedisGuard:
 
     def _read(self, key: str, kind: str) -> tuple[int | None, Any]:
         keys = [self.layout.fence_key(key), key]
-        reply = self._eval(READ, keys, [kind], key)
+        reply = self._eval(READ, keys, [kind], key, repeat=True)
         return parse_fence(key, reply[0]), reply[1]
 
-    def _eval(self, script: Script, keys: list[str], argv: list[Any], what: str) -> Any:
+    def _eval(
+        self, script: Script, keys: list[str], argv: list[Any], what: str, *, repeat: bool
+    ) -> Any:
+        """One ``EVALSHA`` (see :meth:`_evalsha`). A call that is safe to repeat is sent
+        once more, on a new connection, if the server had closed the connection under it
+        (a restart, an idle timeout): redis-py 5 does not reconnect and resend by itself,
+        and a client may be configured never to."""
+        try:
+            return self._evalsha(script, keys, argv, what)
+        except RedisError as err:
+            if not (repeat and closed_connection(err)):
+                raise _translate(err, what) from err
+        try:
+            return self._evalsha(script, keys, argv, what)
+        except RedisError as err:
+            raise _translate(err, what) from err
+
+    def _evalsha(self, script: Script, keys: list[str], argv: list[Any], what: str) -> Any:
         """One ``EVALSHA``; on ``NOSCRIPT`` (a restart, ``SCRIPT FLUSH``) load and retry once."""
         client = self.client
         # redis-py types execute_command on some client classes only.
         command: Any = client.execute_command
         try:
-            try:
-                return command("EVALSHA", script.sha, len(keys), *keys, *argv)
-            except NoScriptError:
-                client.script_load(script.text)
-            try:
-                return command("EVALSHA", script.sha, len(keys), *keys, *argv)
-            except NoScriptError as err:
-                raise RetryableError(
-                    f"{what}: the {script.name} script vanished from the script cache twice"
-                    " in a row (SCRIPT FLUSH or restarts); nothing was written, retry",
-                    code="NOSCRIPT",
-                ) from err
-        except RedisError as err:
-            raise _translate(err, what) from err
+            return command("EVALSHA", script.sha, len(keys), *keys, *argv)
+        except NoScriptError:
+            client.script_load(script.text)
+        try:
+            return command("EVALSHA", script.sha, len(keys), *keys, *argv)
+        except NoScriptError as err:
+            raise RetryableError(
+                f"{what}: the {script.name} script vanished from the script cache twice"
+                " in a row (SCRIPT FLUSH or restarts); nothing was written, retry",
+                code="NOSCRIPT",
+            ) from err
 
 
 def _pairs(flat: Any) -> dict[Any, Any]:
@@ -733,6 +763,18 @@ class FencedPipeline:
         """Queue a claim; see :meth:`RedisGuard.claim`."""
         return self._add(token, op_claim(key))
 
+    def _send_repeatable(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
+        """:meth:`_send`, once more if the server closed the connection under it and every
+        write is safe to repeat (see :meth:`RedisGuard._eval`)."""
+        try:
+            return self._send(queued)
+        except BackendError as err:
+            if not closed_connection(err.__cause__ or err):
+                raise
+            if not all(op.code in _REPEATABLE for _, op, _, _ in queued):
+                raise
+        return self._send(queued)
+
     def execute(self) -> list[Any]:
         """Send every queued write in one round trip (two if the script must be loaded).
 
@@ -747,7 +789,7 @@ class FencedPipeline:
         """
         queued, self._queued = self._queued, []
         guard = self.guard
-        replies = self._send(queued)
+        replies = self._send_repeatable(queued)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             # A restart or SCRIPT FLUSH: those writes did not run. Load and send them again.

@@ -239,7 +239,9 @@ class AsyncQuorumDriver:
     ) -> Any:
         if index in self._unchecked:
             await self._check_config(index)
-        return await self.nodes[index]._run(script, keys, args, what)
+        # Never sent twice: the quorum's fault model (model-checked) has lost and delayed
+        # messages, not duplicated ones; a node that failed a call counts as failed.
+        return await self.nodes[index]._run(script, keys, args, what, repeat=False)
 
     async def _check_config(self, index: int) -> None:
         """Warn once per node about settings outside the fault model (see

@@ -239,7 +239,9 @@ class QuorumDriver:
     def _call(self, index: int, script: Any, keys: list[str], args: list[str], what: str) -> Any:
         if index in self._unchecked:
             self._check_config(index)
-        return self.nodes[index]._run(script, keys, args, what)
+        # Never sent twice: the quorum's fault model (model-checked) has lost and delayed
+        # messages, not duplicated ones; a node that failed a call counts as failed.
+        return self.nodes[index]._run(script, keys, args, what, repeat=False)
 
     def _check_config(self, index: int) -> None:
         """Warn once per node about settings outside the fault model (see

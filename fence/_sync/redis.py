@@ -51,6 +51,7 @@ from fence._core import TokenMode, client_deadline, validate_ttl
 from fence._deadline import time_left
 from fence._errors import BackendError, ConfigurationError, FenceWarning, InvalidTokenError
 from fence._events import EventBus
+from fence._redis_conn import closed_connection
 from fence._redis_scripts import (
     ABANDON,
     ACQUIRE,
@@ -738,6 +739,7 @@ class RedisDriver:
         resource: str = "",
         *,
         urgent: bool = False,
+        repeat: bool = True,
     ) -> Any:
         # EVALSHA: one round trip. A server that lost its script cache (restart, failover,
         # SCRIPT FLUSH) gets the script loaded again and the call repeated, never reported
@@ -746,28 +748,46 @@ class RedisDriver:
         if pool is not None:
             deadline = time.monotonic() + time_left(self.socket_timeout)
             command = pack("EVALSHA", script.sha, len(keys), *keys, *args)
+            # A connection the server closed under the call (a restart) gets the call sent
+            # once more, unless the caller forbids it: see the redis-py branch below.
             try:
-                reply = pool.request(command, deadline, urgent=urgent)
+                reply = pool.request(command, deadline, urgent=urgent, resend=repeat)
                 if isinstance(reply, RespError) and reply.kind == "NOSCRIPT":
-                    loaded = pool.request(pack("SCRIPT", "LOAD", script.script), deadline)
+                    load = pack("SCRIPT", "LOAD", script.script)
+                    loaded = pool.request(load, deadline, resend=repeat)
                     if isinstance(loaded, RespError):
                         raise loaded
-                    reply = pool.request(command, deadline, urgent=urgent)
+                    reply = pool.request(command, deadline, urgent=urgent, resend=repeat)
                 if isinstance(reply, RespError):
                     raise reply
             except (ConnectionFailure, RespError) as exc:
                 raise self._error(exc, what, resource) from exc
             return reply
-        client = self.client
         try:
             with cancel_after(max(time_left(self.socket_timeout), 0.0) + 0.05):
                 try:
-                    return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                except NoScriptError:
-                    client.script_load(script.script)
-                    return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                    return self._evalsha(script, keys, args)
+                except RedisConnectionError as exc:
+                    if not (repeat and closed_connection(exc)):
+                        raise
+                # The server closed the pooled connection under the call (a restart, an
+                # idle timeout): redis-py 5, and a client without retries, do not send it
+                # again. Every script here may run twice with the same arguments: acquire
+                # is reentrant by secret, renew and inspect change nothing more, abandon
+                # and enqueue keep one place, revoke issues one more token; a release
+                # whose first run's reply was lost in a crash finds the lock free and
+                # reports it not held.
+                return self._evalsha(script, keys, args)
         except (RedisError, OSError, TimeoutError) as exc:
             raise self._error(exc, what, resource) from exc
+
+    def _evalsha(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        client = self.client
+        try:
+            return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(script.script)
+            return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     # -- the driver protocol -------------------------------------------------------------
 

@@ -58,7 +58,8 @@ def _failure(address: Address, exc: BaseException, *, sent: bool) -> ConnectionF
             f"no answer from {address} in the time allowed", sent=sent, timed_out=True
         )
     detail = str(exc) or type(exc).__name__
-    return ConnectionFailure(f"{type(exc).__name__}: {detail}", sent=sent)
+    closed = isinstance(exc, ConnectionResetError | BrokenPipeError | ConnectionAbortedError)
+    return ConnectionFailure(f"{type(exc).__name__}: {detail}", sent=sent, closed=closed)
 
 
 class RespConnection:
@@ -291,14 +292,37 @@ class RespPool:
                 return
             self._count -= 1
 
-    def request(self, command: bytes, deadline: float, *, urgent: bool = False) -> Any:
+    def request(
+        self, command: bytes, deadline: float, *, urgent: bool = False, resend: bool = False
+    ) -> Any:
         """Run one packed command on a pooled connection; see
-        :meth:`RespConnection.request`."""
+        :meth:`RespConnection.request`.
+
+        With ``resend``, a command whose connection the server closed under it (a restart
+        closes every connection, and an idle one can look open until its first read) is
+        sent once more on a new connection: only for a command that is safe to run twice.
+        """
+        conn = self.get(deadline, urgent=urgent)
+        try:
+            return conn.request(command, deadline)
+        except ConnectionFailure as exc:
+            if not (resend and exc.closed):
+                raise
+        finally:
+            self.put(conn)
+        self._drop_idle()  # opened before the same restart, most likely closed as well
         conn = self.get(deadline, urgent=urgent)
         try:
             return conn.request(command, deadline)
         finally:
             self.put(conn)
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+        for conn in idle:
+            conn.close()
 
     def requests(self, commands: list[bytes], deadline: float) -> list[Any]:
         """Run packed commands as one pipeline on a pooled connection."""
