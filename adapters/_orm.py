@@ -79,6 +79,7 @@ from sqlalchemy.util import await_only
 from fence._core import validate_resource, validate_token
 from fence._errors import (
     ConfigurationError,
+    FenceError,
     LeaseExpiredError,
     LeaseLostError,
     Reason,
@@ -1348,9 +1349,18 @@ def _hide_tombstones(state: ORMExecuteState) -> None:
     """
     if state.execution_options.get(INCLUDE_TOMBSTONES):
         return
-    options = [opt for opt in map(_tombstone_criteria, state.all_mappers) if opt is not None]
+    statement: Any = state.statement
+    raw = getattr(statement, "_raw_columns", None)
+    if raw is None:  # a FromStatement (select().from_statement(text(...)))
+        mappers = state.all_mappers
+    else:
+        # The entities at the top level of a select(), as ORMExecuteState.all_mappers finds
+        # them, read from the columns' annotations (all_mappers builds every column's
+        # description: most of the cost of a get() in this hook).
+        mappers = [ent.mapper for col in raw if (ent := col._annotations.get("parententity"))]
+    options = [opt for opt in map(_tombstone_criteria, mappers) if opt is not None]
     if options:
-        state.statement = state.statement.options(*options)
+        state.statement = statement.options(*dict.fromkeys(options))
 
 
 _CRITERIA: weakref.WeakKeyDictionary[Mapper[Any], Any] = weakref.WeakKeyDictionary()
@@ -1629,29 +1639,24 @@ def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
     first read: on PostgreSQL it takes the register row's lock first, and the read that
     follows sees what an older holder that held the lock committed (C8).
 
+    The claim runs as a statement prepared once per connection (``PREPARE`` goes in the
+    first transaction's message; the name is known from then on by the connection's pool
+    entry), so PostgreSQL neither parses nor plans it again. A server session that lost
+    it (``DEALLOCATE``, ``DISCARD ALL``, a transaction pooler that moved the connection)
+    answers ``26000``: the transaction is rolled back and the message sent again with the
+    ``PREPARE``. A search path changed since is honoured: PostgreSQL parses a prepared
+    statement again when ``search_path`` changed.
+
     Returns:
         The claim's row count: 1 if the fence was raised, 0 if it was refused.
     """
-    from psycopg import AsyncConnection, IsolationLevel, errors, generators, pq
-    from psycopg import sql as pg_sql
+    from psycopg import IsolationLevel, pq
 
     register = found.register
     raw: Any = connection.connection.driver_connection
-    parts = _PG_CLAIMS.get(register)
-    if parts is None:
-        table = (
-            pg_sql.Identifier(register.schema, register.name)
-            if register.schema
-            else pg_sql.Identifier(register.name)
-        )
-        head = pg_sql.SQL("INSERT INTO {t} AS cur (scope, fence) VALUES (").format(t=table)
-        parts = _PG_CLAIMS[register] = (
-            head.as_bytes(raw),
-            (
-                b") ON CONFLICT (scope) DO UPDATE SET fence = EXCLUDED.fence "
-                b"WHERE cur.fence <= EXCLUDED.fence RETURNING scope"
-            ),
-        )
+    claim = _PG_CLAIMS.get(register)
+    if claim is None:
+        claim = _PG_CLAIMS[register] = _pg_claim(register, raw)
     begin = [b"BEGIN"]
     if raw.isolation_level is not None:
         level = IsolationLevel(raw.isolation_level).name.replace("_", " ")
@@ -1660,30 +1665,101 @@ def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
         begin.append(b"READ ONLY" if raw.read_only else b"READ WRITE")
     if raw.deferrable is not None:
         begin.append(b"DEFERRABLE" if raw.deferrable else b"NOT DEFERRABLE")
-    scope = pg_sql.Literal(found.scope).as_bytes(raw)
-    query = b"%s; %s%s, %d%s" % (b" ".join(begin), parts[0], scope, found.token, parts[1])
+    name, prepare = claim
+    execute = b"%s; EXECUTE %s(%s, %d)" % (
+        b" ".join(begin),
+        name,
+        _pg_literal(found.scope, raw),
+        found.token,
+    )
+    prepared: set[bytes] = connection.connection.info.setdefault(_PREPARED_KEY, set())
+    for _attempt in range(3):
+        fresh = name not in prepared
+        results = _pg_send(raw, prepare + execute if fresh else execute, found)
+        last = results[-1]
+        if last.status == pq.ExecStatus.TUPLES_OK:
+            prepared.add(name)
+            count: int = last.ntuples
+            return count
+        state = last.error_field(pq.DiagnosticField.SQLSTATE)
+        if state == b"26000" and not fresh:  # the session lost the statement
+            prepared.discard(name)
+            _pg_send(raw, b"ROLLBACK", found)
+            continue
+        if state == b"42P05" and fresh:  # the session has it already (a pooler's)
+            prepared.add(name)
+            continue
+        break
+    raise _pg_error(raw, results, found)
+
+
+def _pg_claim(register: Table, raw: Any) -> tuple[bytes, bytes]:
+    """The name of a register's prepared claim and the ``PREPARE`` that defines it.
+
+    The name is derived from the statement's text, so two processes that share a server
+    session (through a transaction pooler) and name the same statement mean the same one.
+    """
+    import hashlib
+
+    from psycopg import sql as pg_sql
+
+    table = (
+        pg_sql.Identifier(register.schema, register.name)
+        if register.schema
+        else pg_sql.Identifier(register.name)
+    )
+    text = pg_sql.SQL(
+        "INSERT INTO {t} AS cur (scope, fence) VALUES ($1, $2) ON CONFLICT (scope) DO UPDATE "
+        "SET fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence RETURNING scope"
+    ).format(t=table)
+    body = text.as_bytes(raw)
+    name = b"iofence_claim_" + hashlib.sha1(body, usedforsecurity=False).hexdigest()[:16].encode()
+    return name, b"PREPARE %s AS %s; " % (name, body)
+
+
+def _pg_literal(value: str, raw: Any) -> bytes:
+    from psycopg import sql as pg_sql
+
+    return pg_sql.Literal(value).as_bytes(raw)
+
+
+def _pg_send(raw: Any, query: bytes, found: SessionBinding) -> list[Any]:
+    """Send one simple-protocol message on psycopg's connection and return its results."""
+    from psycopg import AsyncConnection, errors, generators
+
     pgconn = raw.pgconn
     try:
         pgconn.send_query(query)
         if isinstance(raw, AsyncConnection):
-            results = await_only(raw.wait(generators.execute(pgconn)))
+            results: list[Any] = await_only(raw.wait(generators.execute(pgconn)))
         else:
             results = raw.wait(generators.execute(pgconn))
     except errors.Error as exc:
         raise translate_error(exc, "fence claim", found.scope) from exc
+    return results
+
+
+def _pg_error(raw: Any, results: list[Any], found: SessionBinding) -> FenceError:
+    """The error of a claim's message that failed, in the ``FenceError`` family."""
+    from psycopg import errors, pq
+
     for result in results:
         if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
             failure = errors.error_from_result(result, encoding=raw.info.encoding)
-            if missing_table(failure):
-                raise missing_register_error(register.name) from failure
-            raise translate_error(failure, "fence claim", found.scope) from failure
-    count: int = results[-1].ntuples
-    return count
+            err: FenceError = (
+                missing_register_error(found.register.name)
+                if missing_table(failure)
+                else translate_error(failure, "fence claim", found.scope)
+            )
+            err.__cause__ = failure
+            return err
+    return translate_error(RuntimeError("the claim returned no rows"), "fence claim", found.scope)
 
 
-# The psycopg text of each register's claim around its two literals, the scope and the
-# token, composed once (a simple-protocol message has no parameters).
+# Each register's prepared claim (its name and its PREPARE), composed once; the names a
+# connection has prepared live in its pool entry's info, under this key.
 _PG_CLAIMS: weakref.WeakKeyDictionary[Table, tuple[bytes, bytes]] = weakref.WeakKeyDictionary()
+_PREPARED_KEY = "iofence.prepared_claims"
 
 
 def _before_commit(session: Session) -> None:

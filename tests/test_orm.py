@@ -201,3 +201,125 @@ def test_the_claim_holds_a_newer_holder_until_the_older_commits(postgres_url: st
         assert seen == [100]
     finally:
         engine.dispose()
+
+
+# -- the claim's prepared statement (PostgreSQL) ------------------------------------------
+
+
+def _one_connection(postgres_url: str) -> Engine:
+    """An engine whose sessions all run on one DBAPI connection (one server session)."""
+    return create_engine(postgres_url, pool_size=1, max_overflow=0)
+
+
+def _unit(engine: Engine, env: Env, token: int, value: int) -> None:
+    with Session(engine) as s:
+        bind(s, token=token, scope="item:1", register=env.register)
+        s.get(env.Item, 1).v = value
+        s.commit()
+
+
+def _prepared(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        names = conn.exec_driver_sql("SELECT name FROM pg_prepared_statements").scalars()
+        return [name for name in names if name.startswith("iofence_claim_")]
+
+
+def _value(engine: Engine, env: Env) -> int:
+    with engine.connect() as conn:
+        table = env.Item.__table__
+        return int(conn.execute(select(table.c.v).where(table.c.id == 1)).scalar_one())
+
+
+@pytest.mark.postgres
+def test_the_claim_is_prepared_once_per_connection(postgres_url: str) -> None:
+    engine = _one_connection(postgres_url)
+    try:
+        env = Env(engine)
+        _unit(engine, env, 5, 50)
+        _unit(engine, env, 5, 51)
+        assert len(_prepared(engine)) == 1  # one statement, used by both transactions
+        with pytest.raises(StaleTokenError):
+            _unit(engine, env, 4, 40)
+        assert _value(engine, env) == 51
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("reset", ["DEALLOCATE ALL", "DISCARD ALL"])
+def test_the_claim_survives_a_session_that_lost_its_statement(
+    postgres_url: str, reset: str
+) -> None:
+    """``DEALLOCATE``/``DISCARD ALL`` (or a transaction pooler's move to another server
+    session) drops the prepared claim: the transaction is rolled back and claimed again,
+    and a stale holder is still refused."""
+    engine = _one_connection(postgres_url)
+    try:
+        env = Env(engine)
+        _unit(engine, env, 5, 50)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql(reset)  # DISCARD ALL runs outside a transaction only
+        assert _prepared(engine) == []
+        _unit(engine, env, 6, 60)
+        assert len(_prepared(engine)) == 1
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql(reset)  # DISCARD ALL runs outside a transaction only
+        with pytest.raises(StaleTokenError):
+            _unit(engine, env, 5, 55)
+        assert _value(engine, env) == 60
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_the_claim_when_the_session_already_has_the_statement(postgres_url: str) -> None:
+    """A server session that already holds the statement (a pooler shares server
+    sessions between clients; here the client forgot it had prepared it) is used as is."""
+    engine = _one_connection(postgres_url)
+    try:
+        env = Env(engine)
+        _unit(engine, env, 5, 50)
+        with engine.connect() as conn:
+            conn.connection.info.clear()  # the client's record of what it prepared
+        _unit(engine, env, 6, 60)
+        assert len(_prepared(engine)) == 1
+        assert _value(engine, env) == 60
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_the_prepared_claim_follows_the_search_path(postgres_url: str) -> None:
+    """A register named without a schema is the one the connection's search path finds
+    at each claim (PostgreSQL analyses a prepared statement again when the search path
+    changed): schema-per-tenant applications keep one register per tenant."""
+    engine = _one_connection(postgres_url)
+    suffix = secrets.token_hex(4)
+    schemas = [f"tenant_a_{suffix}", f"tenant_b_{suffix}"]
+    try:
+        env = Env(engine)
+        name = env.register.name
+        with engine.connect() as conn:
+            for schema in schemas:
+                conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+                conn.exec_driver_sql(
+                    f"CREATE TABLE {schema}.{name} (LIKE public.{name} INCLUDING ALL)"
+                )
+            conn.commit()
+
+        def claim_in(schema: str, token: int) -> None:
+            with engine.connect() as conn:
+                conn.exec_driver_sql(f"SET search_path TO {schema}, public")
+                conn.commit()
+            _unit(engine, env, token, token)
+
+        claim_in(schemas[0], 5)
+        claim_in(schemas[1], 6)
+        with engine.connect() as conn:
+            fences = [
+                conn.exec_driver_sql(f"SELECT fence FROM {schema}.{name}").scalar_one_or_none()
+                for schema in schemas
+            ]
+        assert fences == [5, 6]  # [6, None] if the claim still went to the first tenant
+    finally:
+        engine.dispose()
