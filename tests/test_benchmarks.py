@@ -24,9 +24,10 @@ REQUIRED = {
     ("redis: fenced set", "redis: SET"),
     ("redis: fenced set", "redis: raw EVALSHA"),
     ("redis: fenced batch of 10 (one script)", "redis: 10 single fenced sets"),
-    ("psycopg: fenced, row count", "psycopg: plain UPDATE"),
-    ("psycopg: fenced, RETURNING *", "psycopg: plain UPDATE RETURNING *"),
-    ("Core: fenced, row count", "Core: plain update(), built once"),
+    ("psycopg: fenced (default: row count)", "psycopg: plain UPDATE"),
+    ("psycopg: fenced, returning=True", "psycopg: plain UPDATE RETURNING *"),
+    ("Core: fenced (default: row count)", "Core: plain update(), built once"),
+    ("Core: fenced, returning=True", "Core: plain update().returning(), built once"),
     ("psycopg 10 rows: fenced upsert_many", "psycopg 10 rows: plain upsert"),
     (
         "Core SQLite 500 rows: fenced update_many",
