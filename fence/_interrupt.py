@@ -17,9 +17,16 @@ __all__ = ["sigint_ignored"]
 
 @contextlib.contextmanager
 def sigint_ignored() -> Iterator[None]:
-    """Ignore SIGINT for a while; processes started meanwhile keep ignoring it."""
+    """Ignore SIGINT for a while; processes started meanwhile keep ignoring it.
+
+    The caller itself does not lose a Ctrl-C that arrives meanwhile: SIGINT is blocked as
+    well as ignored, so the kernel keeps it pending, and it is raised (as
+    ``KeyboardInterrupt``) once the previous handler is back.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending one lands here

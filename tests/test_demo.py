@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 
 def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -75,3 +77,19 @@ def test_ctrl_c_while_a_worker_is_frozen(tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_ctrl_c_while_workers_start_is_not_lost() -> None:
+    """The parent ignores SIGINT only for its children: one that arrives meanwhile is raised
+    once the workers are started, not dropped (the demo would then run to its end)."""
+    from fence._interrupt import sigint_ignored
+
+    def ctrl_c_while_ignored() -> None:
+        with sigint_ignored():
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # where a pending signal would be too late
+
+    with pytest.raises(KeyboardInterrupt):
+        ctrl_c_while_ignored()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
