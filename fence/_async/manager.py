@@ -490,6 +490,7 @@ class AsyncBaseLockManager:
         refused = False  # the last attempt was answered: the lock was held
         failures = 0
         error: BackendError | None = None
+        uncut: BackendError | None = None  # the last failed attempt the deadline did not cut
         try:
             while True:
                 sent = clock.monotonic()
@@ -526,6 +527,24 @@ class AsyncBaseLockManager:
                         ) from exc
                     if not (error.retryable and blocking and timeout):
                         raise error from exc
+                    if (
+                        uncut is not None
+                        and getattr(error, "sent", None) is False
+                        and real_end is not None
+                        and time.monotonic() >= real_end
+                    ):
+                        # The deadline cut the last attempt short before it sent anything:
+                        # the attempt before it says more about why (a refused connection).
+                        error = BackendError(
+                            f"{uncut} (the last attempt ran out of time before it could "
+                            "send anything)",
+                            code=uncut.code,
+                            retryable=uncut.retryable,
+                            sent=False,
+                        )
+                        error.__cause__ = exc
+                    else:
+                        uncut = error
                     failures += 1
                     refused = False
                     await self._retry_pause(resource, error, failures, wait_end, timeout, start)

@@ -33,6 +33,7 @@ from fence._async.quorum import AsyncQuorumLockManager
 from fence._async.redis import AsyncRedisLockManager
 from fence._async.sql import AsyncSQLLockManager
 from fence._redis_scripts import resource_keys
+from fence._resp import ConnectionFailure
 from fence._sql_schema import lease_table_ddl
 from tests._acompat import join, sleep, spawn
 from tests.fix_quorum import start_nodes, stop_nodes
@@ -201,6 +202,43 @@ async def test_redis_refused_until_the_deadline_says_where_and_why(
     once, _ = await timed(lambda: manager.acquire(resource, timeout=0))
     assert isinstance(once, BackendError)
     assert attempts[0] == 1
+
+
+async def test_redis_refused_then_cut_short_names_the_refusal(
+    server: RedisServer, managers: list[Any], resource: str
+) -> None:
+    """Refused, and then the deadline cuts the last attempt short before it sends anything
+    (a connect still pending on a loaded machine): the error says what the attempts before
+    it learned, a refused connection, rather than only that time ran out."""
+    manager = AsyncRedisLockManager(server.url, ttl=30)
+    managers.append(manager)
+    real_acquire = manager.driver.acquire
+    calls = [0]
+    end = [0.0]
+
+    async def refused_then_cut(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return await real_acquire(*args)  # refused: the server is down
+        await sleep(max(end[0] - time.monotonic(), 0.0) + 0.01)
+        raise manager.driver._error(
+            ConnectionFailure(
+                "no answer from the server in the time allowed", sent=False, timed_out=True
+            ),
+            "acquire",
+            args[0],
+        )
+
+    manager.driver.acquire = refused_then_cut
+    server.kill()
+    end[0] = time.monotonic() + 1.0
+    outcome, _ = await timed(lambda: manager.acquire(resource, timeout=1.0))
+    assert isinstance(outcome, BackendError), outcome
+    assert calls[0] == 2
+    assert outcome.sent is False
+    text = str(outcome)
+    assert "refused" in text.lower(), text
+    assert "ran out of time" in text, text
 
 
 async def test_redis_failed_acquire_leaves_no_lock(

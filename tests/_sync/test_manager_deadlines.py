@@ -30,6 +30,7 @@ import redis
 
 from fence import AcquireTimeout, BackendError, MemoryBackend
 from fence._redis_scripts import resource_keys
+from fence._resp import ConnectionFailure
 from fence._sql_schema import lease_table_ddl
 from fence._sync.manager import UNDO_LIMIT
 from fence._sync.memory import MemoryLockManager
@@ -203,6 +204,43 @@ def test_redis_refused_until_the_deadline_says_where_and_why(
     once, _ = timed(lambda: manager.acquire(resource, timeout=0))
     assert isinstance(once, BackendError)
     assert attempts[0] == 1
+
+
+def test_redis_refused_then_cut_short_names_the_refusal(
+    server: RedisServer, managers: list[Any], resource: str
+) -> None:
+    """Refused, and then the deadline cuts the last attempt short before it sends anything
+    (a connect still pending on a loaded machine): the error says what the attempts before
+    it learned, a refused connection, rather than only that time ran out."""
+    manager = RedisLockManager(server.url, ttl=30)
+    managers.append(manager)
+    real_acquire = manager.driver.acquire
+    calls = [0]
+    end = [0.0]
+
+    def refused_then_cut(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return real_acquire(*args)  # refused: the server is down
+        sleep(max(end[0] - time.monotonic(), 0.0) + 0.01)
+        raise manager.driver._error(
+            ConnectionFailure(
+                "no answer from the server in the time allowed", sent=False, timed_out=True
+            ),
+            "acquire",
+            args[0],
+        )
+
+    manager.driver.acquire = refused_then_cut
+    server.kill()
+    end[0] = time.monotonic() + 1.0
+    outcome, _ = timed(lambda: manager.acquire(resource, timeout=1.0))
+    assert isinstance(outcome, BackendError), outcome
+    assert calls[0] == 2
+    assert outcome.sent is False
+    text = str(outcome)
+    assert "refused" in text.lower(), text
+    assert "ran out of time" in text, text
 
 
 def test_redis_failed_acquire_leaves_no_lock(
