@@ -287,8 +287,7 @@ class RedisGuard:
         Returns:
             The number of fields added (as ``HSET``).
 
-        Raises:
-            Same as :meth:`set`.
+        It raises what :meth:`set` raises.
         """
         return int(self._one(token, op_hset(key, mapping, must_exist)))
 
@@ -300,8 +299,7 @@ class RedisGuard:
         Returns:
             Whether the key existed.
 
-        Raises:
-            Same as :meth:`set` (never ``MISSING``: deleting nothing still fences).
+        It raises what :meth:`set` raises (never ``MISSING``: deleting nothing still fences).
         """
         results = self._write(token, (op_delete(key),))
         return bool(results[0])
@@ -316,7 +314,8 @@ class RedisGuard:
             ConfigurationError: ``amount`` is not an int of signed 64 bits, before any I/O.
             WriteRefusedError: the value is no 64-bit integer as Redis reads it (e.g.
                 ``"007"``), or the sum would overflow; nothing written.
-            Same as :meth:`set` otherwise.
+
+        Otherwise it raises what :meth:`set` raises.
         """
         results = self._write(token, (op_incr(key, amount, must_exist),))
         return int(results[0])
@@ -327,8 +326,7 @@ class RedisGuard:
         Returns:
             The length of the list.
 
-        Raises:
-            Same as :meth:`set`.
+        It raises what :meth:`set` raises.
         """
         results = self._write(token, (op_rpush(key, values, must_exist),))
         return int(results[0])
@@ -362,7 +360,8 @@ class RedisGuard:
                 ``0..2**63-1``, or more than :data:`MAX_XADD_FIELDS` fields, before any I/O.
             WriteRefusedError: the id is at or below the stream's last id (``STREAM_ID``),
                 or the stream has no id left; nothing written.
-            Same as :meth:`set` otherwise.
+
+        Otherwise it raises what :meth:`set` raises.
         """
         results = self._write(token, (op_xadd(key, fields, id, maxlen, must_exist),))
         return results[0]
@@ -420,8 +419,7 @@ class RedisGuard:
     def hgetall_for_update(self, key: str, *, token: int) -> dict[Any, Any]:
         """The registering read of a hash: raise the fence and return all its fields.
 
-        Raises:
-            Same as :meth:`read_for_update`.
+        It raises what :meth:`read_for_update` raises.
         """
         results = self._write(token, (op_read(key, "hgetall"),))
         return _pairs(results[0])
