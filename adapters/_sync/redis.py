@@ -44,6 +44,8 @@ from fence import (
     default_bus,
     validate_token,
 )
+from fence._sentinel import is_sentinel_url, parse_sentinel_url
+from fence._sync.sentinel import SentinelClients, sentinel_clients
 
 from .._redis_lua import (
     MANY,
@@ -204,16 +206,28 @@ class RedisGuard:
         self.check_issuer = bool(check_issuer)
         self.events = events or default_bus
         self._owns_client = False
+        self._sentinel: SentinelClients | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisGuard:
         """Build a guard with its own client for ``url``; :meth:`close` closes it.
 
         Args:
-            url: a ``redis://`` or ``rediss://`` URL.
+            url: a ``redis://`` or ``rediss://`` URL, or
+                ``redis+sentinel://host1:26379,host2:26379/mymaster/0`` for the primary
+                that Redis Sentinel names (after a failover, the new one; see
+                ``docs/redis-guard.md``).
             **options: keyword arguments of :class:`RedisGuard`.
+
+        Raises:
+            ConfigurationError: a Sentinel URL that cannot be read.
         """
-        guard = cls(redis.Redis.from_url(url), **options)
+        if is_sentinel_url(url):
+            clients = sentinel_clients(parse_sentinel_url(url))
+            guard = cls(clients.master, **options)
+            guard._sentinel = clients
+        else:
+            guard = cls(redis.Redis.from_url(url), **options)
         guard._owns_client = True
         return guard
 
@@ -229,7 +243,10 @@ class RedisGuard:
         """Close the client if this guard created it (:meth:`from_url`)."""
         if self._owns_client:
             self._owns_client = False
-            self.client.close()
+            if self._sentinel is not None:
+                self._sentinel.close()
+            else:
+                self.client.close()
 
     def __enter__(self) -> RedisGuard:
         return self
