@@ -156,9 +156,10 @@ class StaleTokenError(_FenceStale, orm_exc.StaleDataError):
             when the error is pickled.
         key: the primary key of the rejected row as a tuple (``None`` for a claim or a
             criteria ``update()``/``delete()``; see ``rejected``).
-        scope, token, fence, reason, rejected: as for :class:`fence.StaleTokenError`; a
-            batch (several rows of one flush or criteria statement) lists one error per
-            rejected row in ``rejected``.
+
+    ``scope``, ``token``, ``fence``, ``reason`` and ``rejected`` are as for
+    :class:`fence.StaleTokenError`; a batch (several rows of one flush or criteria statement)
+    lists one error per rejected row in ``rejected``.
 
     Example::
 

@@ -4,6 +4,8 @@ A lock manager hands out leases that carry strictly increasing fencing tokens; s
 refuse every write whose token is older than the last one they accepted. A holder that paused
 past its lease therefore cannot corrupt data after it lost the lock.
 
+Example::
+
     from fence import MemoryLockManager
 
     manager = MemoryLockManager()

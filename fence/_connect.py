@@ -1,5 +1,5 @@
-"""Pick a lock manager by URL: ``memory://``, ``redis://``, ``postgresql://``, ``sqlite://``,
-``etcd://``, ``zookeeper://``."""
+"""Pick a lock manager by URL: ``memory://``, ``redis://`` (``+cluster``, ``+sentinel``),
+``postgresql://``, ``sqlite://``, ``etcd://``, ``zookeeper://``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,11 @@ def _kind(url: str | Sequence[str]) -> tuple[str, str | list[str]]:
     if base in _REDIS:
         if variant == "cluster":
             return "redis-cluster", url.replace(f"{base}+cluster://", f"{base}://", 1)
+        if variant not in ("", "sentinel"):
+            raise ConfigurationError(
+                f"no Redis lock manager for {scheme!r}: use redis://, rediss://, unix://, "
+                "redis+cluster:// or redis+sentinel://"
+            )
         return "redis", url
     if base in _SQL:
         if base == "postgres":
@@ -55,8 +60,8 @@ def _kind(url: str | Sequence[str]) -> tuple[str, str | list[str]]:
         return "zookeeper", url
     raise ConfigurationError(
         f"no lock manager for {scheme!r}: use memory://, redis://, redis+cluster://, "
-        "postgresql://, sqlite://, etcd://, zookeeper:// or a list of redis:// URLs for a "
-        "quorum"
+        "redis+sentinel://, postgresql://, sqlite://, etcd://, zookeeper:// or a list of "
+        "redis:// URLs for a quorum"
     )
 
 
@@ -67,7 +72,9 @@ def connect(url: str | Sequence[str], **options: Any) -> BaseLockManager:
         url: ``memory://`` (a private in-process backend) or ``memory://name`` (one
             backend per name, shared by every manager of this process); ``redis://``,
             ``rediss://``, ``unix://`` (``RedisLockManager``); ``redis+cluster://``
-            (a Redis Cluster); ``postgresql://`` or ``sqlite://`` (``SQLLockManager``,
+            (a Redis Cluster); ``redis+sentinel://h1:26379,h2:26379/mymaster/0`` (the
+            primary that Redis Sentinel names; ``?sentinel_password=`` for the Sentinels'
+            own password); ``postgresql://`` or ``sqlite://`` (``SQLLockManager``,
             with any SQLAlchemy driver suffix such as ``postgresql+psycopg://``); or a
             list of 3 or more ``redis://`` URLs (``QuorumLockManager``);
             ``etcd://h1:2379,h2:2379,h3:2379`` (``EtcdLockManager``; ``etcds://`` for TLS,

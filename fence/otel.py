@@ -42,9 +42,11 @@ from fence._observe import METRICS, Installation, Measurements, Metric
 
 __all__ = ["ACQUIRE", "RELEASE", "RETRY_EVENT", "WRITE", "OTelInstrumentation", "install"]
 
-#: Span names.
+#: Name of the span of a granted acquire, from the start of the call to the grant.
 ACQUIRE = "iofence.acquire"
+#: Name of the span of a release.
 RELEASE = "iofence.release"
+#: Name of the span of a guarded write, accepted or rejected (the verdict is an attribute).
 WRITE = "iofence.write"
 #: Name of the span event added to the current span when a retry policy runs work again.
 RETRY_EVENT = "iofence.retry"

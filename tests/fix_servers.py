@@ -10,13 +10,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.servers import PostgresServer, RedisServer, reap_orphans
+from tests.servers import PostgresServer, RedisServer, SentinelSetup, reap_orphans
 
 _MARKS = {
     "redis_server": "redis",
     "redis_url": "redis",
     "postgres_server": "postgres",
     "postgres_url": "postgres",
+    "sentinel_setup": "sentinel",
+    "sentinel_url": "sentinel",
 }
 
 
@@ -70,3 +72,31 @@ def postgres_server() -> Iterator[PostgresServer]:
 def postgres_url(postgres_server: PostgresServer) -> str:
     """A SQLAlchemy URL (psycopg 3) of the session's PostgreSQL cluster."""
     return postgres_server.url
+
+
+@pytest.fixture(scope="session")
+def sentinel_setup() -> Iterator[SentinelSetup]:
+    """A Redis primary, a replica and a Sentinel watching them, for the whole session.
+
+    At most one test fails over (``tests/test_sentinel.py``); the setup then has the former
+    replica as its primary, which is all the other users need.
+    """
+    setup = SentinelSetup().start()
+    yield setup
+    setup.stop()
+
+
+@pytest.fixture
+def sentinel_url(sentinel_setup: SentinelSetup) -> str:
+    """The ``redis+sentinel://`` URL of the session's Sentinel, its primary flushed."""
+    import redis
+
+    primary = (
+        sentinel_setup.primary
+        if sentinel_setup.master_port() == sentinel_setup.primary.port
+        else sentinel_setup.replica
+    )
+    with redis.Redis.from_url(primary.url) as client:
+        client.flushall()
+        client.script_flush()
+    return sentinel_setup.url

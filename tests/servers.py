@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from fence._chaos.clusters import PID_FILE, EtcdCluster, ZooKeeperEnsemble
 from fence._chaos.servers import free_port, pg_bindir, wait_for_port
@@ -29,6 +30,7 @@ __all__ = [
     "EtcdCluster",
     "PostgresServer",
     "RedisServer",
+    "SentinelSetup",
     "ZooKeeperEnsemble",
     "claim_dir",
     "free_port",
@@ -89,20 +91,24 @@ def reap_orphans() -> list[str]:
 class RedisServer:
     """A ``redis-server`` process on loopback, with the faults tests need."""
 
-    def __init__(self, *extra: str, port: int | None = None) -> None:
+    def __init__(self, *extra: str, port: int | None = None, password: str | None = None) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed; run scripts/test to install it")
         self.exe = exe
         self.port = port or free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="iofence-redis-"))
+        self.password = password
+        if password is not None:  # for clients, and for this server's replication link
+            extra = (*extra, "--requirepass", password, "--masterauth", password)
         self.extra = list(extra)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:<port>/0``."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """``redis://127.0.0.1:<port>/0`` (with ``:password@`` if the server has one)."""
+        auth = f":{self.password}@" if self.password is not None else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
         """Start the server and wait until it answers."""
@@ -136,6 +142,9 @@ class RedisServer:
         end = time.monotonic() + timeout
         while True:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                if self.password is not None:
+                    sock.sendall(f"AUTH {self.password}\r\n".encode())
+                    sock.recv(64)
                 sock.sendall(b"PING\r\n")
                 reply = sock.recv(64)
             if reply.startswith(b"+PONG"):
@@ -172,6 +181,146 @@ class RedisServer:
         """Kill the server and remove its directory."""
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class SentinelSetup:
+    """A Redis primary, one replica and one Sentinel watching them, on loopback.
+
+    The Sentinel monitors them as :attr:`service` with a quorum of 1, and never fails over
+    by itself (``down-after-milliseconds`` is a minute): a test fails over with
+    :meth:`failover`. The data nodes and the Sentinel each have their own password, as a
+    production setup does, so that the URL's two password options are exercised.
+    """
+
+    service = "mymaster"
+    password = "data-secret"
+    sentinel_password = "sentinel-secret"
+
+    def __init__(self) -> None:
+        # Either may be the primary; a replica's first sync starts at once, not after 5 s.
+        sync = ("--repl-diskless-sync-delay", "0")
+        self.primary = RedisServer(*sync, password=self.password)
+        self.replica = RedisServer(*sync, password=self.password)
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="iofence-sentinel-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The ``redis+sentinel://`` URL of the service, both passwords in it."""
+        return (
+            f"redis+sentinel://:{self.password}@127.0.0.1:{self.port}/{self.service}/0"
+            f"?sentinel_password={self.sentinel_password}"
+        )
+
+    def sentinel(self) -> Any:
+        """A redis-py client of the Sentinel (the caller closes it)."""
+        import redis
+
+        return redis.Redis(port=self.port, password=self.sentinel_password, decode_responses=True)
+
+    def start(self) -> SentinelSetup:
+        """Start the primary, the replica and the Sentinel; wait until the Sentinel sees the
+        replica in sync."""
+        try:
+            self.primary.start()
+            self.replica.extra += ["--replicaof", "127.0.0.1", str(self.primary.port)]
+            self.replica.start()
+            conf = self.dir / "sentinel.conf"
+            conf.write_text(
+                f"port {self.port}\n"
+                "bind 127.0.0.1\n"
+                f"dir {self.dir}\n"
+                f"logfile {self.dir / 'sentinel.log'}\n"
+                f"requirepass {self.sentinel_password}\n"
+                f"sentinel monitor {self.service} 127.0.0.1 {self.primary.port} 1\n"
+                f"sentinel auth-pass {self.service} {self.password}\n"
+                f"sentinel down-after-milliseconds {self.service} 60000\n"
+                f"sentinel failover-timeout {self.service} 60000\n"
+            )
+            self.proc = subprocess.Popen(
+                [self.primary.exe, str(conf), "--sentinel"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            claim_dir(self.dir)
+            (self.dir / "redis.pid").write_text(str(self.proc.pid))
+            wait_for_port(self.port, proc=self.proc)
+            self.wait_until(lambda: self._replica_seen(self.replica.port), "sees the replica")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _replica_seen(self, port: int) -> bool:
+        with self.sentinel() as client:
+            replicas = client.sentinel_slaves(self.service)
+        return any(
+            int(info["port"]) == port
+            and info["flags"] == "slave"
+            and info.get("master-link-status") == "ok"
+            for info in replicas
+        )
+
+    def master_port(self) -> int:
+        """The port of the primary the Sentinel names now."""
+        with self.sentinel() as client:
+            _, port = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)
+        return int(port)
+
+    def wait_until(self, check: Any, what: str, timeout: float = 30.0) -> None:
+        """Poll ``check()`` until it is true; fail after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > end:
+                log = self.dir / "sentinel.log"
+                tail = log.read_text()[-3000:] if log.exists() else ""
+                raise RuntimeError(f"the Sentinel never {what} within {timeout}s:\n{tail}")
+            time.sleep(0.05)
+
+    def failover(self, to: RedisServer) -> None:
+        """``SENTINEL FAILOVER``, then wait until the Sentinel names ``to`` as the primary and
+        ``to`` acts as one.
+
+        The Sentinel refuses (``NOGOODSLAVE``) until it has heard from the replica lately
+        (a replica that was stopped answers its pings again within about a second), so the
+        command is repeated, within a bound, until it is accepted.
+        """
+        import redis
+
+        def accepted() -> bool:
+            with self.sentinel() as client:
+                try:
+                    client.execute_command("SENTINEL", "FAILOVER", self.service)
+                except redis.ResponseError as exc:
+                    if "NOGOODSLAVE" in str(exc):
+                        return False
+                    raise
+            return True
+
+        self.wait_until(accepted, "accepted SENTINEL FAILOVER")
+
+        def promoted() -> bool:
+            if self.master_port() != to.port:
+                return False
+            with redis.Redis.from_url(to.url) as client:
+                return bool(client.execute_command("ROLE")[0] in (b"master", "master"))
+
+        self.wait_until(promoted, f"named {to.port} the primary")
+
+    def stop(self) -> None:
+        """Stop the Sentinel and both servers and remove their directories."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+        for server in (self.replica, self.primary):
+            with contextlib.suppress(ProcessLookupError):
+                if server.proc is not None:
+                    os.kill(server.proc.pid, signal.SIGCONT)
+            server.stop()
 
 
 class PostgresServer:

@@ -5,10 +5,10 @@ starts with ``# continued`` runs after the Python blocks before it in the same f
 the last one that does not; one that starts with ``# continued from "Heading"`` runs after
 the blocks that the last block under that heading ran after, and that block. Each such
 chain runs once, whole, in a fresh directory, with the suite's servers handed in through
-``REDIS_URL``, ``DATABASE_URL``, ``QUORUM_URLS``, ``ETCD_URL`` and ``ZOOKEEPER_URL`` where a
-block reads them. The same chains, and
-``examples/``, are type-checked with ``mypy --strict`` against the package as installed
-(``fence.adapters`` included).
+``REDIS_URL``, ``DATABASE_URL``, ``QUORUM_URLS``, ``ETCD_URL``, ``ZOOKEEPER_URL`` and
+``SENTINEL_URL`` (a Redis primary and replica behind a Sentinel) where a block reads them.
+The same chains, and ``examples/``, are type-checked with ``mypy --strict`` against the
+package as installed (``fence.adapters`` included).
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ def test_docs_block_runs_as_written(
         env["ETCD_URL"] = request.getfixturevalue("etcd_url")
     if "ZOOKEEPER_URL" in program.text:
         env["ZOOKEEPER_URL"] = request.getfixturevalue("zookeeper_url")
+    if "SENTINEL_URL" in program.text:
+        env["SENTINEL_URL"] = request.getfixturevalue("sentinel_url")
     script = tmp_path / "block.py"
     script.write_text(program.text)
     completed = subprocess.run(

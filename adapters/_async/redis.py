@@ -42,7 +42,9 @@ from fence import (
     default_bus,
     validate_token,
 )
+from fence._async.sentinel import SentinelClients, sentinel_clients
 from fence._redis_conn import closed_connection
+from fence._sentinel import is_sentinel_url, parse_sentinel_url
 
 from .._redis_lua import (
     MANY,
@@ -212,16 +214,28 @@ class AsyncRedisGuard:
         self.check_issuer = bool(check_issuer)
         self.events = events or default_bus
         self._owns_client = False
+        self._sentinel: SentinelClients | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> AsyncRedisGuard:
         """Build a guard with its own client for ``url``; :meth:`close` closes it.
 
         Args:
-            url: a ``redis://`` or ``rediss://`` URL.
+            url: a ``redis://`` or ``rediss://`` URL, or
+                ``redis+sentinel://host1:26379,host2:26379/mymaster/0`` for the primary
+                that Redis Sentinel names (after a failover, the new one; see
+                ``docs/redis-guard.md``).
             **options: keyword arguments of :class:`AsyncRedisGuard`.
+
+        Raises:
+            ConfigurationError: a Sentinel URL that cannot be read.
         """
-        guard = cls(redis.asyncio.Redis.from_url(url), **options)
+        if is_sentinel_url(url):
+            clients = sentinel_clients(parse_sentinel_url(url))
+            guard = cls(clients.master, **options)
+            guard._sentinel = clients
+        else:
+            guard = cls(redis.asyncio.Redis.from_url(url), **options)
         guard._owns_client = True
         return guard
 
@@ -237,7 +251,10 @@ class AsyncRedisGuard:
         """Close the client if this guard created it (:meth:`from_url`)."""
         if self._owns_client:
             self._owns_client = False
-            await self.client.aclose()
+            if self._sentinel is not None:
+                await self._sentinel.close()
+            else:
+                await self.client.aclose()
 
     async def __aenter__(self) -> AsyncRedisGuard:
         return self
@@ -295,8 +312,7 @@ class AsyncRedisGuard:
         Returns:
             The number of fields added (as ``HSET``).
 
-        Raises:
-            Same as :meth:`set`.
+        It raises what :meth:`set` raises.
         """
         return int(await self._one(token, op_hset(key, mapping, must_exist)))
 
@@ -308,8 +324,7 @@ class AsyncRedisGuard:
         Returns:
             Whether the key existed.
 
-        Raises:
-            Same as :meth:`set` (never ``MISSING``: deleting nothing still fences).
+        It raises what :meth:`set` raises (never ``MISSING``: deleting nothing still fences).
         """
         results = await self._write(token, (op_delete(key),))
         return bool(results[0])
@@ -324,7 +339,8 @@ class AsyncRedisGuard:
             ConfigurationError: ``amount`` is not an int of signed 64 bits, before any I/O.
             WriteRefusedError: the value is no 64-bit integer as Redis reads it (e.g.
                 ``"007"``), or the sum would overflow; nothing written.
-            Same as :meth:`set` otherwise.
+
+        Otherwise it raises what :meth:`set` raises.
         """
         results = await self._write(token, (op_incr(key, amount, must_exist),))
         return int(results[0])
@@ -335,8 +351,7 @@ class AsyncRedisGuard:
         Returns:
             The length of the list.
 
-        Raises:
-            Same as :meth:`set`.
+        It raises what :meth:`set` raises.
         """
         results = await self._write(token, (op_rpush(key, values, must_exist),))
         return int(results[0])
@@ -370,7 +385,8 @@ class AsyncRedisGuard:
                 ``0..2**63-1``, or more than :data:`MAX_XADD_FIELDS` fields, before any I/O.
             WriteRefusedError: the id is at or below the stream's last id (``STREAM_ID``),
                 or the stream has no id left; nothing written.
-            Same as :meth:`set` otherwise.
+
+        Otherwise it raises what :meth:`set` raises.
         """
         results = await self._write(token, (op_xadd(key, fields, id, maxlen, must_exist),))
         return results[0]
@@ -433,8 +449,7 @@ class AsyncRedisGuard:
     async def hgetall_for_update(self, key: str, *, token: int) -> dict[Any, Any]:
         """The registering read of a hash: raise the fence and return all its fields.
 
-        Raises:
-            Same as :meth:`read_for_update`.
+        It raises what :meth:`read_for_update` raises.
         """
         results = await self._write(token, (op_read(key, "hgetall"),))
         return _pairs(results[0])

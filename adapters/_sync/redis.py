@@ -45,6 +45,8 @@ from fence import (
     validate_token,
 )
 from fence._redis_conn import closed_connection
+from fence._sentinel import is_sentinel_url, parse_sentinel_url
+from fence._sync.sentinel import SentinelClients, sentinel_clients
 
 from .._redis_lua import (
     MANY,
@@ -214,16 +216,28 @@ class RedisGuard:
         self.check_issuer = bool(check_issuer)
         self.events = events or default_bus
         self._owns_client = False
+        self._sentinel: SentinelClients | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisGuard:
         """Build a guard with its own client for ``url``; :meth:`close` closes it.
 
         Args:
-            url: a ``redis://`` or ``rediss://`` URL.
+            url: a ``redis://`` or ``rediss://`` URL, or
+                ``redis+sentinel://host1:26379,host2:26379/mymaster/0`` for the primary
+                that Redis Sentinel names (after a failover, the new one; see
+                ``docs/redis-guard.md``).
             **options: keyword arguments of :class:`RedisGuard`.
+
+        Raises:
+            ConfigurationError: a Sentinel URL that cannot be read.
         """
-        guard = cls(redis.Redis.from_url(url), **options)
+        if is_sentinel_url(url):
+            clients = sentinel_clients(parse_sentinel_url(url))
+            guard = cls(clients.master, **options)
+            guard._sentinel = clients
+        else:
+            guard = cls(redis.Redis.from_url(url), **options)
         guard._owns_client = True
         return guard
 
@@ -239,7 +253,10 @@ class RedisGuard:
         """Close the client if this guard created it (:meth:`from_url`)."""
         if self._owns_client:
             self._owns_client = False
-            self.client.close()
+            if self._sentinel is not None:
+                self._sentinel.close()
+            else:
+                self.client.close()
 
     def __enter__(self) -> RedisGuard:
         return self
@@ -297,8 +314,7 @@ class RedisGuard:
         Returns:
             The number of fields added (as ``HSET``).
 
-        Raises:
-            Same as :meth:`set`.
+        It raises what :meth:`set` raises.
         """
         return int(self._one(token, op_hset(key, mapping, must_exist)))
 
@@ -310,8 +326,7 @@ class RedisGuard:
         Returns:
             Whether the key existed.
 
-        Raises:
-            Same as :meth:`set` (never ``MISSING``: deleting nothing still fences).
+        It raises what :meth:`set` raises (never ``MISSING``: deleting nothing still fences).
         """
         results = self._write(token, (op_delete(key),))
         return bool(results[0])
@@ -326,7 +341,8 @@ class RedisGuard:
             ConfigurationError: ``amount`` is not an int of signed 64 bits, before any I/O.
             WriteRefusedError: the value is no 64-bit integer as Redis reads it (e.g.
                 ``"007"``), or the sum would overflow; nothing written.
-            Same as :meth:`set` otherwise.
+
+        Otherwise it raises what :meth:`set` raises.
         """
         results = self._write(token, (op_incr(key, amount, must_exist),))
         return int(results[0])
@@ -337,8 +353,7 @@ class RedisGuard:
         Returns:
             The length of the list.
 
-        Raises:
-            Same as :meth:`set`.
+        It raises what :meth:`set` raises.
         """
         results = self._write(token, (op_rpush(key, values, must_exist),))
         return int(results[0])
@@ -372,7 +387,8 @@ class RedisGuard:
                 ``0..2**63-1``, or more than :data:`MAX_XADD_FIELDS` fields, before any I/O.
             WriteRefusedError: the id is at or below the stream's last id (``STREAM_ID``),
                 or the stream has no id left; nothing written.
-            Same as :meth:`set` otherwise.
+
+        Otherwise it raises what :meth:`set` raises.
         """
         results = self._write(token, (op_xadd(key, fields, id, maxlen, must_exist),))
         return results[0]
@@ -435,8 +451,7 @@ class RedisGuard:
     def hgetall_for_update(self, key: str, *, token: int) -> dict[Any, Any]:
         """The registering read of a hash: raise the fence and return all its fields.
 
-        Raises:
-            Same as :meth:`read_for_update`.
+        It raises what :meth:`read_for_update` raises.
         """
         results = self._write(token, (op_read(key, "hgetall"),))
         return _pairs(results[0])

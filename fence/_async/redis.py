@@ -6,8 +6,9 @@ reentrancy, waiting loop and renewal watchdog in :mod:`fence._async.manager`.
 Connections. A manager built from a plain ``redis://`` or ``unix://`` URL uses connections
 of its own (:mod:`fence._async.resp`): a pool of at most ``max_connections`` for the
 scripts, and one pub/sub connection for waking waiters. Every round trip is bounded by the
-time its caller has left. Given clients, ``rediss://`` URLs and Redis Cluster go through
-redis-py (one client, one pool), with one pub/sub connection from it.
+time its caller has left. Given clients, ``rediss://`` URLs, Redis Cluster and Redis
+Sentinel (``redis+sentinel://``, :mod:`fence._async.sentinel`) go through redis-py (one
+client, one pool), with one pub/sub connection from it.
 
 Waiting. However many tasks and threads wait, a manager holds one pub/sub connection
 (the model is Redisson's ``LockPubSub``). The first waiter of a resource subscribes the
@@ -29,6 +30,7 @@ from typing import Any
 
 import redis  # unasync: import redis.asyncio
 import redis.asyncio
+import redis.asyncio.sentinel
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
@@ -46,6 +48,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from fence._acompat import Waiter, cancel_after
 from fence._async.manager import AsyncBaseLockManager
 from fence._async.resp import AsyncRespClient, AsyncRespSubscriber
+from fence._async.sentinel import SentinelClients, sentinel_clients
 from fence._clock import Clock
 from fence._core import TokenMode, client_deadline, validate_ttl
 from fence._deadline import time_left
@@ -70,6 +73,7 @@ from fence._redis_scripts import (
     waiter_id,
 )
 from fence._resp import Address, ConnectionFailure, PoolExhausted, RespError, pack, parse_url
+from fence._sentinel import is_sentinel_url, parse_sentinel_url
 from fence._signal import Signal
 from fence._wake import WakeBoard
 from fence.abc import AcquireReply, LockInfo
@@ -496,10 +500,10 @@ class AsyncRedisDriver:
     """Moves the bytes of :class:`AsyncRedisLockManager`: one round trip per call.
 
     Args:
-        client: a URL (``redis://...``), a ``redis.asyncio.Redis`` or a
-            ``redis.asyncio.RedisCluster``. From a URL the driver builds (and closes) its own
-            connections, with ``socket_timeout`` and no silent retries; a client given is
-            never closed.
+        client: a URL (``redis://...``, ``redis+sentinel://...``), a
+            ``redis.asyncio.Redis`` or a ``redis.asyncio.RedisCluster``. From a URL the
+            driver builds (and closes) its own connections, with ``socket_timeout`` and no
+            silent retries; a client given is never closed.
         prefix: the key prefix; must match the Redis guard's. No braces.
         token_mode: :attr:`TokenMode.HYBRID` (default) or :attr:`TokenMode.COUNTER`.
         fifo: serve waiters in arrival order, waking only the next one.
@@ -560,14 +564,32 @@ class AsyncRedisDriver:
         self._checked = not check_config
         self._appendonly: bool | None = None
         self.address: Address | None = None
-        if isinstance(client, str):
+        self._sentinel: SentinelClients | None = None
+        if isinstance(client, str) and is_sentinel_url(client):
+            if cluster:
+                raise ConfigurationError(
+                    "cluster=True with a redis+sentinel:// URL: Sentinel watches one primary "
+                    "and its replicas, not a Redis Cluster"
+                )
+            self._owned = True
+            target = parse_sentinel_url(client)
+            # The pub/sub connection comes from the same pool: one more than the calls'.
+            self._sentinel = sentinel_clients(
+                target,
+                socket_timeout=self.socket_timeout,
+                max_connections=max_connections + 1,
+                no_retry=True,
+            )
+            self.client: Any = self._sentinel.master
+            self._where = str(target)
+        elif isinstance(client, str):
             self._owned = True
             try:
                 self.address = None if cluster else parse_url(client)
             except ValueError as exc:
                 raise ConfigurationError(f"not a usable Redis URL: {client!r} ({exc})") from exc
             if self.address is not None:
-                self.client: Any = AsyncRespClient(
+                self.client = AsyncRespClient(
                     self.address,
                     max_connections=max_connections,
                     socket_timeout=self.socket_timeout,
@@ -677,6 +699,14 @@ class AsyncRedisDriver:
                 code="CONNECTION",
                 retryable=True,
                 sent=True,
+            )
+        if isinstance(exc, redis.asyncio.sentinel.MasterNotFoundError):
+            return BackendError(
+                f"{where}: no Sentinel named a reachable primary for the {call} ({exc}); "
+                "during a failover this passes, and the call may be retried",
+                code="UNAVAILABLE",
+                retryable=True,
+                sent=False,
             )
         if isinstance(exc, RedisConnectionError) and (
             "Too many connections" in str(exc) or "No connection available" in str(exc)
@@ -1015,7 +1045,10 @@ class AsyncRedisDriver:
         await self._listener.close()
         if self._owned:
             self._owned = False
-            await self.client.aclose()
+            if self._sentinel is not None:
+                await self._sentinel.close()
+            else:
+                await self.client.aclose()
 
     # -- server settings -----------------------------------------------------------------
 
@@ -1050,8 +1083,11 @@ class AsyncRedisLockManager(AsyncBaseLockManager):
     All keys of a resource share the hash tag ``{resource}``, so Redis Cluster works.
 
     Args:
-        client: a URL (``redis://host:6379/0``), a ``redis.asyncio.Redis`` or a
-            ``redis.asyncio.RedisCluster``. The manager closes only clients it built.
+        client: a URL (``redis://host:6379/0``;
+            ``redis+sentinel://host1:26379,host2:26379/mymaster/0`` for the primary that
+            Redis Sentinel names, see ``docs/redis-manager.md``), a
+            ``redis.asyncio.Redis`` or a ``redis.asyncio.RedisCluster``. The manager closes
+            only clients it built.
         prefix: the key prefix; must match the Redis guard's. No braces.
         token_mode: :attr:`TokenMode.HYBRID` (default) survives a lost counter;
             :attr:`TokenMode.COUNTER` survives only what the AOF keeps. See

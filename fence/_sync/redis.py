@@ -8,8 +8,9 @@ reentrancy, waiting loop and renewal watchdog in :mod:`fence._sync.manager`.
 Connections. A manager built from a plain ``redis://`` or ``unix://`` URL uses connections
 of its own (:mod:`fence._sync.resp`): a pool of at most ``max_connections`` for the
 scripts, and one pub/sub connection for waking waiters. Every round trip is bounded by the
-time its caller has left. Given clients, ``rediss://`` URLs and Redis Cluster go through
-redis-py (one client, one pool), with one pub/sub connection from it.
+time its caller has left. Given clients, ``rediss://`` URLs, Redis Cluster and Redis
+Sentinel (``redis+sentinel://``, :mod:`fence._sync.sentinel`) go through redis-py (one
+client, one pool), with one pub/sub connection from it.
 
 Waiting. However many tasks and threads wait, a manager holds one pub/sub connection
 (the model is Redisson's ``LockPubSub``). The first waiter of a resource subscribes the
@@ -31,6 +32,7 @@ from typing import Any
 
 import redis
 import redis.asyncio
+import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     ClusterDownError,
@@ -70,9 +72,11 @@ from fence._redis_scripts import (
     waiter_id,
 )
 from fence._resp import Address, ConnectionFailure, PoolExhausted, RespError, pack, parse_url
+from fence._sentinel import is_sentinel_url, parse_sentinel_url
 from fence._signal import Signal
 from fence._sync.manager import BaseLockManager
 from fence._sync.resp import RespClient, RespSubscriber
+from fence._sync.sentinel import SentinelClients, sentinel_clients
 from fence._wake import WakeBoard
 from fence.abc import AcquireReply, LockInfo
 
@@ -498,10 +502,10 @@ class RedisDriver:
     """Moves the bytes of :class:`RedisLockManager`: one round trip per call.
 
     Args:
-        client: a URL (``redis://...``), a ``redis.Redis`` or a
-            ``redis.RedisCluster``. From a URL the driver builds (and closes) its own
-            connections, with ``socket_timeout`` and no silent retries; a client given is
-            never closed.
+        client: a URL (``redis://...``, ``redis+sentinel://...``), a
+            ``redis.Redis`` or a ``redis.RedisCluster``. From a URL the
+            driver builds (and closes) its own connections, with ``socket_timeout`` and no
+            silent retries; a client given is never closed.
         prefix: the key prefix; must match the Redis guard's. No braces.
         token_mode: :attr:`TokenMode.HYBRID` (default) or :attr:`TokenMode.COUNTER`.
         fifo: serve waiters in arrival order, waking only the next one.
@@ -562,14 +566,32 @@ class RedisDriver:
         self._checked = not check_config
         self._appendonly: bool | None = None
         self.address: Address | None = None
-        if isinstance(client, str):
+        self._sentinel: SentinelClients | None = None
+        if isinstance(client, str) and is_sentinel_url(client):
+            if cluster:
+                raise ConfigurationError(
+                    "cluster=True with a redis+sentinel:// URL: Sentinel watches one primary "
+                    "and its replicas, not a Redis Cluster"
+                )
+            self._owned = True
+            target = parse_sentinel_url(client)
+            # The pub/sub connection comes from the same pool: one more than the calls'.
+            self._sentinel = sentinel_clients(
+                target,
+                socket_timeout=self.socket_timeout,
+                max_connections=max_connections + 1,
+                no_retry=True,
+            )
+            self.client: Any = self._sentinel.master
+            self._where = str(target)
+        elif isinstance(client, str):
             self._owned = True
             try:
                 self.address = None if cluster else parse_url(client)
             except ValueError as exc:
                 raise ConfigurationError(f"not a usable Redis URL: {client!r} ({exc})") from exc
             if self.address is not None:
-                self.client: Any = RespClient(
+                self.client = RespClient(
                     self.address,
                     max_connections=max_connections,
                     socket_timeout=self.socket_timeout,
@@ -677,6 +699,14 @@ class RedisDriver:
                 code="CONNECTION",
                 retryable=True,
                 sent=True,
+            )
+        if isinstance(exc, redis.sentinel.MasterNotFoundError):
+            return BackendError(
+                f"{where}: no Sentinel named a reachable primary for the {call} ({exc}); "
+                "during a failover this passes, and the call may be retried",
+                code="UNAVAILABLE",
+                retryable=True,
+                sent=False,
             )
         if isinstance(exc, RedisConnectionError) and (
             "Too many connections" in str(exc) or "No connection available" in str(exc)
@@ -1011,7 +1041,10 @@ class RedisDriver:
         self._listener.close()
         if self._owned:
             self._owned = False
-            self.client.close()
+            if self._sentinel is not None:
+                self._sentinel.close()
+            else:
+                self.client.close()
 
     # -- server settings -----------------------------------------------------------------
 
@@ -1046,8 +1079,11 @@ class RedisLockManager(BaseLockManager):
     All keys of a resource share the hash tag ``{resource}``, so Redis Cluster works.
 
     Args:
-        client: a URL (``redis://host:6379/0``), a ``redis.Redis`` or a
-            ``redis.RedisCluster``. The manager closes only clients it built.
+        client: a URL (``redis://host:6379/0``;
+            ``redis+sentinel://host1:26379,host2:26379/mymaster/0`` for the primary that
+            Redis Sentinel names, see ``docs/redis-manager.md``), a
+            ``redis.Redis`` or a ``redis.RedisCluster``. The manager closes
+            only clients it built.
         prefix: the key prefix; must match the Redis guard's. No braces.
         token_mode: :attr:`TokenMode.HYBRID` (default) survives a lost counter;
             :attr:`TokenMode.COUNTER` survives only what the AOF keeps. See

@@ -332,8 +332,9 @@ async def test_release_wakes_a_waiter_through_the_managers_channel(
     finally:
         await manager.close()
 
+    # The server drops a closed connection's subscriptions when its event loop reads the
+    # close, which can come after a command another connection sent later.
     async def unsubscribed() -> bool:
-        # The server sees the closed connection a moment after the manager closed it.
         return await subscribers(client, signal) == 0
 
     await until(unsubscribed)

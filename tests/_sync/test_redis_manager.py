@@ -332,8 +332,9 @@ def test_release_wakes_a_waiter_through_the_managers_channel(
     finally:
         manager.close()
 
+    # The server drops a closed connection's subscriptions when its event loop reads the
+    # close, which can come after a command another connection sent later.
     def unsubscribed() -> bool:
-        # The server sees the closed connection a moment after the manager closed it.
         return subscribers(client, signal) == 0
 
     until(unsubscribed)
