@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fence._clock import Clock, subscribe, system_clock
 from fence._core import LeaseMode, TokenMode, issue_token
 from fence._errors import BackendError
+from fence._rwlock import Holder, Waiting, decide
 from fence._signal import Signal, Wakeable
 from fence.abc import AcquireReply, LockInfo
 
@@ -44,12 +45,8 @@ class MemoryBackend:
     One backend can serve several managers, sync and async, in any threads. Expiry is
     decided by the backend's clock, like a server's would be.
 
-    Shared locks (C13): a resource is held by one writer or by readers. A contender that
-    is refused while readers hold the lock or others queue for it (and every refused
-    reader) takes a place in the resource's queue, kept alive by its attempts. A writer
-    needs the lock free and nobody queued ahead of it; a reader needs no writer holding
-    it and no writer queued ahead of it. So a queued writer keeps new readers out, and the
-    queue is served in arrival order, consecutive readers together.
+    Shared locks (C13): a resource is held by one writer or by readers, with a queue of
+    waiters kept alive by their attempts, by the rule of :func:`fence._rwlock.decide`.
 
     Args:
         clock: the backend's clock; pass a :class:`fence.testing.ManualClock` to control it.
@@ -125,31 +122,30 @@ class MemoryBackend:
             now = self.clock.monotonic()
             entry = self._live(resource, now)
             readers = self._live_readers(resource, now)
-            if entry is not None and entry.secret == secret:
-                entry.expires_at = now + ttl
-                return AcquireReply(entry.token)
-            mine = readers.get(secret)
-            if mine is not None:
-                mine.expires_at = now + ttl
-                return AcquireReply(mine.token)
             queue = self._live_queue(resource, now)
             reading = mode is LeaseMode.READ
-            ahead = self._ahead(queue, secret, writers_only=reading)
-            if entry is not None or (readers and not reading) or ahead is not None:
-                if secret in queue:
-                    queue[secret].until = now + QUEUE_TTL
-                elif reading or readers or queue:
-                    queue[secret] = _Waiting(mode, now + QUEUE_TTL)
-                    self._queues[resource] = queue
-                if entry is not None:
-                    wait = entry.expires_at - now
-                elif readers and not reading:
-                    wait = max(r.expires_at for r in readers.values()) - now
-                else:
-                    assert ahead is not None
-                    wait = ahead.until - now
+            verdict = decide(
+                secret,
+                reading,
+                None
+                if entry is None
+                else Holder(entry.secret, entry.token, entry.expires_at - now),
+                [Holder(r.secret, r.token, r.expires_at - now) for r in readers.values()],
+                [Waiting(s, w.mode is LeaseMode.WRITE, w.until - now) for s, w in queue.items()],
+            )
+            if verdict.kept is not None:
+                held = entry if entry is not None and entry.secret == secret else readers[secret]
+                held.expires_at = now + ttl
+                return AcquireReply(held.token)
+            if not verdict.granted:
+                if verdict.queued:
+                    if secret in queue:
+                        queue[secret].until = now + QUEUE_TTL
+                    else:
+                        queue[secret] = _Waiting(mode, now + QUEUE_TTL)
+                        self._queues[resource] = queue
                 cookie = self._versions.get(resource, 0)
-                return AcquireReply(None, wait, cookie, queued=secret in queue)
+                return AcquireReply(None, verdict.wait, cookie, queued=verdict.queued)
             if queue.pop(secret, None) is not None and not queue:
                 self._queues.pop(resource, None)
             token = issue_token(
@@ -292,17 +288,6 @@ class MemoryBackend:
         if not queue:
             del self._queues[resource]
         return queue
-
-    @staticmethod
-    def _ahead(queue: dict[str, _Waiting], secret: str, *, writers_only: bool) -> _Waiting | None:
-        """The first waiter queued before ``secret`` (anywhere, if it is not queued) that
-        keeps it out: any waiter for a writer, a writer for a reader."""
-        for other, waiting in queue.items():
-            if other == secret:
-                return None
-            if not writers_only or waiting.mode is LeaseMode.WRITE:
-                return waiting
-        return None
 
     def _bump(self, resource: str) -> list[Wakeable]:
         self._versions[resource] = self._versions.get(resource, 0) + 1
