@@ -71,7 +71,12 @@ if TYPE_CHECKING:
     from fence._async.redis import AsyncRedisLockManager
     from fence._async.sql import AsyncSQLLockManager
     from fence._async.zookeeper import AsyncZooKeeperLockManager
-    from fence._sql_schema import lease_table, lease_table_ddl
+    from fence._sql_schema import (
+        lease_schema_ddl,
+        lease_table,
+        lease_table_ddl,
+        lease_upgrade_ddl,
+    )
     from fence._sync.etcd import EtcdLockManager
     from fence._sync.quorum import QuorumLockManager
     from fence._sync.redis import RedisLockManager
@@ -93,8 +98,10 @@ _LAZY = {
     "EtcdLockManager": "fence._sync.etcd",
     "AsyncZooKeeperLockManager": "fence._async.zookeeper",
     "ZooKeeperLockManager": "fence._sync.zookeeper",
+    "lease_schema_ddl": "fence._sql_schema",
     "lease_table": "fence._sql_schema",
     "lease_table_ddl": "fence._sql_schema",
+    "lease_upgrade_ddl": "fence._sql_schema",
 }
 
 
@@ -168,8 +175,10 @@ __all__ = [
     "exponential_backoff",
     "is_retryable",
     "issue_token",
+    "lease_schema_ddl",
     "lease_table",
     "lease_table_ddl",
+    "lease_upgrade_ddl",
     "log_events",
     "rejection",
     "system_clock",

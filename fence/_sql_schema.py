@@ -83,13 +83,19 @@ def _qualified(dialect_name: str, table: str, schema: str | None) -> str:
     return name if schema is None else f"{quote(schema)}.{name}"
 
 
-def notify_channel(table: str = DEFAULT_TABLE, schema: str | None = None) -> str:
+def notify_channel(
+    table: str = DEFAULT_TABLE, schema: str | None = None, *, writers: bool = False
+) -> str:
     """The PostgreSQL notification channel that releases of this table are announced on.
 
     A release or a revoke runs ``pg_notify(channel, resource)`` in the same statement, so
-    the notification is delivered when (and only if) the release commits.
+    the notification is delivered when (and only if) the release commits. With
+    ``writers``: the channel on which the last reader of a shared lock announces that it
+    left (C13); only waiting writers need that one (``<channel>:w``).
     """
     channel = f"fence:{schema}.{table}" if schema else f"fence:{table}"
+    if writers:
+        channel += ":w"
     if len(channel.encode()) > 63:  # NAMEDATALEN - 1: longer channel names are refused
         raise ConfigurationError(f"notification channel {channel!r} is longer than 63 bytes")
     return channel
@@ -509,7 +515,7 @@ r AS (
 )
 SELECT r.token, $notify_r FROM r"""
 
-# The last reader to leave wakes the waiters.
+# The last reader to leave wakes the waiting writers (on the writers' channel).
 _PG_RELEASE_READ = """$clock,
 d AS (
     DELETE FROM $shared AS q USING c
@@ -523,7 +529,7 @@ u AS (
     WHERE l.resource = :resource AND l.wtoken < (SELECT token FROM d)
     RETURNING l.token, l.resource, l.readers
 )
-SELECT u.token, CASE WHEN u.readers = 0 THEN $notify_u END FROM u"""
+SELECT u.token, CASE WHEN u.readers = 0 THEN $notify_writers END FROM u"""
 
 _PG_ABANDON = """DELETE FROM $shared AS q
 WHERE q.resource = :resource AND q.member = :secret AND q.kind IN ('R', 'W')
@@ -576,6 +582,7 @@ reg AS (
 _PG_WAKE = "SELECT CAST(pg_notify(:channel, :resource) AS TEXT)"
 _PG_LOCK_ROW = "SELECT 1 FROM $table WHERE resource = :resource FOR UPDATE"
 _PG_NOTIFY = "CAST(pg_notify(:channel, $alias.resource) AS TEXT)"
+_PG_NOTIFY_WRITERS = "CAST(pg_notify(:channel_w, $alias.resource) AS TEXT)"
 _PG_US = "CAST(floor(extract(epoch FROM c.now) * 1000000) AS BIGINT)"
 
 # SQLite: the database's clock in Unix seconds. SQLite reads the clock once per statement
@@ -694,7 +701,8 @@ def lease_statements(
         schema: the schema, or ``None``.
         token_mode: :class:`fence.TokenMode`.
         notify: PostgreSQL: a release or revoke runs ``pg_notify(:channel, resource)`` in
-            the same statement (without it the statements take no ``:channel``).
+            the same statement, the release of the last reader ``pg_notify(:channel_w,
+            resource)`` (without it the statements take neither parameter).
         fence_table: the guards' fence register ``(scope, fence)`` in the same schema: new
             tokens go above its row for the resource, and a revoke raises that row (in the
             same statement on PostgreSQL; in :attr:`LeaseStatements.raise_fence`, run
@@ -722,6 +730,9 @@ def lease_statements(
             values[f"notify_{alias}"] = (
                 Template(_PG_NOTIFY).substitute(alias=alias) if notify else "NULL"
             )
+        values["notify_writers"] = (
+            Template(_PG_NOTIFY_WRITERS).substitute(alias="u") if notify else "NULL"
+        )
         values["first"] = values["floor"]
         values["reg"] = ""
         if register is not None:

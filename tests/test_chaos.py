@@ -87,7 +87,6 @@ def test_fenced_pairing_keeps_every_update(
     assert result["fault_errors"] == []
 
 
-@pytest.mark.parametrize("name", FENCED)
 def test_readers_check_every_read_and_stale_readers_are_refused(
     chaos_run: tuple[dict[str, Any], Path],
 ) -> None:

@@ -27,7 +27,14 @@ DOCS = [
     ROOT / "README.md",
     *(
         ROOT / "docs" / n
-        for n in ("orm.md", "redis-guard.md", "sql-guard.md", "observability.md", "retry.md")
+        for n in (
+            "orm.md",
+            "redis-guard.md",
+            "sql-guard.md",
+            "observability.md",
+            "retry.md",
+            "shared-locks.md",
+        )
     ),
 ]
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)

@@ -348,6 +348,7 @@ class AsyncSQLDriver:
         )
 
         self._channel: str | None = None
+        self._writers_channel: str | None = None
         self._params: dict[str, Any] = {}
         self._wake_params: dict[str, Any] = {}
         self._listen_args: tuple[list[Any], dict[str, Any]] | None = None
@@ -356,7 +357,10 @@ class AsyncSQLDriver:
         self._ready = Signal()
         if dialect == "postgresql":
             self._channel = notify_channel(table, schema)
-            self._params = {"channel": self._channel} if notify else {}
+            self._writers_channel = notify_channel(table, schema, writers=True)
+            self._params = (
+                {"channel": self._channel, "channel_w": self._writers_channel} if notify else {}
+            )
             self._wake_params = {"channel": self._channel}
             self._sql["wake"] = text(self.statements.wake or "")
             self._board = WakeBoard()
@@ -405,9 +409,10 @@ class AsyncSQLDriver:
         """One attempt of a writer or (``mode`` READ) a reader; see
         :meth:`fence.abc.AsyncDriver.acquire`. One statement (on SQLite, a read or a write
         beside readers or queued waiters: one transaction)."""
-        cookie = self._mark()
         key = (resource, secret)
         reading = mode is LeaseMode.READ
+        # The wait needs the board's mark (taken before the attempt) and the mode.
+        cookie = (self._mark(), reading)
         if not self._pg and (reading or key in self._placed):
             return await self._decide(resource, secret, ttl, holder, reading, cookie)
         params = {
@@ -521,15 +526,18 @@ class AsyncSQLDriver:
         """See :meth:`fence.abc.AsyncDriver.release`; a writer's or a reader's lease. On
         PostgreSQL it also notifies (a reader: the last one)."""
         key = (resource, secret)
-        name = "release_read" if key in self._reading else "release"
+        reading = key in self._reading
         self._reading.discard(key)
         row = await self._execute(
-            name, resource, {"resource": resource, "secret": secret, **self._params}
+            "release_read" if reading else "release",
+            resource,
+            {"resource": resource, "secret": secret, **self._params},
         )
         if row is None:
             return False
         if self._local:
-            self._board.wake(resource)
+            # A reader leaving lets only writers in, never a reader that waits.
+            self._board.wake(resource, writers=reading)
         return True
 
     async def cancel(self, resource: str, secret: str, ttl: float) -> bool:
@@ -606,10 +614,14 @@ class AsyncSQLDriver:
                 await self._wait_signal(ready, slice_)
                 return
         waiter = Waiter()
+        cookie = reply.cookie
+        mark, reading = cookie if isinstance(cookie, tuple) and len(cookie) == 2 else (None, False)
+        reading = reading is True
+        key = ("r" if reading else "w", id(waiter)) if reply.queued else None
         if reply.queued:
             self._board.place(resource, 1)
         try:
-            if self._board.attach(resource, waiter, reply.cookie):
+            if self._board.attach(resource, waiter, mark, key):
                 return
             try:
                 await waiter.wait(slice_)
@@ -1014,6 +1026,7 @@ class AsyncSQLDriver:
         assert self._listen_args is not None
         args, kwargs = self._listen_args
         quoted = '"' + (self._channel or "").replace('"', '""') + '"'
+        writers = '"' + (self._writers_channel or "").replace('"', '""') + '"'
         backoff = 0.05
         warned = False
         while not self._closed:
@@ -1028,6 +1041,7 @@ class AsyncSQLDriver:
                 continue
             try:
                 await conn.execute(f"LISTEN {quoted}")
+                await conn.execute(f"LISTEN {writers}")
                 backoff = 0.05
                 warned = False
                 # Releases before this LISTEN were not seen: every waiter retries once.
@@ -1037,7 +1051,8 @@ class AsyncSQLDriver:
                     notes = conn.notifies(timeout=_LISTEN_SLICE, stop_after=1)
                     async for note in notes:  # unasync: for note in notes:
                         if note.payload:
-                            self._board.wake(note.payload)
+                            only = note.channel == self._writers_channel
+                            self._board.wake(note.payload, writers=only)
             except psycopg.Error as exc:
                 _log.debug("LISTEN connection for %s lost: %s", self._where, exc)
             finally:
