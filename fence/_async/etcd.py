@@ -609,7 +609,9 @@ class AsyncEtcdLockManager(AsyncBaseLockManager):
     cluster's raft log, grows across leader changes and restarts, and needs no clock
     (C2, C3). The lease is an etcd lease renewed by keepalive; etcd deletes the key when
     it expires, by the leader's clock. Waiters queue in creation order and each watches
-    only its predecessor's key, so a release wakes one waiter (FIFO, no herd).
+    only its predecessor's key, so a release wakes one waiter (FIFO, no herd). Shared locks
+    (C13): a reader's key waits only for the last writer's key before it, so a writer's
+    release wakes the readers behind it together.
 
     Args:
         endpoints: ``etcd://h1:2379,h2:2379,h3:2379`` (``etcds://`` for TLS; a path sets the

@@ -1062,6 +1062,10 @@ class AsyncRedisLockManager(AsyncBaseLockManager):
     listening connection per manager, however many tasks wait), or by the holder's expiry.
     All keys of a resource share the hash tag ``{resource}``, so Redis Cluster works.
 
+    Shared locks (C13): ``read_lock``/``write_lock`` (``acquire(..., mode="read")``); a
+    reader is a member of ``<prefix>{R}:readers``, and readers and writers waiting beside
+    them queue in arrival order; see ``docs/shared-locks.md``.
+
     Args:
         client: a URL (``redis://host:6379/0``), a ``redis.asyncio.Redis`` or a
             ``redis.asyncio.RedisCluster``. The manager closes only clients it built.

@@ -1069,8 +1069,10 @@ class AsyncSQLLockManager(AsyncBaseLockManager):
     """A lock manager whose leases live in a PostgreSQL or SQLite table.
 
     Acquire, renew and release are one statement each; the database's clock decides
-    expiry and seeds the tokens, so clients with skewed clocks agree. Create the table once
-    with :meth:`create_table` or with the DDL from :func:`fence.lease_table_ddl`.
+    expiry and seeds the tokens, so clients with skewed clocks agree. Create the tables
+    once with :meth:`create_table` or with the DDL from :func:`fence.lease_schema_ddl`
+    (a lease table of an earlier version: :func:`fence.lease_upgrade_ddl`). Shared locks
+    (C13): ``read_lock``/``write_lock``; see ``docs/shared-locks.md``.
 
     Args:
         engine: an :class:`~sqlalchemy.ext.asyncio.AsyncEngine`, or a URL

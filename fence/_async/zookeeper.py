@@ -916,7 +916,8 @@ class AsyncZooKeeperLockManager(AsyncBaseLockManager):
     ttl (the holder's own driver deletes the node, never before the holder's deadline), or
     when the holder's session expires (the holder stopped, or lost its connections for the
     session timeout), whichever comes first; a renewal that finds the node gone reports the
-    lease lost (C10).
+    lease lost (C10). Shared locks (C13): a reader's node (``-read-``) waits only for the
+    last writer's node before it (kazoo's read/write recipe, with tokens).
 
     Args:
         hosts: ``zookeeper://h1:2181,h2:2181,h3:2181/root`` (the path sets the root), a
