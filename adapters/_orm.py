@@ -76,12 +76,13 @@ from sqlalchemy.sql.elements import BooleanClauseList
 from sqlalchemy.sql.visitors import replacement_traverse
 from sqlalchemy.util import await_only
 
-from fence._core import validate_resource, validate_token
+from fence._core import LeaseMode, check_read, validate_mode, validate_resource, validate_token
 from fence._errors import (
     ConfigurationError,
     FenceError,
     LeaseExpiredError,
     LeaseLostError,
+    ReadLeaseError,
     Reason,
     TokenRequiredError,
     UnfencedWriteError,
@@ -138,6 +139,10 @@ SOURCE = "orm"
 
 #: ``Session.info`` key of the :class:`SessionBinding`.
 BINDING_KEY = "iofence.binding"
+
+#: ``Session.info`` key of the connection whose transaction a read binding checked at its
+#: begin: its commit checks the fence again on it.
+_READ_CHECK_KEY = "iofence.read_check"
 
 _TOKEN = "_token"  # noqa: S105 - the bind parameter of the token, as in the row guard's statements
 
@@ -427,6 +432,8 @@ class SessionBinding:
         check_lease: whether ``commit()`` checks the lease first.
         events: the event bus for ``WRITE_ACCEPTED`` / ``WRITE_REJECTED``.
         unfenced: the tables the session may write without a fence (``bind(unfenced=)``).
+        read_only: bound to a read lease (C13): every write is refused, and the claim is a
+            check that does not raise the fence.
     """
 
     token: int
@@ -437,6 +444,18 @@ class SessionBinding:
     check_lease: bool
     events: EventBus
     unfenced: frozenset[Table] = frozenset()
+    read_only: bool = False
+
+    def refusal(self, path: str, scope: str | None = None) -> ReadLeaseError:
+        """The error for a write of a session bound to a read lease."""
+        return ReadLeaseError(
+            f"{path} in a session bound to a read lease (token {self.token}, "
+            f"{self.scope!r}): a read lease is shared with other readers, so it never "
+            "writes. Take a write lease for work that writes (manager.write_lock, "
+            "UnitOfWork(mode='write'))",
+            scope=scope,
+            token=self.token,
+        )
 
     def allows(self, table: Table | None) -> bool:
         """Whether the session may write ``table`` although it has no fence."""
@@ -494,6 +513,7 @@ def bind(
     check_lease: bool = True,
     events: EventBus | None = None,
     unfenced: Iterable[Any] = (),
+    mode: LeaseMode | str | None = None,
 ) -> SessionBinding:
     """Bind a session to a lease: every write of the session is fenced, or refused.
 
@@ -525,6 +545,16 @@ def bind(
     for a transaction already under way (C8). Without the claim a stale write that lands
     between this session's read and its write is accepted, then overwritten.
 
+    Bound to a read lease (C13: ``manager.read_lock``, or ``mode="read"``), the session is
+    read-only: every write path above (flush, ORM and Core statements, raw SQL, bulk
+    paths, tables named in ``unfenced``) raises :class:`fence.ReadLeaseError` before any
+    I/O, and the claim becomes a check that never raises the fence (concurrent readers
+    would refuse each other): each transaction starts by reading the register row of
+    ``scope``, and its commit reads it again, and either raises :class:`StaleTokenError`
+    if the fence is above the lease's token, that is, if a writer whose lease came after
+    this reader's has written (:func:`fence.check_read`). Only a statement marked
+    ``.execution_options(unfenced=True)`` still writes.
+
     Bind before the session's first statement; the binding lasts until :func:`unbind`
     or the session is garbage collected.
 
@@ -542,6 +572,8 @@ def bind(
         events: the event bus (default: :data:`fence.default_bus`).
         unfenced: mapped classes or tables without a fence that the session may write
             (an audit log, say); their writes are not fenced.
+        mode: ``"read"`` binds read-only (the default for a read lease); ``"write"``
+            (the default otherwise) is refused for a read lease.
 
     Returns:
         The :class:`SessionBinding`.
@@ -551,7 +583,8 @@ def bind(
         InvalidResourceError: the scope is not a valid name.
         ConfigurationError: neither or both of ``lease`` and ``token``; no scope to claim;
             the session already runs a transaction (the claim would come after a read);
-            or ``unfenced`` names something that is fenced or not mapped.
+            ``unfenced`` names something that is fenced or not mapped; or
+            ``mode="write"`` with a read lease.
 
     Example::
 
@@ -564,6 +597,15 @@ def bind(
     sync = _sync_session(session)
     if (lease is None) == (token is None):
         raise ConfigurationError("bind() needs either a lease or a token")
+    held = LeaseMode.WRITE if lease is None else getattr(lease, "mode", LeaseMode.WRITE)
+    wanted = held if mode is None else validate_mode(mode)
+    if held is LeaseMode.READ and wanted is LeaseMode.WRITE:
+        raise ConfigurationError(
+            f"bind(mode='write') with a read lease on {lease.resource!r}: a read lease "
+            "never writes; take a write lease for work that writes"
+            if lease is not None
+            else "a read lease never writes"
+        )
     if lease is not None:
         token = lease.token
         if scope is None:
@@ -588,6 +630,7 @@ def bind(
         check_lease=check_lease and lease is not None,
         events=events or default_bus,
         unfenced=_unfenced_tables(unfenced),
+        read_only=wanted is LeaseMode.READ,
     )
     if register is not None:
         gate.mark_register(register)
@@ -634,7 +677,10 @@ def _bound(conn: Connection) -> SessionBinding | None:
 
 
 def _allows_of(conn: Connection) -> Any:
+    # The gate asks only about a statement that writes: a read-only session refuses it.
     found = _bound(conn)
+    if found is not None and found.read_only:
+        raise found.refusal("raw SQL that writes")
     return found.allows_name if found is not None else None
 
 
@@ -711,12 +757,16 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
     current = _CURRENT.get()
     if current is not None and current.transaction is transaction:
         _CURRENT.set(None)
+    if transaction.parent is None:
+        session.info.pop(_READ_CHECK_KEY, None)
 
 
 def _before_flush(session: Session, flush_context: Any, instances: Any) -> None:
     found: SessionBinding | None = session.info.get(BINDING_KEY)
     seen: dict[Mapper[Any], _MapperInfo | None] = {}
     for obj, touched in _changes(session):
+        if found is not None and found.read_only and touched():
+            raise found.refusal(f"a flush of {type(obj).__name__}", type(obj).__name__)
         mapper = instance_state(obj).mapper
         if mapper in seen:
             info = seen[mapper]
@@ -1252,10 +1302,14 @@ def _session_statement(
         return None
     current = _CURRENT.get()
     if current is not None and _session_of(conn) is current.session:
+        if current.binding is not None and current.binding.read_only:
+            raise _read_refusal(current.binding, elem)
         return _flush_statement(conn, current, elem, multiparams, params)
     found = _bound(conn)
     if found is None:
         return None  # the gate's rules for a write without a token
+    if found.read_only:
+        raise _read_refusal(found, elem)
     table = gate.target_table(elem)
     guarded = gate.classify(table) if table is not None else None
     path = f"a Core {type(elem).__name__.lower()}() in a session bound to a lease"
@@ -1289,6 +1343,12 @@ def _session_statement(
     criteria = getattr(elem, "whereclause", None)
     _JUDGE[new] = _Rewrite(info, "criteria", (), criteria=criteria, need_live=need_live)
     return new, multiparams, params
+
+
+def _read_refusal(found: SessionBinding, elem: Any) -> ReadLeaseError:
+    table = gate.target_table(elem)
+    path = f"a {type(elem).__name__.lower()} statement"
+    return found.refusal(path, table.name if table is not None else None)
 
 
 def _refuse_managed_values(stmt: Any, info: _TableInfo) -> None:
@@ -1395,6 +1455,10 @@ def _do_orm_execute(state: ORMExecuteState) -> Result[Any] | None:
     table = gate.target_table(stmt)
     guarded = gate.classify(table) if table is not None else None
     found: SessionBinding | None = state.session.info.get(BINDING_KEY)
+    if found is not None and found.read_only:
+        raise found.refusal(
+            "session.execute() of a write", table.name if table is not None else None
+        )
     if found is None:
         if guarded is None or (guarded.kind is Kind.FENCED and guarded.optional):
             return None
@@ -1606,6 +1670,10 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
     found: SessionBinding | None = session.info.get(BINDING_KEY)
     if found is None or not found.claim or transaction.nested:
         return
+    if found.read_only:
+        _check_read(connection, found)
+        session.info[_READ_CHECK_KEY] = connection
+        return
     if connection.dialect.driver == "psycopg":
         claimed = _claim_with_begin(connection, found)
     else:
@@ -1763,9 +1831,27 @@ _PG_CLAIMS: weakref.WeakKeyDictionary[Table, tuple[bytes, bytes]] = weakref.Weak
 _PREPARED_KEY = "iofence.prepared_claims"
 
 
+def _check_read(connection: Connection, found: SessionBinding) -> None:
+    """A read binding's check (C13): refused if a writer newer than the lease has claimed
+    the scope. It reads the register row and never raises the fence."""
+    fence = FenceRegister(connection, found.register, events=found.events).fence(found.scope)
+    try:
+        check_read(found.scope, found.token, fence)
+    except _FenceStale as err:
+        raise StaleTokenError.from_guard(err, None, None) from None
+
+
 def _before_commit(session: Session) -> None:
     found: SessionBinding | None = session.info.get(BINDING_KEY)
-    if found is None or not found.check_lease or found.lease is None:
+    if found is None:
+        return
+    if found.read_only:
+        # Read again at the end: what the transaction read was written under a token no
+        # newer than the lease (a newer writer's claim commits with its writes).
+        connection = session.info.pop(_READ_CHECK_KEY, None)
+        if connection is not None:
+            _check_read(connection, found)
+    if not found.check_lease or found.lease is None:
         return
     check_lease(found.lease)
 

@@ -44,6 +44,7 @@ SECTIONS: dict[str, str] = {
     "sql-manager": "bench_sql_manager",
     "quorum": "bench_quorum",
     "consensus": "bench_consensus",
+    "shared": "bench_shared",
     "memory": "bench_memory",
     "observe": "bench_observe",
 }
@@ -58,6 +59,8 @@ TITLES = {
     "sql-manager": "3b. The SQL manager vs its floor (two plain UPDATEs) and redis-py Lock",
     "quorum": "3c. The quorum manager vs pottery Redlock over three nodes",
     "consensus": "3d. The etcd and ZooKeeper managers (3 servers each) vs the Redis manager",
+    "shared": "3e. Shared locks: 16 readers + 1 writer on one resource vs the same 17 tasks "
+    "under one exclusive lock (lock cycles/s)",
     "handoff": "4. Contended hand-off, 4 processes, vs python-redis-lock",
     "consensus-handoff": "4b. Contended hand-off on etcd and ZooKeeper vs the Redis manager",
     "memory": "5. Memory after many acquire/release cycles (lower is better)",

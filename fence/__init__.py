@@ -28,11 +28,14 @@ from fence._connect import connect, connect_async
 from fence._core import (
     MAX_RESOURCE_LENGTH,
     MAX_TOKEN,
+    LeaseMode,
     TokenMode,
     accepts,
+    check_read,
     client_deadline,
     issue_token,
     rejection,
+    validate_mode,
     validate_resource,
     validate_token,
     validate_ttl,
@@ -47,7 +50,9 @@ from fence._errors import (
     InvalidTokenError,
     LeaseExpiredError,
     LeaseLostError,
+    LockUpgradeError,
     NotOwnerError,
+    ReadLeaseError,
     Reason,
     RetryableError,
     StaleTokenError,
@@ -68,7 +73,12 @@ if TYPE_CHECKING:
     from fence._async.redis import AsyncRedisLockManager
     from fence._async.sql import AsyncSQLLockManager
     from fence._async.zookeeper import AsyncZooKeeperLockManager
-    from fence._sql_schema import lease_table, lease_table_ddl
+    from fence._sql_schema import (
+        lease_schema_ddl,
+        lease_table,
+        lease_table_ddl,
+        lease_upgrade_ddl,
+    )
     from fence._sync.etcd import EtcdLockManager
     from fence._sync.quorum import QuorumLockManager
     from fence._sync.redis import RedisLockManager
@@ -90,8 +100,10 @@ _LAZY = {
     "EtcdLockManager": "fence._sync.etcd",
     "AsyncZooKeeperLockManager": "fence._async.zookeeper",
     "ZooKeeperLockManager": "fence._sync.zookeeper",
+    "lease_schema_ddl": "fence._sql_schema",
     "lease_table": "fence._sql_schema",
     "lease_table_ddl": "fence._sql_schema",
+    "lease_upgrade_ddl": "fence._sql_schema",
 }
 
 
@@ -135,13 +147,16 @@ __all__ = [
     "Lease",
     "LeaseExpiredError",
     "LeaseLostError",
+    "LeaseMode",
     "LockInfo",
     "LockManager",
+    "LockUpgradeError",
     "ManualClock",
     "MemoryBackend",
     "MemoryLockManager",
     "NotOwnerError",
     "QuorumLockManager",
+    "ReadLeaseError",
     "Reason",
     "RedisLockManager",
     "RetryPolicy",
@@ -154,6 +169,7 @@ __all__ = [
     "UnfencedWriteError",
     "ZooKeeperLockManager",
     "accepts",
+    "check_read",
     "client_deadline",
     "connect",
     "connect_async",
@@ -161,11 +177,14 @@ __all__ = [
     "exponential_backoff",
     "is_retryable",
     "issue_token",
+    "lease_schema_ddl",
     "lease_table",
     "lease_table_ddl",
+    "lease_upgrade_ddl",
     "log_events",
     "rejection",
     "system_clock",
+    "validate_mode",
     "validate_resource",
     "validate_token",
     "validate_ttl",
@@ -186,6 +205,7 @@ for _name in (
     "EventKind",
     "LockInfo",
     "TokenMode",
+    "LeaseMode",
     "ManualClock",
     "SystemClock",
 ):

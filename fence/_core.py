@@ -21,13 +21,16 @@ from fence._errors import (
 __all__ = [
     "MAX_RESOURCE_LENGTH",
     "MAX_TOKEN",
+    "LeaseMode",
     "TokenMode",
     "accepts",
     "backoff_delay",
     "batch_rejection",
+    "check_read",
     "client_deadline",
     "issue_token",
     "rejection",
+    "validate_mode",
     "validate_resource",
     "validate_token",
     "validate_ttl",
@@ -124,6 +127,35 @@ class TokenMode(enum.StrEnum):
     COUNTER = "counter"
 
 
+class LeaseMode(enum.StrEnum):
+    """What a lease allows (C13): many readers, or one writer.
+
+    Attributes:
+        READ: a shared lease. Readers hold the lock together; no writer holds it while any
+            reader does. A read lease never writes: integrations refuse it for writes.
+        WRITE: an exclusive lease, the default: no other writer and no reader holds the lock.
+    """
+
+    READ = "read"
+    WRITE = "write"
+
+
+def validate_mode(mode: object) -> LeaseMode:
+    """Return ``mode`` as a :class:`LeaseMode` (``"read"`` or ``"write"``), else raise.
+
+    Raises:
+        ConfigurationError: anything else, before any I/O.
+    """
+    if isinstance(mode, LeaseMode):
+        return mode
+    if isinstance(mode, str):
+        try:
+            return LeaseMode(mode)
+        except ValueError:
+            pass
+    raise ConfigurationError(f'mode must be "read" or "write", got {mode!r}')
+
+
 def issue_token(last: int, clock_us: int, mode: TokenMode = TokenMode.HYBRID) -> int:
     """Compute the token for a new acquisition (C2, C3).
 
@@ -147,6 +179,39 @@ def accepts(token: int, fence: int | None) -> bool:
     A missing fence counts as 0. Equal tokens pass because a holder writes more than once.
     """
     return token >= (fence or 0)
+
+
+def check_read(scope: str, token: int, fence: int | None) -> None:
+    """A checked read under a read lease: refuse it if a newer writer has written.
+
+    A reader never raises a fence (concurrent readers would refuse each other). Instead it
+    reads the data together with its fence (one atomic step: ``RedisGuard.get``, a row's
+    fence column, ``FenceRegister.fence`` in the transaction) and calls this afterwards:
+    the read stands iff ``fence <= token``, that is, no writer whose lease came after the
+    reader's wrote what was read. Equal tokens pass (the reader's own lease).
+
+    Args:
+        scope: what was read (for the error).
+        token: the read lease's token.
+        fence: the fence read with the data, ``None`` if there is none.
+
+    Raises:
+        StaleTokenError: ``STALE``: the fence is above ``token``; a writer newer than the
+            reader's lease wrote, so the read may mix states. Read again under a new lease.
+        InvalidTokenError: ``token`` is not a valid token.
+    """
+    token = validate_token(token)
+    if fence is not None and fence > token:
+        raise StaleTokenError(
+            scope,
+            token,
+            fence,
+            Reason.STALE,
+            message=(
+                f"{scope}: read under token {token} is stale: the fence is {fence}, a writer "
+                "newer than the read lease wrote; read again under a new lease"
+            ),
+        )
 
 
 def rejection(

@@ -344,20 +344,30 @@ def judge_sqlite(journal_mode: str, busy_timeout_ms: int) -> list[Check]:
 
 
 def judge_tables(
-    lease_table: str, has_lease: bool, register: str, has_register: bool
+    lease_table: str,
+    has_lease: bool,
+    register: str,
+    has_register: bool,
+    *,
+    shared: str | None = None,
+    has_shared: bool = True,
+    lacking: Sequence[str] = (),
 ) -> list[Check]:
-    """Judge whether the lease table and the fence register exist.
+    """Judge whether the lease table, its shared table and the fence register exist.
 
     Args:
         lease_table: the lease table's name, as shown.
         has_lease: whether it exists.
         register: the fence register's name, as shown.
         has_register: whether it exists.
+        shared: the shared locks' table (``<lease_table>_shared``), as shown; ``None``
+            leaves it unjudged.
+        has_shared: whether it exists.
+        lacking: the columns of shared locks an existing lease table lacks (a table made by
+            a version before them).
     """
     checks = []
-    if has_lease:
-        checks.append(Check(OK, "lease table", f"{lease_table} exists"))
-    else:
+    if not has_lease:
         checks.append(
             Check(
                 FAIL,
@@ -368,6 +378,34 @@ def judge_tables(
                 "create_table=True) once)",
             )
         )
+    elif lacking:
+        checks.append(
+            Check(
+                FAIL,
+                "lease table",
+                f"{lease_table} lacks {', '.join(lacking)}: it was made before shared locks, "
+                "and the SQL lock manager refuses its calls until it is migrated",
+                "migrate it once with the statements of fence.lease_upgrade_ddl(DIALECT), "
+                "before the new managers start",
+            )
+        )
+    else:
+        checks.append(Check(OK, "lease table", f"{lease_table} exists"))
+    if shared is not None:
+        if has_shared:
+            checks.append(Check(OK, "shared table", f"{shared} exists"))
+        else:
+            checks.append(
+                Check(
+                    FAIL,
+                    "shared table",
+                    f"{shared} is missing: the SQL lock manager keeps the readers and waiters "
+                    "of shared locks there",
+                    "create it: fence ddl --dialect DIALECT (all the lock manager's tables), "
+                    "or fence.lease_upgrade_ddl(DIALECT) for a lease table of an earlier "
+                    "version",
+                )
+            )
     if has_register:
         checks.append(Check(OK, "fence register", f"{register} exists"))
     else:
@@ -717,6 +755,8 @@ def sql_checks(
     """
     import sqlalchemy as sa
 
+    from fence._sql_schema import SHARED_COLUMNS, shared_table_name
+
     dialect = engine.dialect.name
     where = _where(str(engine.url)) if path is None else path
     # The file's own journal mode, read before the engine connects: a lock manager built
@@ -746,11 +786,20 @@ def sql_checks(
             inspector = sa.inspect(conn)
             qualified = f"{schema}.{lease_table}" if schema else lease_table
             qualified_register = f"{schema}.{register}" if schema else register
+            has_lease = inspector.has_table(lease_table, schema=schema)
+            columns = (
+                {c["name"] for c in inspector.get_columns(lease_table, schema=schema)}
+                if has_lease
+                else set()
+            )
             checks += judge_tables(
                 qualified,
-                inspector.has_table(lease_table, schema=schema),
+                has_lease,
                 qualified_register,
                 inspector.has_table(register, schema=schema),
+                shared=shared_table_name(qualified),
+                has_shared=inspector.has_table(shared_table_name(lease_table), schema=schema),
+                lacking=[c for c in SHARED_COLUMNS if c not in columns],
             )
             return checks
     except sa.exc.DBAPIError as exc:

@@ -19,7 +19,9 @@ __all__ = [
     "InvalidTokenError",
     "LeaseExpiredError",
     "LeaseLostError",
+    "LockUpgradeError",
     "NotOwnerError",
+    "ReadLeaseError",
     "Reason",
     "RetryableError",
     "StaleTokenError",
@@ -103,6 +105,24 @@ class ConfigurationError(FenceError, ValueError):
     """An argument or a backend setting makes the contract impossible to keep."""
 
 
+class LockUpgradeError(ConfigurationError):
+    """An owner that holds a read lease asked for a write lease on the same resource (C13).
+
+    Refused before any I/O. An upgrade deadlocks: two readers that both wait to become the
+    writer each wait for the other to leave. Release the read lease, then acquire the
+    write lease (and read again under it), or take the write lease from the start.
+
+    Attributes:
+        resource: the resource.
+        token: the token of the read lease the owner holds.
+    """
+
+    def __init__(self, message: str, *, resource: str | None = None, token: int | None = None):
+        super().__init__(message)
+        self.resource = resource
+        self.token = token
+
+
 class StaleTokenError(FenceError):
     """A guarded write was rejected; nothing was written (C5).
 
@@ -175,6 +195,24 @@ class UnfencedWriteError(TokenRequiredError):
     Attributes:
         scope: the table (or key) the write targeted.
     """
+
+
+class ReadLeaseError(UnfencedWriteError):
+    """A write under a read lease was refused before any I/O (C13).
+
+    A read lease is shared: other readers hold the same lock at the same time, so its
+    token cannot fence a write. The session hook, the unit of work and the repository
+    wrapper raise it for every write path of a session bound to a read lease. Take a
+    write lease (``manager.write_lock``) for the work that writes.
+
+    Attributes:
+        scope: what the write targeted (a table, a model), if known.
+        token: the read lease's token.
+    """
+
+    def __init__(self, message: str, *, scope: str | None = None, token: int | None = None):
+        super().__init__(message, scope=scope)
+        self.token = token
 
 
 class LeaseExpiredError(FenceError):
@@ -298,7 +336,9 @@ for _cls in (
     UnfencedWriteError,
     LeaseExpiredError,
     LeaseLostError,
+    LockUpgradeError,
     NotOwnerError,
+    ReadLeaseError,
     AcquireTimeout,
     BackendError,
     RetryableError,

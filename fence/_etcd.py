@@ -6,13 +6,16 @@ every etcd server serves on its client port (``POST /v3/kv/txn``, ``/v3/lease/gr
 
 Layout of resource ``R`` under prefix ``P`` (default ``fence/``)::
 
-    P R \\0 <lease id, 16 hex digits>     one key per contender, value = holder label,
+    P R \\0 <lease id, 16 hex digits>     a writer's key, value = holder label,
                                           attached to the contender's own lease
+    P R \\0 r <lease id, 16 hex digits>   a reader's key (C13), the same otherwise
 
 ``R`` cannot contain NUL, so the range ``[P R \\0, P R \\1)`` holds exactly the keys of
-``R`` (``order:4`` and ``order:42`` never share a range). The key that was created first
-(smallest create revision) holds the lock, and its create revision is the fencing token:
-see :mod:`fence._queue` for why the tokens only grow.
+``R`` (``order:4`` and ``order:42`` never share a range), and ``[P R \\0 0, P R \\0 g)``
+exactly its writers' keys (hex digits sort below ``g``, ``r`` above). The key that was
+created first (smallest create revision) holds the lock, with the readers' keys created
+before the first writer's; a key's create revision is its fencing token: see
+:mod:`fence._queue` for why the tokens only grow.
 
 Each contender's lease id is derived from its owner secret (a keyed hash, 63 bits), so
 release and renewal need no state beyond the secret, and a forged secret names a lease
@@ -41,6 +44,7 @@ __all__ = [
     "acquire_txn",
     "b64",
     "entry_key",
+    "is_writer_key",
     "lease_id",
     "lease_seconds",
     "owner_range",
@@ -52,6 +56,7 @@ __all__ = [
     "token_of",
     "validate_prefix",
     "watch_body",
+    "writer_range",
 ]
 
 DEFAULT_PREFIX = "fence/"
@@ -107,9 +112,19 @@ def range_end(start: bytes) -> bytes:
     return start[:-1] + b"\x01"
 
 
-def entry_key(start: bytes, lease: int) -> bytes:
-    """The queue key of the contender whose lease is ``lease``."""
-    return start + b"%016x" % lease
+#: The byte after the queue prefix that marks a reader's key.
+READER = b"r"
+
+
+def entry_key(start: bytes, lease: int, *, reading: bool = False) -> bytes:
+    """The queue key of the contender whose lease is ``lease`` (a reader's with
+    ``reading``)."""
+    return start + (READER if reading else b"") + b"%016x" % lease
+
+
+def is_writer_key(start: bytes, key: bytes) -> bool:
+    """Whether ``key`` of the queue starting at ``start`` is a writer's."""
+    return key[len(start) : len(start) + 1] != READER
 
 
 def b64(data: bytes) -> str:
@@ -191,31 +206,48 @@ def owner_range(start: bytes) -> dict[str, Any]:
     return _range(start, descend=False, limit=1)
 
 
+def writer_range(
+    start: bytes, *, descend: bool = True, limit: int = 1, max_create: int = 0
+) -> dict[str, Any]:
+    """A range request over the writers' keys of the queue (``[start 0, start g)``), by
+    create revision; with ``max_create``, only those created up to it. Its ``count`` is
+    how many there are."""
+    body = _range(start, descend=descend, limit=limit, max_create=max_create)
+    body["key"] = b64(start + b"0")
+    body["range_end"] = b64(start + b"g")
+    return body
+
+
 def predecessor_range(start: bytes, create_revision: int) -> dict[str, Any]:
     """A range request for the key created last before ``create_revision``; its
     ``count`` is how many keys come before."""
     return _range(start, descend=True, limit=1, max_create=create_revision - 1)
 
 
-def acquire_txn(start: bytes, key: bytes, lease: int, holder: str) -> dict[str, Any]:
+def acquire_txn(
+    start: bytes, key: bytes, lease: int, holder: str, *, reading: bool = False
+) -> dict[str, Any]:
     """One transaction: join the queue of ``start`` and read where the key stands.
 
-    If ``key`` does not exist yet, put it (attached to ``lease``) and read the two keys
-    created last: this key (just created, so the newest) and its predecessor, with the
-    count of the whole range. If it exists (an earlier attempt), read it and the owner.
+    If ``key`` does not exist yet, put it (attached to ``lease``) and read, for a writer,
+    the two keys created last: this key (just created, so the newest) and its predecessor,
+    with the count of the whole range; for a reader (``reading``), the writer created last
+    (all writers' keys are older than this one), with the count of the writers. If the key
+    exists (an earlier attempt), read it and the owner (a writer) or the first writer (a
+    reader).
     """
     compare = [{"target": "CREATE", "key": b64(key), "result": "EQUAL", "create_revision": 0}]
     put = {"key": b64(key), "value": b64(holder.encode()), "lease": lease}
+    if reading:
+        ahead = writer_range(start, descend=True, limit=1)
+        first = writer_range(start, descend=False, limit=1)
+    else:
+        ahead = _range(start, descend=True, limit=2)
+        first = owner_range(start)
     return {
         "compare": compare,
-        "success": [
-            {"request_put": put},
-            {"request_range": _range(start, descend=True, limit=2)},
-        ],
-        "failure": [
-            {"request_range": {"key": b64(key)}},
-            {"request_range": owner_range(start)},
-        ],
+        "success": [{"request_put": put}, {"request_range": ahead}],
+        "failure": [{"request_range": {"key": b64(key)}}, {"request_range": first}],
     }
 
 

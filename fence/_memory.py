@@ -11,12 +11,18 @@ import threading
 from dataclasses import dataclass
 
 from fence._clock import Clock, subscribe, system_clock
-from fence._core import TokenMode, issue_token
+from fence._core import LeaseMode, TokenMode, issue_token
 from fence._errors import BackendError
+from fence._rwlock import Holder, Waiting, decide
 from fence._signal import Signal, Wakeable
 from fence.abc import AcquireReply, LockInfo
 
 __all__ = ["MemoryBackend"]
+
+
+#: How long a queued waiter keeps its place without an attempt (its heartbeat), in seconds
+#: of the backend's clock. Waiters try again at least every few seconds.
+QUEUE_TTL = 15.0
 
 
 @dataclass(slots=True)
@@ -27,11 +33,20 @@ class _Entry:
     holder: str
 
 
+@dataclass(slots=True)
+class _Waiting:
+    mode: LeaseMode
+    until: float
+
+
 class MemoryBackend:
     """Lock state and token counters in this process, on an injected clock.
 
     One backend can serve several managers, sync and async, in any threads. Expiry is
     decided by the backend's clock, like a server's would be.
+
+    Shared locks (C13): a resource is held by one writer or by readers, with a queue of
+    waiters kept alive by their attempts, by the rule of :func:`fence._rwlock.decide`.
 
     Args:
         clock: the backend's clock; pass a :class:`fence.testing.ManualClock` to control it.
@@ -45,6 +60,8 @@ class MemoryBackend:
         self.token_mode = TokenMode(token_mode)
         self._mutex = threading.Lock()
         self._locks: dict[str, _Entry] = {}
+        self._readers: dict[str, dict[str, _Entry]] = {}
+        self._queues: dict[str, dict[str, _Waiting]] = {}
         self._last: dict[str, int] = {}
         self._versions: dict[str, int] = {}
         self._waiters: dict[str, list[Wakeable]] = {}
@@ -79,6 +96,7 @@ class MemoryBackend:
         with self._mutex:
             self._last.clear()
             self._locks.clear()
+            self._readers.clear()
             self._bump_all()
 
     # -- what the drivers call ----------------------------------------------------------
@@ -90,62 +108,127 @@ class MemoryBackend:
         running = self._running
         return None if running.is_set() else running
 
-    def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
-        """One acquire attempt; see :meth:`fence.abc.AsyncDriver.acquire`."""
+    def acquire(
+        self,
+        resource: str,
+        secret: str,
+        ttl: float,
+        holder: str,
+        mode: LeaseMode = LeaseMode.WRITE,
+    ) -> AcquireReply:
+        """One acquire attempt, of a writer or (``mode`` READ) a reader; see
+        :meth:`fence.abc.AsyncDriver.acquire`."""
         with self._mutex:
             now = self.clock.monotonic()
             entry = self._live(resource, now)
-            if entry is not None:
-                if entry.secret == secret:
-                    entry.expires_at = now + ttl
-                    return AcquireReply(entry.token)
-                return AcquireReply(None, entry.expires_at - now, self._versions.get(resource, 0))
+            readers = self._live_readers(resource, now)
+            queue = self._live_queue(resource, now)
+            reading = mode is LeaseMode.READ
+            verdict = decide(
+                secret,
+                reading,
+                None
+                if entry is None
+                else Holder(entry.secret, entry.token, entry.expires_at - now),
+                [Holder(r.secret, r.token, r.expires_at - now) for r in readers.values()],
+                [Waiting(s, w.mode is LeaseMode.WRITE, w.until - now) for s, w in queue.items()],
+            )
+            if verdict.kept is not None:
+                held = entry if entry is not None and entry.secret == secret else readers[secret]
+                held.expires_at = now + ttl
+                return AcquireReply(held.token)
+            if not verdict.granted:
+                if verdict.queued:
+                    if secret in queue:
+                        queue[secret].until = now + QUEUE_TTL
+                    else:
+                        queue[secret] = _Waiting(mode, now + QUEUE_TTL)
+                        self._queues[resource] = queue
+                cookie = self._versions.get(resource, 0)
+                return AcquireReply(None, verdict.wait, cookie, queued=verdict.queued)
+            if queue.pop(secret, None) is not None and not queue:
+                self._queues.pop(resource, None)
             token = issue_token(
                 self._last.get(resource, 0), int(self.clock.time() * 1_000_000), self.token_mode
             )
             self._last[resource] = token
-            self._locks[resource] = _Entry(secret, token, now + ttl, holder)
+            granted = _Entry(secret, token, now + ttl, holder)
+            if reading:
+                self._readers.setdefault(resource, {})[secret] = granted
+            else:
+                self._locks[resource] = granted
             return AcquireReply(token)
 
     def renew(self, resource: str, secret: str, ttl: float) -> bool:
-        """See :meth:`fence.abc.AsyncDriver.renew`."""
+        """See :meth:`fence.abc.AsyncDriver.renew`; for a writer or a reader."""
         with self._mutex:
             now = self.clock.monotonic()
             entry = self._live(resource, now)
             if entry is None or entry.secret != secret:
-                return False
+                entry = self._live_readers(resource, now).get(secret)
+                if entry is None:
+                    return False
             entry.expires_at = now + ttl
             return True
 
     def release(self, resource: str, secret: str) -> bool:
-        """See :meth:`fence.abc.AsyncDriver.release`."""
+        """See :meth:`fence.abc.AsyncDriver.release`; for a writer or a reader. The last
+        reader to leave wakes the waiters."""
         with self._mutex:
-            entry = self._live(resource, self.clock.monotonic())
-            if entry is None or entry.secret != secret:
-                return False
-            del self._locks[resource]
+            now = self.clock.monotonic()
+            entry = self._live(resource, now)
+            if entry is not None and entry.secret == secret:
+                del self._locks[resource]
+            else:
+                readers = self._live_readers(resource, now)
+                if readers.pop(secret, None) is None:
+                    return False
+                if readers:
+                    return True
+                self._readers.pop(resource, None)
             waiters = self._bump(resource)
         for waiter in waiters:
             waiter.wake()
         return True
+
+    def abandon(self, resource: str, secret: str) -> None:
+        """A waiter gave up: take it out of the queue and let the others try again."""
+        with self._mutex:
+            queue = self._queues.get(resource)
+            if queue is None or queue.pop(secret, None) is None:
+                return
+            if not queue:
+                del self._queues[resource]
+            waiters = self._bump(resource)
+        for waiter in waiters:
+            waiter.wake()
 
     def inspect(self, resource: str) -> LockInfo | None:
         """See :meth:`fence.abc.AsyncDriver.inspect`."""
         with self._mutex:
             now = self.clock.monotonic()
             entry = self._live(resource, now)
-            if entry is None:
-                return None
-            return LockInfo(resource, entry.token, entry.expires_at - now, entry.holder)
+            if entry is not None:
+                return LockInfo(resource, entry.token, entry.expires_at - now, entry.holder)
+            readers = [
+                LockInfo(resource, r.token, r.expires_at - now, r.holder, LeaseMode.READ)
+                for r in self._live_readers(resource, now).values()
+            ]
+            return LockInfo.of_readers(resource, readers)
 
     def revoke(self, resource: str) -> int:
-        """See :meth:`fence.abc.AsyncDriver.revoke`."""
+        """See :meth:`fence.abc.AsyncDriver.revoke`: ends the writer's lease or every
+        reader's."""
         with self._mutex:
-            entry = self._live(resource, self.clock.monotonic())
+            now = self.clock.monotonic()
+            entry = self._live(resource, now)
             last = self._last.get(resource, 0)
             if entry is not None:
                 last = max(last, entry.token)
                 del self._locks[resource]
+            for reader in self._live_readers(resource, now).values():
+                last = max(last, reader.token)
+            self._readers.pop(resource, None)
             token = issue_token(last, int(self.clock.time() * 1_000_000), self.token_mode)
             self._last[resource] = token
             waiters = self._bump(resource)
@@ -185,6 +268,26 @@ class MemoryBackend:
             del self._locks[resource]
             return None
         return entry
+
+    def _live_readers(self, resource: str, now: float) -> dict[str, _Entry]:
+        readers = self._readers.get(resource)
+        if not readers:
+            return {}
+        for secret in [s for s, r in readers.items() if r.expires_at <= now]:
+            del readers[secret]
+        if not readers:
+            del self._readers[resource]
+        return readers
+
+    def _live_queue(self, resource: str, now: float) -> dict[str, _Waiting]:
+        queue = self._queues.get(resource)
+        if queue is None:
+            return {}
+        for secret in [s for s, w in queue.items() if w.until <= now]:
+            del queue[secret]
+        if not queue:
+            del self._queues[resource]
+        return queue
 
     def _bump(self, resource: str) -> list[Wakeable]:
         self._versions[resource] = self._versions.get(resource, 0) + 1

@@ -7,16 +7,26 @@ Redis Cluster slot. With the default prefix ``fence:``:
 - ``fence:{R}:token``: the last token issued for ``R``; an integer string with no ttl.
 - ``fence:{R}:fence``: the storage guards' fence register. :data:`REVOKE` raises it, and
   no new token is ever issued at or below it.
-- ``fence:{R}:queue`` and ``fence:{R}:queue-deadlines``: the FIFO wait queue (a sorted set
-  of waiter ids by arrival, and a hash of each waiter's deadline in server milliseconds).
+- ``fence:{R}:readers`` and ``fence:{R}:reader-tokens``: the readers of a shared lock
+  (C13): a sorted set of reader secrets by the end of their lease (server milliseconds),
+  and a hash of each reader's ``"<token> <holder label>"``.
+- ``fence:{R}:queue``, ``fence:{R}:queue-deadlines`` and ``fence:{R}:queue-writers``: the
+  wait queue (a sorted set of waiter ids by arrival, a hash of each waiter's heartbeat
+  deadline in server milliseconds, and the writers among the waiters). FIFO managers queue
+  every waiter; the others queue readers, and writers that wait while readers hold or
+  queue, so that a waiting writer keeps new readers out.
 - ``fence:{R}:void:<secret>``: left by :data:`CANCEL` for an acquire that gave up without
   knowing its outcome; an attempt with that secret that arrives later is refused.
 
 and the pub/sub channel ``fence:{R}:signal``, on which a release (or revoke, or a waiter
-that gives up while the lock is free) publishes a wake-up: an empty message (wake one
-waiter per listening manager) or, with FIFO, the id of the waiter whose turn it is.
+that gives up while the lock is free) publishes a wake-up: the ids of the waiters whose
+turn it is (the queue's head, and with a reader at the head every reader behind it up to
+the first writer), or, when nobody is queued and without FIFO, an empty message (wake one
+waiter per listening manager).
 
-Only the lock, queue and void keys carry a ttl. Counters and fences never do.
+The scripts name the readers, ``queue-writers`` and void keys from the lock key (they
+share its hash tag, so one script still touches one Redis Cluster slot). Only the lock,
+readers, queue and void keys carry a ttl. Counters and fences never do.
 
 Tokens in Lua are doubles; every token is below ``2**53`` (C1), so they are exact. They are
 written with ``string.format('%d', t)``: passing a number to ``redis.call`` would format it
@@ -54,13 +64,18 @@ __all__ = [
 #: The key prefix shared with the Redis guard.
 DEFAULT_PREFIX = "fence:"
 
-# Shared Lua prelude: the token rule of fence._core.issue_token and the wake-up step.
+# Shared Lua prelude: the token rule of fence._core.issue_token, the queue, the readers and
+# the wake-up step.
 _PRELUDE = """
 local MAX_TOKEN = 9007199254740991
 
 local function now_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local function now_ms()
+  return math.floor(now_us() / 1000)
 end
 
 -- max(last + 1, TIME in microseconds) for 'hybrid', last + 1 for 'counter'.
@@ -90,82 +105,211 @@ local function base_of(lock_key)
   return string.sub(lock_key, 1, -5)
 end
 
+-- The queue: '<base>queue' (waiter ids by arrival), '<base>queue-deadlines' (id -> the
+-- waiter's heartbeat deadline, ms) and '<base>queue-writers' (the writers among them, with
+-- the same scores).
+local function writers_of(queue)
+  return queue .. '-writers'
+end
+
+-- Take a waiter out of the queue; return 1 if it was in it.
+local function drop(queue, deadlines, id)
+  redis.call('ZREM', writers_of(queue), id)
+  redis.call('HDEL', deadlines, id)
+  return redis.call('ZREM', queue, id)
+end
+
+-- A waiter's attempt is its heartbeat: its place lives while it keeps trying.
+local function heartbeat(queue, deadlines, id, lifetime, now)
+  redis.call('HSET', deadlines, id, string.format('%d', now + tonumber(lifetime)))
+  redis.call('PEXPIRE', queue, lifetime)
+  redis.call('PEXPIRE', deadlines, lifetime)
+  redis.call('PEXPIRE', writers_of(queue), lifetime)
+end
+
+-- Put a waiter at the tail of the queue (or keep its place); return its score.
+local function enqueue(queue, deadlines, id, writer, lifetime, now)
+  local score = tonumber(redis.call('ZSCORE', queue, id))
+  if not score then
+    local tail = redis.call('ZRANGE', queue, -1, -1, 'WITHSCORES')
+    score = 1
+    if tail[2] then score = tonumber(tail[2]) + 1 end
+    redis.call('ZADD', queue, string.format('%d', score), id)
+    if writer then
+      redis.call('ZADD', writers_of(queue), string.format('%d', score), id)
+    end
+  end
+  heartbeat(queue, deadlines, id, lifetime, now)
+  return score
+end
+
 -- Drop queue heads whose deadline passed; return the live head or nil.
-local function queue_head(queue, deadlines, now_ms)
+local function queue_head(queue, deadlines, now)
   while true do
     local head = redis.call('ZRANGE', queue, 0, 0)[1]
     if not head then return nil end
     local deadline = tonumber(redis.call('HGET', deadlines, head))
-    if deadline and deadline > now_ms then return head end
-    redis.call('ZREM', queue, head)
-    redis.call('HDEL', deadlines, head)
+    if deadline and deadline > now then return head end
+    drop(queue, deadlines, head)
   end
 end
 
--- Wake waiters: publish on the resource's channel '<prefix>{R}:signal'. Without FIFO an
--- empty message (each listening manager wakes one of its waiters); with FIFO the id of the
--- queue's head (only its manager wakes it), and nothing when nobody is queued.
-local function wake(signal, queue, deadlines, fifo)
-  local payload = ''
-  if fifo then
-    payload = queue_head(queue, deadlines, math.floor(now_us() / 1000))
-    if not payload then return end
+-- The first live writer in the queue and its score, or nil.
+local function first_writer(queue, deadlines, now)
+  while true do
+    local got = redis.call('ZRANGE', writers_of(queue), 0, 0, 'WITHSCORES')
+    if not got[1] then return nil end
+    local deadline = tonumber(redis.call('HGET', deadlines, got[1]))
+    if deadline and deadline > now then return got[1], tonumber(got[2]) end
+    drop(queue, deadlines, got[1])
   end
-  redis.call('PUBLISH', signal, payload)
+end
+
+-- Readers: '<base>readers' (secret -> the end of its lease, ms) and '<base>reader-tokens'
+-- (secret -> '<token> <holder label>'). Drop the readers whose lease ended; return how many
+-- hold the lock.
+local function live_readers(base, now)
+  local readers = base .. 'readers'
+  local ended = redis.call('ZRANGEBYSCORE', readers, '-inf', string.format('%d', now))
+  for _, secret in ipairs(ended) do
+    redis.call('ZREM', readers, secret)
+    redis.call('HDEL', base .. 'reader-tokens', secret)
+  end
+  return redis.call('ZCARD', readers)
+end
+
+-- Start or extend a reader's lease; the keys live as long as their longest lease.
+local function keep_reader(base, secret, ttl, now)
+  redis.call('ZADD', base .. 'readers', string.format('%d', now + tonumber(ttl)), secret)
+  for _, key in ipairs({base .. 'readers', base .. 'reader-tokens'}) do
+    if redis.call('PTTL', key) < tonumber(ttl) then
+      redis.call('PEXPIRE', key, ttl)
+    end
+  end
+end
+
+-- Wake waiters: publish on the resource's channel '<prefix>{R}:signal'. With a queue, the
+-- ids of its head and, if the head is a reader, of every reader behind it up to the first
+-- writer (a batch, woken together), in one message; without one, nothing with FIFO and an
+-- empty message without (each listening manager wakes one of its waiters).
+local function wake(signal, queue, deadlines, fifo)
+  local head = nil
+  local now = 0
+  if queue and deadlines then
+    now = now_ms()
+    head = queue_head(queue, deadlines, now)
+  end
+  if head then
+    local ids = {head}
+    if not redis.call('ZSCORE', writers_of(queue), head) then
+      for _, id in ipairs(redis.call('ZRANGE', queue, 1, 255)) do
+        if redis.call('ZSCORE', writers_of(queue), id) then break end
+        local deadline = tonumber(redis.call('HGET', deadlines, id))
+        if deadline and deadline > now then ids[#ids + 1] = id end
+      end
+    end
+    redis.call('PUBLISH', signal, table.concat(ids, ' '))
+  elseif not fifo then
+    redis.call('PUBLISH', signal, '')
+  end
+end
+
+-- A reader leaves: release its lease; the last reader to leave wakes the waiters.
+-- Returns 1 if the secret held a live read lease, else 0.
+local function release_reader(lock, queue, deadlines, secret, fifo)
+  local base = base_of(lock)
+  local ends = redis.call('ZSCORE', base .. 'readers', secret)
+  if not ends then return 0 end
+  redis.call('ZREM', base .. 'readers', secret)
+  redis.call('HDEL', base .. 'reader-tokens', secret)
+  local now = now_ms()
+  if tonumber(ends) <= now then return 0 end
+  if live_readers(base, now) == 0 then
+    wake(base .. 'signal', queue, deadlines, fifo)
+  end
+  return 1
 end
 """
 
 ACQUIRE = (
     _PRELUDE
     + """
--- ACQUIRE: take the lock if free, issuing the next token in the same step.
+-- ACQUIRE: take the lock if free, issuing the next token in the same step; for a writer
+-- (exclusive) or a reader (shared, C13).
 -- KEYS[1] lock hash      KEYS[2] token counter   KEYS[3] guard fence register
--- KEYS[4] FIFO queue     KEYS[5] FIFO queue deadlines      (FIFO only)
+-- KEYS[4] queue          KEYS[5] queue deadlines
 -- ARGV[1] owner secret   ARGV[2] ttl in ms       ARGV[3] holder label
 -- ARGV[4] 'hybrid' or 'counter'
--- ARGV[5] waiter id      ARGV[6] queue entry lifetime in ms (FIFO only; their presence
---                                                            turns FIFO on)
--- Returns the granted token as a bare number (the same one for a reentrant acquire; a
--- table reply costs the server a microsecond more), else {0, wait_ms, queued}:
+-- ARGV[5] waiter id      ARGV[6] queue entry lifetime in ms
+-- ARGV[7] 'w' for a writer, 'r' for a reader     ARGV[8] '1' with FIFO, else '0'
+-- Returns the granted token as a bare number (the same one for the same secret: a retry
+-- whose reply was lost; a table reply costs the server a microsecond more), else
+-- {0, wait_ms, queued}:
 --   wait_ms when not granted, ms until the lock may change without a wake-up (the holder's
---           PTTL, or the deadline of the FIFO queue's head), -1 if unknown;
---   queued  1 if the caller has a place in the FIFO queue.
--- A new token is above the counter and above the guards' fence register. An attempt whose
--- acquire was cancelled (CANCEL left its tombstone) is refused with wait_ms -1.
+--           PTTL, the end of the readers' leases, or the deadline of the waiter ahead),
+--           -1 if unknown;
+--   queued  1 if the caller has a place in the queue.
+-- A writer is granted when nobody holds the lock and nobody is queued ahead of it; a
+-- reader when no writer holds it and no writer is queued ahead of it. A refused reader
+-- takes a place in the queue, and so does a refused writer while readers hold or queue
+-- (so that it keeps new readers out); other refused writers wait the exclusive way (with
+-- FIFO, their wait takes a place). A new token is above the counter and the guards'
+-- fence register, for readers too. An attempt whose acquire was cancelled (CANCEL left
+-- its tombstone) is refused with wait_ms -1.
 -- Error 'token space exhausted' when the next token would pass 2**53-1.
 local held = redis.call('HMGET', KEYS[1], 'secret', 'token')
 if held[1] == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return tonumber(held[2])
 end
-local fifo = ARGV[5] ~= nil
-local queued = 0
-local now_ms = 0
-if fifo then
-  now_ms = math.floor(now_us() / 1000)
-  if redis.call('ZSCORE', KEYS[4], ARGV[5]) then
-    queued = 1
-    -- A waiter's attempt is its heartbeat: its place lives while it keeps trying.
-    redis.call('HSET', KEYS[5], ARGV[5], string.format('%d', now_ms + tonumber(ARGV[6])))
-    redis.call('PEXPIRE', KEYS[4], ARGV[6])
-    redis.call('PEXPIRE', KEYS[5], ARGV[6])
-  end
+local base = base_of(KEYS[1])
+local reading = ARGV[7] == 'r'
+local now = now_ms()
+local mine = redis.call('ZSCORE', base .. 'readers', ARGV[1])
+if mine and tonumber(mine) > now then
+  keep_reader(base, ARGV[1], ARGV[2], now)
+  local info = redis.call('HGET', base .. 'reader-tokens', ARGV[1]) or '0'
+  return tonumber(string.match(info, '^%d+'))
 end
+local readers = live_readers(base, now)
+local queue, deadlines = KEYS[4], KEYS[5]
+local place = tonumber(redis.call('ZSCORE', queue, ARGV[5]))
+if place then
+  heartbeat(queue, deadlines, ARGV[5], ARGV[6], now)
+end
+local wait_ms = nil
 if held[1] then
-  return {0, redis.call('PTTL', KEYS[1]), queued}
-end
-if redis.call('EXISTS', base_of(KEYS[1]) .. 'void:' .. ARGV[1]) == 1 then
+  wait_ms = redis.call('PTTL', KEYS[1])
+elseif redis.call('EXISTS', base .. 'void:' .. ARGV[1]) == 1 then
   return {0, -1, 0}
+elseif readers > 0 and not reading then
+  wait_ms = tonumber(redis.call('ZRANGE', base .. 'readers', -1, -1, 'WITHSCORES')[2]) - now
+else
+  local ahead = nil
+  if reading then
+    local writer, score = first_writer(queue, deadlines, now)
+    if writer and (not place or score < place) then ahead = writer end
+  else
+    local head = queue_head(queue, deadlines, now)
+    if head and head ~= ARGV[5] then ahead = head end
+  end
+  if ahead then
+    wait_ms = tonumber(redis.call('HGET', deadlines, ahead)) - now
+  end
 end
-if fifo then
-  local head = queue_head(KEYS[4], KEYS[5], now_ms)
-  if head and head ~= ARGV[5] then
-    return {0, tonumber(redis.call('HGET', KEYS[5], head)) - now_ms, queued}
+if wait_ms then
+  if place then
+    return {0, wait_ms, 1}
   end
-  if head then
-    redis.call('ZREM', KEYS[4], head)
-    redis.call('HDEL', KEYS[5], head)
+  if reading or readers > 0
+      or redis.call('ZCARD', queue) > redis.call('ZCARD', writers_of(queue)) then
+    enqueue(queue, deadlines, ARGV[5], not reading, ARGV[6], now)
+    return {0, wait_ms, 1}
   end
+  return {0, wait_ms, 0}
+end
+if place then
+  drop(queue, deadlines, ARGV[5])
 end
 local token = issue(last_token(KEYS[2], KEYS[3]), ARGV[4])
 if not token then
@@ -173,14 +317,21 @@ if not token then
 end
 local text = string.format('%d', token)
 redis.call('SET', KEYS[2], text)
-redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if reading then
+  redis.call('HSET', base .. 'reader-tokens', ARGV[1], text .. ' ' .. ARGV[3])
+  keep_reader(base, ARGV[1], ARGV[2], now)
+else
+  redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
 return token
 """
 )
 
-RENEW = """
--- RENEW: reset the ttl if the caller holds the lock (C11).
+RENEW = (
+    _PRELUDE
+    + """
+-- RENEW: reset the ttl if the caller holds the lock (C11), as the writer or as a reader.
 -- KEYS[1] lock hash
 -- ARGV[1] owner secret   ARGV[2] ttl in ms
 -- Returns 1 if renewed, 0 if the lock is not held by this secret.
@@ -188,44 +339,50 @@ if redis.call('HGET', KEYS[1], 'secret') == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
-return 0
+local base = base_of(KEYS[1])
+local ends = redis.call('ZSCORE', base .. 'readers', ARGV[1])
+if not ends then
+  return 0
+end
+local now = now_ms()
+if tonumber(ends) <= now then
+  return 0
+end
+keep_reader(base, ARGV[1], ARGV[2], now)
+return 1
 """
+)
 
 RELEASE = (
     _PRELUDE
     + """
--- RELEASE: delete the lock if the caller holds it (C11), and publish a wake-up.
--- KEYS[1] lock hash
--- KEYS[2] FIFO queue     KEYS[3] FIFO queue deadlines      (FIFO only)
--- ARGV[1] owner secret   ARGV[2] '1' for FIFO (its presence turns FIFO on)
+-- RELEASE: end the caller's lease if it holds one (C11), as the writer or as a reader, and
+-- publish a wake-up (a reader: only the last one).
+-- KEYS[1] lock hash      KEYS[2] queue            KEYS[3] queue deadlines
+-- ARGV[1] owner secret   ARGV[2] '1' with FIFO, else '0'
 -- Returns 1 if released, 0 if the lock is not held by this secret (nothing changed).
-if redis.call('HGET', KEYS[1], 'secret') ~= ARGV[1] then
-  return 0
+local fifo = ARGV[2] == '1'
+if redis.call('HGET', KEYS[1], 'secret') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], fifo)
+  return 1
 end
-redis.call('DEL', KEYS[1])
-wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], ARGV[2])
-return 1
+return release_reader(KEYS[1], KEYS[2], KEYS[3], ARGV[1], fifo)
 """
 )
 
 ENQUEUE = (
     _PRELUDE
     + """
--- ENQUEUE: put a FIFO waiter at the tail of the queue (or refresh its place).
--- KEYS[1] lock hash      KEYS[2] FIFO queue      KEYS[3] FIFO queue deadlines
+-- ENQUEUE: put a FIFO writer at the tail of the queue (or refresh its place).
+-- KEYS[1] lock hash      KEYS[2] queue           KEYS[3] queue deadlines
 -- ARGV[1] waiter id      ARGV[2] queue entry lifetime in ms
--- Returns 1 if the lock is free and the caller is first in line (try again now), else 0.
-local now_ms = math.floor(now_us() / 1000)
-if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
-  local tail = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
-  local score = 1
-  if tail[2] then score = tonumber(tail[2]) + 1 end
-  redis.call('ZADD', KEYS[2], string.format('%d', score), ARGV[1])
-end
-redis.call('HSET', KEYS[3], ARGV[1], string.format('%d', now_ms + tonumber(ARGV[2])))
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-redis.call('PEXPIRE', KEYS[3], ARGV[2])
-if redis.call('EXISTS', KEYS[1]) == 0 and queue_head(KEYS[2], KEYS[3], now_ms) == ARGV[1] then
+-- Returns 1 if the lock is free (no writer, no reader) and the caller is first in line
+-- (try again now), else 0.
+local now = now_ms()
+enqueue(KEYS[2], KEYS[3], ARGV[1], true, ARGV[2], now)
+if redis.call('EXISTS', KEYS[1]) == 0 and live_readers(base_of(KEYS[1]), now) == 0
+    and queue_head(KEYS[2], KEYS[3], now) == ARGV[1] then
   return 1
 end
 return 0
@@ -235,19 +392,16 @@ return 0
 ABANDON = (
     _PRELUDE
     + """
--- ABANDON: a waiter gave up. Drop its place and, if the lock is free, pass the turn on, so
--- a waiter that left (or took a wake-up it will not use) never holds up the others.
--- KEYS[1] lock hash      KEYS[2] FIFO queue     KEYS[3] FIFO queue deadlines
--- ARGV[1] waiter id      ARGV[2] '1' for FIFO
+-- ABANDON: a waiter gave up. Drop its place and, if no writer holds the lock, pass the turn
+-- on, so a waiter that left (or took a wake-up it will not use) never holds up the others.
+-- KEYS[1] lock hash      KEYS[2] queue           KEYS[3] queue deadlines
+-- ARGV[1] waiter id      ARGV[2] '1' with FIFO, else '0'
 -- Returns 1 if a wake-up was published, else 0.
-if ARGV[2] then
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('HDEL', KEYS[3], ARGV[1])
-end
+drop(KEYS[2], KEYS[3], ARGV[1])
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
-wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], ARGV[2])
+wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], ARGV[2] == '1')
 return 1
 """
 )
@@ -258,50 +412,78 @@ CANCEL = (
 -- CANCEL: an acquire gave up without knowing what one of its attempts did (the reply was
 -- lost to a timeout, a broken connection or a cancellation). Leave a tombstone for its
 -- secret, so that an attempt still on its way is refused when it arrives; release the lock
--- if an attempt took it; leave the FIFO queue. The outcome no longer depends on the order
--- in which the attempt and this script reach the server.
--- KEYS[1] lock hash      KEYS[2] FIFO queue     KEYS[3] FIFO queue deadlines
+-- (or the read lease) if an attempt took it; leave the queue. The outcome no longer depends
+-- on the order in which the attempt and this script reach the server.
+-- KEYS[1] lock hash      KEYS[2] queue           KEYS[3] queue deadlines
 -- ARGV[1] owner secret   ARGV[2] tombstone ttl in ms (the lease's ttl)
--- ARGV[3] waiter id      ARGV[4] '1' for FIFO
--- Returns 1 if the secret held the lock (released now), else 0.
+-- ARGV[3] waiter id      ARGV[4] '1' with FIFO, else '0'
+-- Returns 1 if the secret held the lock (released now), else 0. A waiter that leaves the
+-- queue passes the turn on, as in ABANDON.
 redis.call('SET', base_of(KEYS[1]) .. 'void:' .. ARGV[1], '1', 'PX', ARGV[2])
-if ARGV[4] then
-  redis.call('ZREM', KEYS[2], ARGV[3])
-  redis.call('HDEL', KEYS[3], ARGV[3])
+local queued = drop(KEYS[2], KEYS[3], ARGV[3])
+local fifo = ARGV[4] == '1'
+if redis.call('HGET', KEYS[1], 'secret') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], fifo)
+  return 1
 end
-if redis.call('HGET', KEYS[1], 'secret') ~= ARGV[1] then
-  return 0
+local held = release_reader(KEYS[1], KEYS[2], KEYS[3], ARGV[1], fifo)
+if held == 0 and queued == 1 and redis.call('EXISTS', KEYS[1]) == 0 then
+  wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], fifo)
 end
-redis.call('DEL', KEYS[1])
-wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], ARGV[4])
-return 1
+return held
 """
 )
 
-INSPECT = """
+INSPECT = (
+    _PRELUDE
+    + """
 -- INSPECT: who holds the lock.
 -- KEYS[1] lock hash
--- Returns {token, pttl_ms, holder} or nil when free. Never the secret.
+-- Returns {'w', token, pttl_ms, holder} for a writer, {'r', token, ms_left, holder, ...}
+-- (three items per reader) for readers, or nil when free. Never a secret.
 local held = redis.call('HMGET', KEYS[1], 'token', 'holder')
-if not held[1] then
+if held[1] then
+  return {'w', tonumber(held[1]), redis.call('PTTL', KEYS[1]), held[2] or ''}
+end
+local base = base_of(KEYS[1])
+local now = now_ms()
+local live = redis.call('ZRANGEBYSCORE', base .. 'readers', '(' .. string.format('%d', now),
+  '+inf', 'WITHSCORES')
+if #live == 0 then
   return nil
 end
-return {tonumber(held[1]), redis.call('PTTL', KEYS[1]), held[2] or ''}
+local out = {'r'}
+for i = 1, #live, 2 do
+  local info = redis.call('HGET', base .. 'reader-tokens', live[i]) or ''
+  local token, holder = string.match(info, '^(%d+) ?(.*)$')
+  out[#out + 1] = tonumber(token or '0')
+  out[#out + 1] = tonumber(live[i + 1]) - now
+  out[#out + 1] = holder or ''
+end
+return out
 """
+)
 
 REVOKE = (
     _PRELUDE
     + """
--- REVOKE: end whatever lease the resource has, issue a token above every token issued
--- so far and above the guards' fence register, and raise the register to it, so a hung
--- holder's writes are refused from now on (C8, C12). Publishes a wake-up.
+-- REVOKE: end whatever leases the resource has (the writer's, or every reader's), issue a
+-- token above every token issued so far and above the guards' fence register, and raise
+-- the register to it, so a hung holder's writes are refused from now on (C8, C12).
+-- Publishes a wake-up.
 -- KEYS[1] lock hash      KEYS[2] token counter   KEYS[3] guard fence register
--- KEYS[4] FIFO queue     KEYS[5] FIFO queue deadlines      (FIFO only)
--- ARGV[1] 'hybrid' or 'counter'                  ARGV[2] '1' for FIFO
+-- KEYS[4] queue          KEYS[5] queue deadlines
+-- ARGV[1] 'hybrid' or 'counter'                  ARGV[2] '1' with FIFO, else '0'
 -- Returns the new token. Error 'token space exhausted' as in ACQUIRE.
 local last = last_token(KEYS[2], KEYS[3])
 local held = tonumber(redis.call('HGET', KEYS[1], 'token') or '0') or 0
 if held > last then last = held end
+local base = base_of(KEYS[1])
+for _, info in ipairs(redis.call('HVALS', base .. 'reader-tokens')) do
+  local token = tonumber(string.match(info, '^%d+') or '0') or 0
+  if token > last then last = token end
+end
 local token = issue(last, ARGV[1])
 if not token then
   return redis.error_reply('ERR fence: token space exhausted for ' .. KEYS[2])
@@ -309,8 +491,8 @@ end
 local text = string.format('%d', token)
 redis.call('SET', KEYS[2], text)
 redis.call('SET', KEYS[3], text)
-redis.call('DEL', KEYS[1])
-wake(base_of(KEYS[1]) .. 'signal', KEYS[4], KEYS[5], ARGV[2])
+redis.call('DEL', KEYS[1], base .. 'readers', base .. 'reader-tokens')
+wake(base .. 'signal', KEYS[4], KEYS[5], ARGV[2] == '1')
 return token
 """
 )
@@ -324,9 +506,12 @@ class ResourceKeys(NamedTuple):
         token: the last token issued (no ttl).
         fence: the guards' fence register (no ttl).
         signal: the pub/sub channel a release publishes its wake-up on (not a key).
-        queue: the FIFO wait queue (sorted set of waiter ids).
-        deadlines: the FIFO waiters' deadlines (hash).
+        queue: the wait queue (sorted set of waiter ids).
+        deadlines: the waiters' heartbeat deadlines (hash).
         void_prefix: prepend to a secret for the tombstone of a cancelled acquire.
+        readers: the readers of a shared lock, by the end of their lease (sorted set).
+        reader_tokens: each reader's token and holder label (hash).
+        queue_writers: the writers among the waiters (sorted set).
     """
 
     lock: str
@@ -336,6 +521,9 @@ class ResourceKeys(NamedTuple):
     queue: str
     deadlines: str
     void_prefix: str
+    readers: str
+    reader_tokens: str
+    queue_writers: str
 
 
 def validate_prefix(prefix: object) -> str:
@@ -384,6 +572,9 @@ def resource_keys(prefix: str, resource: str) -> ResourceKeys:
         queue=base + "queue",
         deadlines=base + "queue-deadlines",
         void_prefix=base + "void:",
+        readers=base + "readers",
+        reader_tokens=base + "reader-tokens",
+        queue_writers=base + "queue-writers",
     )
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from string import Template
 from typing import TYPE_CHECKING, Any
 
@@ -39,17 +39,27 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TABLE",
+    "SHARED_COLUMNS",
+    "SQLITE_STEPS",
     "LeaseStatements",
     "WakeBoard",
+    "lease_schema_ddl",
     "lease_statements",
     "lease_table",
     "lease_table_ddl",
+    "lease_upgrade_ddl",
     "local_board",
     "notify_channel",
+    "shared_table_ddl",
+    "shared_table_name",
 ]
 
 #: The table name used when none is given.
 DEFAULT_TABLE = "fence_leases"
+
+#: The lease table's columns of shared locks (C13): a table made before them lacks them,
+#: and :func:`lease_upgrade_ddl` adds them.
+SHARED_COLUMNS = ("readers", "read_until", "wtoken")
 
 _DIALECTS = ("postgresql", "sqlite")
 
@@ -78,16 +88,28 @@ def _qualified(dialect_name: str, table: str, schema: str | None) -> str:
     return name if schema is None else f"{quote(schema)}.{name}"
 
 
-def notify_channel(table: str = DEFAULT_TABLE, schema: str | None = None) -> str:
+def notify_channel(
+    table: str = DEFAULT_TABLE, schema: str | None = None, *, writers: bool = False
+) -> str:
     """The PostgreSQL notification channel that releases of this table are announced on.
 
     A release or a revoke runs ``pg_notify(channel, resource)`` in the same statement, so
-    the notification is delivered when (and only if) the release commits.
+    the notification is delivered when (and only if) the release commits. With
+    ``writers``: the channel on which the last reader of a shared lock announces that it
+    left (C13); only waiting writers need that one (``<channel>:w``).
     """
     channel = f"fence:{schema}.{table}" if schema else f"fence:{table}"
+    if writers:
+        channel += ":w"
     if len(channel.encode()) > 63:  # NAMEDATALEN - 1: longer channel names are refused
         raise ConfigurationError(f"notification channel {channel!r} is longer than 63 bytes")
     return channel
+
+
+def shared_table_name(table: str = DEFAULT_TABLE) -> str:
+    """The name of the shared-lock table that goes with lease table ``table``
+    (``<table>_shared``)."""
+    return f"{table}_shared"
 
 
 def lease_table_ddl(
@@ -95,8 +117,11 @@ def lease_table_ddl(
 ) -> str:
     """The ``CREATE TABLE`` statement of the lease table, as plain SQL.
 
-    Put it in a migration when the schema is managed by Alembic or by hand; the lock
-    manager's ``create_table()`` runs the same statement.
+    The lock manager needs a second table as well, ``<table>_shared`` (readers and
+    waiters of shared locks, C13): :func:`lease_schema_ddl` gives both statements, and
+    :func:`lease_upgrade_ddl` the migration of a lease table made by an earlier version.
+    Put them in a migration when the schema is managed by Alembic or by hand; the lock
+    manager's ``create_table()`` runs the same statements.
 
     Args:
         dialect: ``"postgresql"`` or ``"sqlite"``.
@@ -110,36 +135,148 @@ def lease_table_ddl(
     Example::
 
         def upgrade() -> None:
-            op.execute(lease_table_ddl("postgresql", table="fence_leases"))
+            for statement in lease_schema_ddl("postgresql", table="fence_leases"):
+                op.execute(statement)
     """
     name = _qualified(dialect, table, schema)
-    expires = "TIMESTAMPTZ NOT NULL" if dialect == "postgresql" else "REAL NOT NULL"
+    pg = dialect == "postgresql"
+    expires = "TIMESTAMPTZ NOT NULL" if pg else "REAL NOT NULL"
+    until = "TIMESTAMPTZ" if pg else "REAL"
     return (
         f"CREATE TABLE IF NOT EXISTS {name} (\n"
         "    resource   TEXT PRIMARY KEY,\n"
         f"    token      BIGINT NOT NULL CHECK (token BETWEEN 1 AND {MAX_TOKEN}),\n"
         "    owner      TEXT,\n"
         "    holder     TEXT,\n"
-        f"    expires_at {expires}\n"
+        f"    expires_at {expires},\n"
+        "    readers    INTEGER NOT NULL DEFAULT 0,\n"
+        f"    read_until {until},\n"
+        "    wtoken     BIGINT NOT NULL DEFAULT 0\n"
         ")"
     )
+
+
+def shared_table_ddl(
+    dialect: str = "postgresql", *, table: str = DEFAULT_TABLE, schema: str | None = None
+) -> str:
+    """The ``CREATE TABLE`` statement of ``<table>_shared``: one row per reader of a shared
+    lock and per queued waiter (C13).
+
+    Args:
+        dialect: ``"postgresql"`` or ``"sqlite"``.
+        table: the lease table's name (the shared table is named after it).
+        schema: the schema, or ``None``.
+
+    Raises:
+        ConfigurationError: an unsupported dialect or an empty name.
+    """
+    name = _qualified(dialect, shared_table_name(table), schema)
+    expires = "TIMESTAMPTZ NOT NULL" if dialect == "postgresql" else "REAL NOT NULL"
+    return (
+        f"CREATE TABLE IF NOT EXISTS {name} (\n"
+        "    resource   TEXT NOT NULL,\n"
+        "    member     TEXT NOT NULL,\n"
+        "    kind       CHAR(1) NOT NULL CHECK (kind IN ('r', 'R', 'W')),\n"
+        "    token      BIGINT,\n"
+        "    holder     TEXT,\n"
+        f"    expires_at {expires},\n"
+        "    seq        BIGINT NOT NULL DEFAULT 0,\n"
+        "    PRIMARY KEY (resource, member)\n"
+        ")"
+    )
+
+
+def lease_schema_ddl(
+    dialect: str = "postgresql", *, table: str = DEFAULT_TABLE, schema: str | None = None
+) -> list[str]:
+    """Every ``CREATE TABLE`` the SQL lock manager needs: the lease table and its shared
+    table, in that order (:func:`lease_table_ddl`, :func:`shared_table_ddl`).
+
+    Raises:
+        ConfigurationError: an unsupported dialect or an empty name.
+    """
+    return [
+        lease_table_ddl(dialect, table=table, schema=schema),
+        shared_table_ddl(dialect, table=table, schema=schema),
+    ]
+
+
+def lease_upgrade_ddl(
+    dialect: str = "postgresql", *, table: str = DEFAULT_TABLE, schema: str | None = None
+) -> list[str]:
+    """The migration of a lease table made before shared locks (C13): three new columns on
+    the lease table and the new shared table. Run once, before the new version's managers
+    start; managers of the earlier version keep working on the migrated table (they ignore
+    the new columns), but they know nothing of readers: do not mix them with shared locks.
+
+    PostgreSQL adds the columns with ``ADD COLUMN IF NOT EXISTS`` (a metadata change, no
+    table rewrite); SQLite has no ``IF NOT EXISTS`` there, so its statements are for a
+    table that has not been migrated yet.
+
+    Raises:
+        ConfigurationError: an unsupported dialect or an empty name.
+    """
+    name = _qualified(dialect, table, schema)
+    shared = shared_table_ddl(dialect, table=table, schema=schema)
+    if dialect == "postgresql":
+        alter = (
+            f"ALTER TABLE {name}\n"
+            "    ADD COLUMN IF NOT EXISTS readers INTEGER NOT NULL DEFAULT 0,\n"
+            "    ADD COLUMN IF NOT EXISTS read_until TIMESTAMPTZ,\n"
+            "    ADD COLUMN IF NOT EXISTS wtoken BIGINT NOT NULL DEFAULT 0"
+        )
+        return [alter, shared]
+    return [
+        f"ALTER TABLE {name} ADD COLUMN readers INTEGER NOT NULL DEFAULT 0",
+        f"ALTER TABLE {name} ADD COLUMN read_until REAL",
+        f"ALTER TABLE {name} ADD COLUMN wtoken BIGINT NOT NULL DEFAULT 0",
+        shared,
+    ]
 
 
 def lease_table(
     metadata: MetaData, *, name: str = DEFAULT_TABLE, schema: str | None = None
 ) -> Table:
-    """Add the lease table to ``metadata`` (for ``metadata.create_all`` or Alembic autogenerate).
+    """Add the lease table, and its shared table, to ``metadata`` (for
+    ``metadata.create_all`` or Alembic autogenerate); return the lease table.
 
-    ``expires_at`` is a ``TIMESTAMP WITH TIME ZONE`` on PostgreSQL and a ``REAL`` (Unix
-    seconds) on SQLite, as in :func:`lease_table_ddl`.
+    ``expires_at`` and ``read_until`` are ``TIMESTAMP WITH TIME ZONE`` on PostgreSQL and
+    ``REAL`` (Unix seconds) on SQLite, as in :func:`lease_schema_ddl`.
 
     Args:
-        metadata: the metadata to add the table to.
-        name: the table name.
+        metadata: the metadata to add the tables to.
+        name: the lease table's name (the shared table is ``<name>_shared``).
         schema: the schema, or ``None``.
     """
-    from sqlalchemy import BigInteger, CheckConstraint, Column, DateTime, Float, Table, Text
+    from sqlalchemy import (
+        BigInteger,
+        CheckConstraint,
+        Column,
+        DateTime,
+        Float,
+        Integer,
+        PrimaryKeyConstraint,
+        String,
+        Table,
+        Text,
+        text,
+    )
 
+    when = DateTime(timezone=True).with_variant(Float(), "sqlite")
+    Table(
+        shared_table_name(name),
+        metadata,
+        Column("resource", Text, nullable=False),
+        Column("member", Text, nullable=False),
+        Column("kind", String(1), nullable=False),
+        Column("token", BigInteger, nullable=True),
+        Column("holder", Text, nullable=True),
+        Column("expires_at", when, nullable=False),
+        Column("seq", BigInteger, nullable=False, server_default=text("0")),
+        PrimaryKeyConstraint("resource", "member"),
+        CheckConstraint("kind IN ('r', 'R', 'W')", name=f"{name}_shared_kind"),
+        schema=schema,
+    )
     return Table(
         name,
         metadata,
@@ -147,11 +284,10 @@ def lease_table(
         Column("token", BigInteger, nullable=False),
         Column("owner", Text, nullable=True),
         Column("holder", Text, nullable=True),
-        Column(
-            "expires_at",
-            DateTime(timezone=True).with_variant(Float(), "sqlite"),
-            nullable=False,
-        ),
+        Column("expires_at", when, nullable=False),
+        Column("readers", Integer, nullable=False, server_default=text("0")),
+        Column("read_until", when, nullable=True),
+        Column("wtoken", BigInteger, nullable=False, server_default=text("0")),
         CheckConstraint(f"token BETWEEN 1 AND {MAX_TOKEN}", name=f"{name}_token_range"),
         schema=schema,
     )
@@ -161,71 +297,218 @@ def lease_table(
 class LeaseStatements:
     """The SQL text of every driver call, for one dialect, table and token mode.
 
-    Bound parameters are named ``:resource``, ``:secret``, ``:holder``, ``:ttl`` (seconds)
-    and ``:channel``. Each statement is one round trip in autocommit mode.
+    Bound parameters are named ``:resource``, ``:secret``, ``:holder``, ``:ttl`` (seconds),
+    ``:queue_ttl`` (seconds) and ``:channel``. Each statement is one round trip in
+    autocommit mode. Statements that are ``None`` for a dialect are done otherwise there
+    (SQLite: in one ``BEGIN IMMEDIATE`` transaction of the driver, in process).
 
     Attributes:
         dialect: ``"postgresql"`` or ``"sqlite"``.
-        create: the ``CREATE TABLE IF NOT EXISTS``.
-        acquire: returns one row ``(token, granted, remaining)``: ``token`` is the issued
-            (or kept) token when granted; ``remaining`` the holder's seconds left otherwise.
-        renew: returns a row iff the secret holds a live lease, which it extended.
-        release: returns a row iff the secret held a live lease, which it ended.
-        inspect: returns ``(token, remaining, holder)`` of a live lease, or no row.
-        revoke: ends any lease and returns the new token.
+        create: the ``CREATE TABLE IF NOT EXISTS`` statements (:func:`lease_schema_ddl`).
+        acquire: a writer's attempt; returns one row ``(token, granted, remaining,
+            flag)``: ``token`` is the issued (or kept) token when granted; ``remaining``
+            the seconds until the lock may change otherwise (the holder's, the readers'),
+            if known; ``flag`` on PostgreSQL whether the caller has a place in the queue,
+            on SQLite whether the resource has readers or queued waiters (then the driver
+            decides in a transaction: this statement grants only the exclusive way).
+        acquire_read: a reader's attempt, as ``acquire`` (PostgreSQL).
+        renew: returns a row iff the secret holds a live write lease, which it extended.
+        renew_read: the same for a read lease.
+        release: returns a row iff the secret held a live write lease, which it ended.
+        release_read: the same for a read lease.
+        abandon: takes a waiter out of the queue; returns a row iff it was queued.
+        inspect: returns ``(kind, token, remaining, holder)`` rows of the live leases:
+            ``"w"`` for the writer, ``"r"`` for each reader, or no row.
+        revoke: ends every lease and returns the new token.
         wake: wakes listeners for ``:resource`` without changing anything (PostgreSQL).
         raise_fence: SQLite with a fence register: raises the register's row ``:resource``
             to ``:token`` (run right after ``revoke``); otherwise ``None``.
         lock_row: PostgreSQL: takes the row lock of ``:resource`` (``FOR UPDATE``), so that
             a statement after it in the same transaction sees what a statement that held
             the lock did; ``None`` on SQLite, where ``BEGIN IMMEDIATE`` does that.
+        sqlite: SQLite: the statements of the driver's transactions (see
+            :data:`SQLITE_STEPS`); empty on PostgreSQL.
     """
 
     dialect: str
-    create: str
+    create: tuple[str, ...]
     acquire: str
+    acquire_read: str | None
     renew: str
+    renew_read: str
     release: str
+    release_read: str
+    abandon: str
     inspect: str
     revoke: str
     wake: str | None
     raise_fence: str | None = None
     lock_row: str | None = None
+    sqlite: dict[str, str] = field(default_factory=dict)
 
 
-# Statement templates: ``$table`` is the quoted table name, ``$floor`` the token floor of the
-# token mode. Identifiers are quoted by the dialect; values are always bound parameters.
+# Statement templates: ``$table`` is the quoted table name, ``$shared`` its shared table's,
+# ``$floor`` the token floor of the token mode. Identifiers are quoted by the dialect;
+# values are always bound parameters.
 
 # PostgreSQL. One clock reading per statement: clock_timestamp() moves while a statement runs,
 # and the expiry test, the new expiry and the token floor must agree.
 _PG_CLOCK = "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now)"
 _PG_FLOOR = "CAST(floor(extract(epoch FROM c.now) * 1000000) AS BIGINT)"
 
-# The upsert changes the row only when the lock is free, expired or already ours; a refused
-# attempt writes nothing. The outer query reads the holder's remaining time from the
-# statement's snapshot, so a refusal costs no second round trip.
+# Shared locks on PostgreSQL (C13). Exclusion rests on the resource's row of the lease
+# table, which every acquire locks (the upsert), and which a statement waiting for that lock
+# reads again at its latest version once it gets it; a subquery, in contrast, sees the
+# statement's snapshot. So the row itself says whether readers hold the lock: ``readers``
+# counts the read leases granted since the last writer (+1 per grant, -1 per release) and
+# ``read_until`` is past the end of every one of them (a grant and a renewal push it out);
+# a writer is granted only if ``readers = 0`` or ``read_until`` has passed. ``wtoken`` is the
+# token of the last writer (or revoke): a read lease with a lower token belongs to a lease
+# that a writer came after, and neither its renewal nor its release counts any more. The
+# queue (who waits, in what order) is read from the snapshot: it decides fairness, never
+# exclusion. Locks are taken in one order, a reader's own row of the shared table before
+# the resource's row, or the resource's row before the waiter's own queue row, so that no
+# two statements wait for each other.
+
+# A writer: granted when nobody holds the lock and nobody live is queued ahead of it; a
+# refused writer joins the queue (or keeps its place) while readers hold or queue. The
+# holder's remaining time comes from the statement's snapshot, so a refusal costs no second
+# round trip.
 _PG_ACQUIRE = """$clock,
+me AS MATERIALIZED (
+    SELECT q.seq FROM $shared AS q
+    WHERE q.resource = :resource AND q.member = :secret AND q.kind = 'W'
+),
 up AS (
-    INSERT INTO $table AS l (resource, token, owner, holder, expires_at)
-    SELECT :resource, $first, :secret, :holder, c.now + make_interval(secs => :ttl) FROM c
+    INSERT INTO $table AS l (resource, token, owner, holder, expires_at, wtoken)
+    SELECT :resource, f.t, :secret, :holder, c.now + make_interval(secs => :ttl), f.t
+    FROM c, (SELECT $first AS t FROM c) AS f
     ON CONFLICT (resource) DO UPDATE SET
-        token = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > (SELECT now FROM c)
-                     THEN l.token
-                     ELSE GREATEST(l.token + 1, EXCLUDED.token) END,
+        token = CASE WHEN $mine THEN l.token ELSE GREATEST(l.token + 1, EXCLUDED.token) END,
         owner = EXCLUDED.owner,
         holder = EXCLUDED.holder,
-        expires_at = EXCLUDED.expires_at
-    WHERE l.owner IS NULL OR l.expires_at <= (SELECT now FROM c) OR l.owner = EXCLUDED.owner
+        expires_at = EXCLUDED.expires_at,
+        readers = CASE WHEN $mine THEN l.readers ELSE 0 END,
+        read_until = CASE WHEN $mine THEN l.read_until END,
+        wtoken = CASE WHEN $mine THEN l.wtoken ELSE GREATEST(l.token + 1, EXCLUDED.token) END
+    WHERE $mine OR (
+        (l.owner IS NULL OR l.expires_at <= (SELECT now FROM c))
+        AND (l.readers = 0 OR l.read_until <= (SELECT now FROM c))
+        AND NOT $ahead_any)
     RETURNING l.token
+),
+gone AS (
+    DELETE FROM $shared AS q USING c
+    WHERE q.resource = :resource AND EXISTS (SELECT 1 FROM up)
+      AND (q.member = :secret OR q.expires_at < c.now - interval '60 seconds')
+),
+wait AS (
+    INSERT INTO $shared AS q (resource, member, kind, expires_at, seq)
+    SELECT :resource, :secret, 'W', c.now + make_interval(secs => :queue_ttl), $us FROM c
+    WHERE NOT EXISTS (SELECT 1 FROM up) AND (
+        EXISTS (SELECT 1 FROM me)
+        OR EXISTS (SELECT 1 FROM $table AS h WHERE h.resource = :resource
+                   AND h.readers > 0 AND h.read_until > c.now)
+        OR EXISTS (SELECT 1 FROM $shared AS r WHERE r.resource = :resource
+                   AND r.kind = 'R' AND r.expires_at > c.now))
+    ON CONFLICT (resource, member) DO UPDATE SET expires_at = EXCLUDED.expires_at
+    RETURNING 1
 )
 SELECT (SELECT token FROM up) AS token,
        EXISTS (SELECT 1 FROM up) AS granted,
+       (SELECT CAST(extract(epoch FROM CASE
+                    WHEN h.owner IS NOT NULL AND h.expires_at > c.now THEN h.expires_at
+                    WHEN h.readers > 0 AND h.read_until > c.now THEN h.read_until
+                    END - c.now) AS DOUBLE PRECISION)
+          FROM $table AS h, c WHERE h.resource = :resource) AS remaining,
+       EXISTS (SELECT 1 FROM wait) AS queued"""
+
+_PG_MINE = "(l.owner = EXCLUDED.owner AND l.expires_at > (SELECT now FROM c))"
+
+# Somebody live queued ahead of the caller (anywhere, if it has no place): any waiter for a
+# writer, a writer for a reader.
+_PG_AHEAD = """EXISTS (SELECT 1 FROM $shared AS q, c
+            WHERE q.resource = :resource AND q.kind IN ($kinds) AND q.member <> :secret
+              AND q.expires_at > c.now
+              AND (NOT EXISTS (SELECT 1 FROM me)
+                   OR (q.seq, q.member) < ((SELECT seq FROM me), :secret)))"""
+
+# A reader: granted when no writer holds the lock and no live writer is queued ahead of it;
+# its row in the shared table carries its token and lease. The same secret again (an
+# attempt whose reply was lost) keeps its token. A refused reader joins the queue.
+_PG_ACQUIRE_READ = """$clock,
+mine AS (
+    UPDATE $shared AS q SET expires_at = c.now + make_interval(secs => :ttl) FROM c
+    WHERE q.resource = :resource AND q.member = :secret AND q.kind = 'r'
+      AND q.expires_at > c.now
+      AND q.token > (SELECT h.wtoken FROM $table AS h WHERE h.resource = :resource)
+    RETURNING q.token
+),
+me AS MATERIALIZED (
+    SELECT q.seq FROM $shared AS q
+    WHERE q.resource = :resource AND q.member = :secret AND q.kind = 'R'
+),
+up AS (
+    INSERT INTO $table AS l (resource, token, owner, holder, expires_at, readers, read_until)
+    SELECT :resource, $first, NULL, NULL, c.now, 1, c.now + make_interval(secs => :ttl) FROM c
+    ON CONFLICT (resource) DO UPDATE SET
+        token = CASE WHEN EXISTS (SELECT 1 FROM mine) THEN l.token
+                     ELSE GREATEST(l.token + 1, EXCLUDED.token) END,
+        readers = CASE WHEN EXISTS (SELECT 1 FROM mine) THEN l.readers
+                       WHEN l.readers > 0 AND l.read_until > (SELECT now FROM c)
+                       THEN l.readers + 1
+                       ELSE 1 END,
+        read_until = CASE WHEN l.readers > 0 AND l.read_until > (SELECT now FROM c)
+                          THEN GREATEST(l.read_until, EXCLUDED.read_until)
+                          ELSE EXCLUDED.read_until END
+    WHERE EXISTS (SELECT 1 FROM mine) OR (
+        (l.owner IS NULL OR l.expires_at <= (SELECT now FROM c)) AND NOT $ahead_writer)
+    RETURNING l.token
+),
+ins AS (
+    INSERT INTO $shared AS q (resource, member, kind, token, holder, expires_at, seq)
+    SELECT :resource, :secret, 'r', up.token, :holder, c.now + make_interval(secs => :ttl), 0
+    FROM up, c WHERE NOT EXISTS (SELECT 1 FROM mine)
+    ON CONFLICT (resource, member) DO UPDATE SET
+        kind = 'r', token = EXCLUDED.token, holder = EXCLUDED.holder,
+        expires_at = EXCLUDED.expires_at, seq = 0
+),
+gone AS (
+    DELETE FROM $shared AS q USING c
+    WHERE q.resource = :resource AND q.member <> :secret AND EXISTS (SELECT 1 FROM up)
+      AND q.expires_at < c.now - interval '60 seconds'
+),
+wait AS (
+    INSERT INTO $shared AS q (resource, member, kind, expires_at, seq)
+    SELECT :resource, :secret, 'R', c.now + make_interval(secs => :queue_ttl), $us FROM c
+    WHERE NOT EXISTS (SELECT 1 FROM up)
+    ON CONFLICT (resource, member) DO UPDATE SET expires_at = EXCLUDED.expires_at
+    RETURNING 1
+)
+SELECT COALESCE((SELECT token FROM mine), (SELECT token FROM up)) AS token,
+       EXISTS (SELECT 1 FROM up) AS granted,
        (SELECT CAST(extract(epoch FROM h.expires_at - c.now) AS DOUBLE PRECISION)
-          FROM $table AS h, c WHERE h.resource = :resource) AS remaining"""
+          FROM $table AS h, c WHERE h.resource = :resource AND h.owner IS NOT NULL
+          AND h.expires_at > c.now) AS remaining,
+       EXISTS (SELECT 1 FROM wait) AS queued"""
 
 _PG_RENEW = """$clock
 UPDATE $table AS l SET expires_at = c.now + make_interval(secs => :ttl) FROM c
 WHERE l.resource = :resource AND l.owner = :secret AND l.expires_at > c.now
+RETURNING l.token"""
+
+# A reader's own row first, then the resource's row (the lock order): the renewal counts
+# only if no writer came after the lease (wtoken), and pushes read_until out.
+_PG_RENEW_READ = """$clock,
+r AS (
+    UPDATE $shared AS q SET expires_at = c.now + make_interval(secs => :ttl) FROM c
+    WHERE q.resource = :resource AND q.member = :secret AND q.kind = 'r'
+      AND q.expires_at > c.now
+    RETURNING q.token
+)
+UPDATE $table AS l SET read_until = GREATEST(l.read_until, c.now + make_interval(secs => :ttl))
+FROM c
+WHERE l.resource = :resource AND l.wtoken < (SELECT token FROM r)
 RETURNING l.token"""
 
 # pg_notify in the releasing statement: delivered when, and only if, the release commits.
@@ -237,20 +520,56 @@ r AS (
 )
 SELECT r.token, $notify_r FROM r"""
 
-_PG_INSPECT = """SELECT l.token,
-       CAST(extract(epoch FROM l.expires_at - c.now) AS DOUBLE PRECISION), l.holder
-FROM $table AS l, (SELECT clock_timestamp() AS now) AS c
-WHERE l.resource = :resource AND l.owner IS NOT NULL AND l.expires_at > c.now"""
+# The last reader to leave wakes the waiting writers (on the writers' channel).
+_PG_RELEASE_READ = """$clock,
+d AS (
+    DELETE FROM $shared AS q USING c
+    WHERE q.resource = :resource AND q.member = :secret AND q.kind = 'r'
+      AND q.expires_at > c.now
+    RETURNING q.token
+),
+u AS (
+    UPDATE $table AS l SET readers = GREATEST(l.readers - 1, 0),
+        read_until = CASE WHEN l.readers > 1 THEN l.read_until END
+    WHERE l.resource = :resource AND l.wtoken < (SELECT token FROM d)
+    RETURNING l.token, l.resource, l.readers
+)
+SELECT u.token, CASE WHEN u.readers = 0 THEN $notify_writers END FROM u"""
 
+_PG_ABANDON = """DELETE FROM $shared AS q
+WHERE q.resource = :resource AND q.member = :secret AND q.kind IN ('R', 'W')
+RETURNING q.kind, $notify_q"""
+
+_PG_INSPECT = """$clock
+SELECT 'w', l.token, CAST(extract(epoch FROM l.expires_at - c.now) AS DOUBLE PRECISION),
+       l.holder
+FROM $table AS l, c
+WHERE l.resource = :resource AND l.owner IS NOT NULL AND l.expires_at > c.now
+UNION ALL
+SELECT 'r', q.token, CAST(extract(epoch FROM q.expires_at - c.now) AS DOUBLE PRECISION),
+       q.holder
+FROM $shared AS q, $table AS l, c
+WHERE q.resource = :resource AND q.kind = 'r' AND q.expires_at > c.now
+  AND l.resource = q.resource AND q.token > l.wtoken"""
+
+# Every reader's row goes first (the lock order), then the resource's row takes a token
+# above every one issued.
 _PG_REVOKE = """$clock,
+d AS (
+    DELETE FROM $shared AS q WHERE q.resource = :resource AND q.kind = 'r'
+    RETURNING q.token
+),
 up AS (
-    INSERT INTO $table AS l (resource, token, owner, holder, expires_at)
-    SELECT :resource, $first, NULL, NULL, c.now FROM c
+    INSERT INTO $table AS l (resource, token, owner, holder, expires_at, wtoken)
+    SELECT :resource, f.t, NULL, NULL, c.now, f.t FROM c, (SELECT $first AS t FROM c) AS f
     ON CONFLICT (resource) DO UPDATE SET
-        token = GREATEST(l.token + 1, EXCLUDED.token),
+        token = GREATEST(l.token + 1, EXCLUDED.token, (SELECT max(token) + 1 FROM d)),
         owner = NULL,
         holder = NULL,
-        expires_at = EXCLUDED.expires_at
+        expires_at = EXCLUDED.expires_at,
+        readers = 0,
+        read_until = NULL,
+        wtoken = GREATEST(l.token + 1, EXCLUDED.token, (SELECT max(token) + 1 FROM d))
     RETURNING l.token, l.resource
 )$reg
 SELECT up.token, $notify_up FROM up"""
@@ -268,6 +587,8 @@ reg AS (
 _PG_WAKE = "SELECT CAST(pg_notify(:channel, :resource) AS TEXT)"
 _PG_LOCK_ROW = "SELECT 1 FROM $table WHERE resource = :resource FOR UPDATE"
 _PG_NOTIFY = "CAST(pg_notify(:channel, $alias.resource) AS TEXT)"
+_PG_NOTIFY_WRITERS = "CAST(pg_notify(:channel_w, $alias.resource) AS TEXT)"
+_PG_US = "CAST(floor(extract(epoch FROM c.now) * 1000000) AS BIGINT)"
 
 # SQLite: the database's clock in Unix seconds. SQLite reads the clock once per statement
 # step, so every use in one statement sees the same instant (millisecond resolution).
@@ -276,7 +597,10 @@ _SQLITE_FLOOR = f"CAST({_SQLITE_NOW} * 1000000 AS INTEGER)"
 
 # SQLite has no data-modifying CTE, so the upsert always takes the conflict branch and keeps
 # the holder's values when the lock is not free: one statement and one row back, granted or
-# not. Every SET expression reads the row as it was before the update.
+# not. Every SET expression reads the row as it was before the update. It grants only the
+# exclusive way: with a reader or a waiter in the shared table (its last column says so),
+# the driver decides in a transaction instead (SQLITE_STEPS). SQLite runs one writer at a
+# time, so what a statement reads is what is there: the shared table itself says who reads.
 _SQLITE_ACQUIRE = """INSERT INTO $table (resource, token, owner, holder, expires_at)
 VALUES (:resource, $first, :secret, :holder, $now + :ttl)
 ON CONFLICT (resource) DO UPDATE SET
@@ -286,19 +610,38 @@ ON CONFLICT (resource) DO UPDATE SET
     owner = CASE WHEN $free THEN excluded.owner ELSE owner END,
     holder = CASE WHEN $free THEN excluded.holder ELSE holder END,
     expires_at = CASE WHEN $free THEN excluded.expires_at ELSE expires_at END
-RETURNING token, owner IS NOT NULL AND owner = :secret, expires_at - $now"""
-_SQLITE_FREE = "(owner IS NULL OR expires_at <= $now OR owner = excluded.owner)"
+RETURNING token, owner IS NOT NULL AND owner = :secret, expires_at - $now,
+    EXISTS (SELECT 1 FROM $shared AS q WHERE q.resource = :resource AND q.expires_at > $now)"""
+_SQLITE_FREE = """(owner = excluded.owner AND expires_at > $now) OR (
+        (owner IS NULL OR expires_at <= $now)
+        AND NOT EXISTS (SELECT 1 FROM $shared AS q
+                        WHERE q.resource = excluded.resource AND q.expires_at > $now))"""
 
 _SQLITE_RENEW = """UPDATE $table SET expires_at = $now + :ttl
 WHERE resource = :resource AND owner = :secret AND expires_at > $now
+RETURNING token"""
+
+_SQLITE_RENEW_READ = """UPDATE $shared SET expires_at = $now + :ttl
+WHERE resource = :resource AND member = :secret AND kind = 'r' AND expires_at > $now
 RETURNING token"""
 
 _SQLITE_RELEASE = """UPDATE $table SET owner = NULL, holder = NULL, expires_at = $now
 WHERE resource = :resource AND owner = :secret AND expires_at > $now
 RETURNING token"""
 
-_SQLITE_INSPECT = """SELECT token, expires_at - $now, holder FROM $table
-WHERE resource = :resource AND owner IS NOT NULL AND expires_at > $now"""
+_SQLITE_RELEASE_READ = """DELETE FROM $shared
+WHERE resource = :resource AND member = :secret AND kind = 'r' AND expires_at > $now
+RETURNING token"""
+
+_SQLITE_ABANDON = """DELETE FROM $shared
+WHERE resource = :resource AND member = :secret AND kind IN ('R', 'W')
+RETURNING kind"""
+
+_SQLITE_INSPECT = """SELECT 'w', token, expires_at - $now, holder FROM $table
+WHERE resource = :resource AND owner IS NOT NULL AND expires_at > $now
+UNION ALL
+SELECT 'r', token, expires_at - $now, holder FROM $shared
+WHERE resource = :resource AND kind = 'r' AND expires_at > $now"""
 
 _SQLITE_REVOKE = """INSERT INTO $table (resource, token, owner, holder, expires_at)
 VALUES (:resource, $first, NULL, NULL, $now)
@@ -309,12 +652,37 @@ ON CONFLICT (resource) DO UPDATE SET
     expires_at = excluded.expires_at
 RETURNING token"""
 
-
 _SQLITE_FIRST_FENCED = """max($floor, (SELECT coalesce(max(fence), 0) + 1 FROM $register
                         WHERE scope = :resource))"""
 _SQLITE_RAISE_FENCE = """INSERT INTO $register (scope, fence) VALUES (:resource, :token)
 ON CONFLICT (scope) DO UPDATE SET fence = max(fence, excluded.fence)
 RETURNING fence"""
+
+#: SQLite: the steps of the transactions (``BEGIN IMMEDIATE``) in which the driver decides
+#: shared locks and queued writers, with the rule of :mod:`fence._memory`: what the lease
+#: row and the shared table hold now (``state``, ``entries``), then the writes.
+SQLITE_STEPS = {
+    # (token, owner, the owner's seconds left, the first token a new lease may take, now)
+    "state": """SELECT l.token, l.owner, l.expires_at - n.now, $first, n.now
+FROM (SELECT $now AS now) AS n LEFT JOIN $table AS l ON l.resource = :resource""",
+    # (member, kind, token, seconds left, seq, holder) of every row of the resource
+    "entries": """SELECT member, kind, token, expires_at - $now, seq, holder FROM $shared
+WHERE resource = :resource""",
+    "write": """INSERT INTO $table (resource, token, owner, holder, expires_at)
+VALUES (:resource, :token, :secret, :holder, $now + :ttl)
+ON CONFLICT (resource) DO UPDATE SET token = excluded.token, owner = excluded.owner,
+    holder = excluded.holder, expires_at = excluded.expires_at""",
+    "count": """INSERT INTO $table (resource, token, owner, holder, expires_at)
+VALUES (:resource, :token, NULL, NULL, $now)
+ON CONFLICT (resource) DO UPDATE SET token = excluded.token""",
+    "put": """INSERT INTO $shared (resource, member, kind, token, holder, expires_at, seq)
+VALUES (:resource, :secret, :kind, :token, :holder, $now + :ttl, :seq)
+ON CONFLICT (resource, member) DO UPDATE SET kind = excluded.kind, token = excluded.token,
+    holder = excluded.holder, expires_at = excluded.expires_at, seq = excluded.seq""",
+    "drop": "DELETE FROM $shared WHERE resource = :resource AND member = :secret",
+    "sweep": "DELETE FROM $shared WHERE resource = :resource AND expires_at < $now - 60",
+    "drop_readers": "DELETE FROM $shared WHERE resource = :resource AND kind = 'r'",
+}
 
 
 def lease_statements(
@@ -326,7 +694,7 @@ def lease_statements(
     notify: bool = True,
     fence_table: str | None = None,
 ) -> LeaseStatements:
-    """Build the statements of the SQL lock manager (C2, C3, C10, C11 in SQL).
+    """Build the statements of the SQL lock manager (C2, C3, C10, C11, C13 in SQL).
 
     A new token is ``max(last + 1, clock)`` in hybrid mode (the clock in microseconds since
     the epoch, read by the database: ``clock_timestamp()`` on PostgreSQL, ``julianday('now')``
@@ -338,7 +706,8 @@ def lease_statements(
         schema: the schema, or ``None``.
         token_mode: :class:`fence.TokenMode`.
         notify: PostgreSQL: a release or revoke runs ``pg_notify(:channel, resource)`` in
-            the same statement (without it the statements take no ``:channel``).
+            the same statement, the release of the last reader ``pg_notify(:channel_w,
+            resource)`` (without it the statements take neither parameter).
         fence_table: the guards' fence register ``(scope, fence)`` in the same schema: new
             tokens go above its row for the resource, and a revoke raises that row (in the
             same statement on PostgreSQL; in :attr:`LeaseStatements.raise_fence`, run
@@ -349,38 +718,59 @@ def lease_statements(
     """
     mode = TokenMode(token_mode)
     name = _qualified(dialect, table, schema)
-    create = lease_table_ddl(dialect, table=table, schema=schema)
+    shared = _qualified(dialect, shared_table_name(table), schema)
+    create = tuple(lease_schema_ddl(dialect, table=table, schema=schema))
     hybrid = mode is TokenMode.HYBRID
     register = None if fence_table is None else _qualified(dialect, fence_table, schema)
     if dialect == "postgresql":
-        values = {"table": name, "clock": _PG_CLOCK, "floor": _PG_FLOOR if hybrid else "1"}
-        for alias in ("r", "up"):
+        values = {
+            "table": name,
+            "shared": shared,
+            "clock": _PG_CLOCK,
+            "floor": _PG_FLOOR if hybrid else "1",
+            "us": _PG_US,
+            "mine": _PG_MINE,
+        }
+        for alias in ("r", "up", "u", "q"):
             values[f"notify_{alias}"] = (
                 Template(_PG_NOTIFY).substitute(alias=alias) if notify else "NULL"
             )
+        values["notify_writers"] = (
+            Template(_PG_NOTIFY_WRITERS).substitute(alias="u") if notify else "NULL"
+        )
         values["first"] = values["floor"]
         values["reg"] = ""
         if register is not None:
             values["register"] = register
             values["first"] = Template(_PG_FIRST_FENCED).substitute(values)
             values["reg"] = Template(_PG_RAISE_FENCE).substitute(values)
-        acquire, renew, release, inspect, revoke = (
-            Template(t).substitute(values)
-            for t in (_PG_ACQUIRE, _PG_RENEW, _PG_RELEASE, _PG_INSPECT, _PG_REVOKE)
-        )
+        values["ahead_any"] = Template(_PG_AHEAD).substitute(values, kinds="'R', 'W'")
+        values["ahead_writer"] = Template(_PG_AHEAD).substitute(values, kinds="'W'")
+
+        def pg(template: str) -> str:
+            return Template(template).substitute(values)
+
         return LeaseStatements(
             "postgresql",
             create,
-            acquire,
-            renew,
-            release,
-            inspect,
-            revoke,
-            _PG_WAKE,
-            None,
-            Template(_PG_LOCK_ROW).substitute(values),
+            acquire=pg(_PG_ACQUIRE),
+            acquire_read=pg(_PG_ACQUIRE_READ),
+            renew=pg(_PG_RENEW),
+            renew_read=pg(_PG_RENEW_READ),
+            release=pg(_PG_RELEASE),
+            release_read=pg(_PG_RELEASE_READ),
+            abandon=pg(_PG_ABANDON),
+            inspect=pg(_PG_INSPECT),
+            revoke=pg(_PG_REVOKE),
+            wake=_PG_WAKE,
+            lock_row=pg(_PG_LOCK_ROW),
         )
-    values = {"table": name, "now": _SQLITE_NOW, "floor": _SQLITE_FLOOR if hybrid else "1"}
+    values = {
+        "table": name,
+        "shared": shared,
+        "now": _SQLITE_NOW,
+        "floor": _SQLITE_FLOOR if hybrid else "1",
+    }
     values["free"] = Template(_SQLITE_FREE).substitute(values)
     values["first"] = values["floor"]
     raise_fence = None
@@ -388,12 +778,34 @@ def lease_statements(
         values["register"] = register
         values["first"] = Template(_SQLITE_FIRST_FENCED).substitute(values)
         raise_fence = Template(_SQLITE_RAISE_FENCE).substitute(values)
-    acquire, renew, release, inspect, revoke = (
+    acquire, renew, renew_read, release, release_read, abandon, inspect, revoke = (
         Template(t).substitute(values)
-        for t in (_SQLITE_ACQUIRE, _SQLITE_RENEW, _SQLITE_RELEASE, _SQLITE_INSPECT, _SQLITE_REVOKE)
+        for t in (
+            _SQLITE_ACQUIRE,
+            _SQLITE_RENEW,
+            _SQLITE_RENEW_READ,
+            _SQLITE_RELEASE,
+            _SQLITE_RELEASE_READ,
+            _SQLITE_ABANDON,
+            _SQLITE_INSPECT,
+            _SQLITE_REVOKE,
+        )
     )
     return LeaseStatements(
-        "sqlite", create, acquire, renew, release, inspect, revoke, None, raise_fence
+        "sqlite",
+        create,
+        acquire,
+        None,
+        renew,
+        renew_read,
+        release,
+        release_read,
+        abandon,
+        inspect,
+        revoke,
+        wake=None,
+        raise_fence=raise_fence,
+        sqlite={k: Template(v).substitute(values) for k, v in SQLITE_STEPS.items()},
     )
 
 

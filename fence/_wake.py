@@ -49,6 +49,7 @@ class WakeBoard:
         self._changed: dict[str, int] = {}
         self._waiters: dict[str, OrderedDict[Wakeable, object]] = {}
         self._keyed: dict[tuple[str, object], Wakeable] = {}
+        self._placed: dict[str, int] = {}
 
     def mark(self) -> Cookie:
         """The current moment, to pass to :meth:`attach` later."""
@@ -102,6 +103,45 @@ class WakeBoard:
                 del self._waiters[resource]
         waiter.wake()
         return True
+
+    def place(self, resource: str, delta: int) -> None:
+        """Count waiters of ``resource`` that hold a place in its queue (+1 when one starts
+        waiting, -1 when it stops); see :meth:`wake`."""
+        with self._lock:
+            count = self._placed.get(resource, 0) + delta
+            if count > 0:
+                self._placed[resource] = count
+            else:
+                self._placed.pop(resource, None)
+
+    def wake(self, resource: str, *, writers: bool = False) -> None:
+        """A release (or a waiter leaving): wake the waiter that attached first, or, while
+        waiters of ``resource`` hold places in its queue (a shared lock), all of them: the
+        queue decides who goes, and a batch of readers goes together.
+
+        With ``writers`` (the last reader left: no reader was waiting for that), wake only
+        the waiters attached with a key ``("w", ...)``, or the first one if none is.
+        """
+        if not self._placed.get(resource):
+            self.wake_one(resource)
+        elif not writers:
+            self.bump(resource)
+        else:
+            with self._lock:
+                self._record(resource)
+                waiters: OrderedDict[Wakeable, object] = (
+                    self._waiters.get(resource) or OrderedDict()
+                )
+                chosen = [
+                    (w, k) for w, k in waiters.items() if isinstance(k, tuple) and k[:1] == ("w",)
+                ]
+                for waiter, key in chosen:
+                    del waiters[waiter]
+                    self._keyed.pop((resource, key), None)
+                if not waiters:
+                    self._waiters.pop(resource, None)
+            for waiter, _ in chosen:
+                waiter.wake()
 
     def wake_key(self, resource: str, key: object) -> bool:
         """Record a change of ``resource`` and wake the waiter attached with ``key``.

@@ -3,7 +3,8 @@
 Layout of resource ``R`` under the root ``/fence`` (the root is configurable)::
 
     /fence/<R, percent-encoded>                   persistent; its data version counts joins
-    /fence/<R>/<guid>-lock-0000000042             ephemeral sequential, one per contender
+    /fence/<R>/<guid>-lock-0000000042             ephemeral sequential: a writer
+    /fence/<R>/<guid>-read-0000000043             ephemeral sequential: a reader (C13)
 
 Every join is one multi-operation: create the contender's node *and* set the resource
 node's data (a version bump). So the resource node's data version changes with every join,
@@ -13,7 +14,8 @@ that its node is the only one. All operations of a multi share one zxid, so the 
 ``set`` returns carries the new node's ``czxid``: the fencing token.
 
 The node that comes first (smallest sequence number; ZooKeeper assigns sequence numbers
-and zxids in the same order) holds the lock; see :mod:`fence._queue`. The ``guid`` is
+and zxids in the same order) holds the lock, with every reader's node before the first
+writer's (kazoo's read/write recipe, with tokens); see :mod:`fence._queue`. The ``guid`` is
 derived from the owner secret, so a contender can find its own node again after a lost
 connection; the secret itself is never stored.
 """
@@ -32,10 +34,12 @@ from fence._errors import ConfigurationError, InvalidTokenError
 __all__ = [
     "DEFAULT_ROOT",
     "MARK",
+    "READ_MARK",
     "SessionTimeoutProbe",
     "decode_data",
     "encode_data",
     "guid_of",
+    "is_writer_node",
     "parse_hosts",
     "queue_order",
     "resource_path",
@@ -45,8 +49,10 @@ __all__ = [
 
 DEFAULT_ROOT = "/fence"
 
-#: Between the contender's guid and the sequence number in a node's name.
+#: Between the contender's guid and the sequence number in a writer's node's name.
 MARK = "-lock-"
+#: The same in a reader's node's name (C13).
+READ_MARK = "-read-"
 
 _SEQUENCE_DIGITS = 10
 
@@ -72,10 +78,16 @@ def guid_of(secret: str) -> str:
 
 
 def _sequence(name: str) -> int | None:
-    head, mark, digits = name.rpartition(MARK)
-    if not mark or not head or len(digits) != _SEQUENCE_DIGITS or not digits.isdigit():
-        return None
-    return int(digits)
+    for marker in (MARK, READ_MARK):
+        head, mark, digits = name.rpartition(marker)
+        if mark and head and len(digits) == _SEQUENCE_DIGITS and digits.isdigit():
+            return int(digits)
+    return None
+
+
+def is_writer_node(name: str) -> bool:
+    """Whether the lock node ``name`` is a writer's (else a reader's)."""
+    return name.rpartition(READ_MARK)[1] == ""
 
 
 def queue_order(children: Iterable[str]) -> list[str]:

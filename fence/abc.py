@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
+from fence._core import LeaseMode
 from fence._deadline import deadline as call_deadline
 from fence._deadline import time_left
 
@@ -45,17 +46,42 @@ LostCallback = Callable[["Lease | AsyncLease", "LeaseLostError"], None]
 class LockInfo:
     """What a backend knows about a held lock.
 
+    A lock held by readers (C13) is described by its newest reader (the highest token)
+    and the longest time left, with every reader in :attr:`readers`.
+
     Attributes:
         resource: the resource.
-        token: the holder's fencing token.
-        remaining: seconds left on the backend's clock.
+        token: the holder's fencing token; with readers, the highest reader token.
+        remaining: seconds left on the backend's clock; with readers, until the last
+            reader's lease ends.
         holder: the label the holder gave (host, pid, thread or task); never its secret.
+            With readers, the label of the newest reader.
+        mode: :attr:`LeaseMode.WRITE` for a writer, :attr:`LeaseMode.READ` for readers.
+        readers: with readers, one :class:`LockInfo` per reader, by token; else empty.
     """
 
     resource: str
     token: int
     remaining: float
     holder: str | None
+    mode: LeaseMode = LeaseMode.WRITE
+    readers: tuple[LockInfo, ...] = ()
+
+    @classmethod
+    def of_readers(cls, resource: str, readers: list[LockInfo]) -> LockInfo | None:
+        """The :class:`LockInfo` of a lock held by ``readers`` (``None`` if empty)."""
+        if not readers:
+            return None
+        ordered = tuple(sorted(readers, key=lambda r: r.token))
+        newest = ordered[-1]
+        return cls(
+            resource,
+            newest.token,
+            max(r.remaining for r in ordered),
+            newest.holder,
+            LeaseMode.READ,
+            ordered,
+        )
 
 
 class AcquireReply(NamedTuple):
@@ -101,6 +127,13 @@ class AsyncDriver(Protocol):
       at most :data:`fence._async.manager.UNDO_LIMIT`.
     - ``max_wait: float``: the longest the manager waits between two attempts when nothing
       wakes the waiter (default 5 s). A driver whose wake-ups are not lost may raise it.
+    - ``shared: bool``: the driver grants read leases (C13). The manager then calls
+      ``acquire(resource, secret, ttl, holder, LeaseMode.READ)`` for a read lease; a write
+      lease is asked for with the four arguments alone. A driver without ``shared`` gets no
+      read requests: the manager refuses ``mode="read"`` before any I/O. ``renew``,
+      ``release``, ``cancel`` and ``abandon`` take the secret alone, whatever the mode;
+      ``inspect`` reports readers as :meth:`LockInfo.of_readers`; ``revoke`` ends every
+      lease of the resource, readers' too.
     """
 
     #: Short backend name for events and messages (``"memory"``, ``"redis"``, ``"sql"``).
@@ -108,7 +141,8 @@ class AsyncDriver(Protocol):
 
     async def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
         """Take the lock if free or expired, issuing a new token; with the same secret,
-        keep the token and reset the ttl."""
+        keep the token and reset the ttl. A shared driver takes a fifth argument, the
+        :class:`LeaseMode` (see the ``shared`` attribute above)."""
         ...
 
     async def renew(self, resource: str, secret: str, ttl: float) -> bool:
@@ -181,18 +215,23 @@ class LockManager(Protocol):
         self,
         resource: str,
         *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
         ttl: float | None = None,
         timeout: float | None = None,
         renew: bool | None = None,
         on_lost: LostCallback | None = None,
     ) -> Lease:
-        """Wait up to ``timeout`` seconds (``None``: forever) for the lock; return the lease."""
+        """Wait up to ``timeout`` seconds (``None``: forever) for the lock; return the lease.
+
+        ``mode="read"`` asks for a shared lease (C13), ``"write"`` (the default) for an
+        exclusive one."""
         ...
 
     def try_acquire(
         self,
         resource: str,
         *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
         ttl: float | None = None,
         renew: bool | None = None,
         on_lost: LostCallback | None = None,
@@ -221,6 +260,7 @@ class AsyncLockManager(Protocol):
         self,
         resource: str,
         *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
         ttl: float | None = None,
         timeout: float | None = None,
         renew: bool | None = None,
@@ -233,6 +273,7 @@ class AsyncLockManager(Protocol):
         self,
         resource: str,
         *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
         ttl: float | None = None,
         renew: bool | None = None,
         on_lost: LostCallback | None = None,

@@ -595,7 +595,7 @@ def _ddl_script(
     Raises:
         ConfigurationError: an unknown dialect or an empty name.
     """
-    from fence._sql_schema import _dialect, lease_table_ddl
+    from fence._sql_schema import _dialect, lease_schema_ddl
 
     # fence.adapters ships from adapters/: imported by name, as the rest of fence does.
     common = importlib.import_module("fence.adapters._sql_common")
@@ -615,8 +615,9 @@ def _ddl_script(
     if lease_table is not None:
         out += [
             "",
-            "-- The SQL lock manager's lease table (SQLLockManager, fence.lease_table_ddl).",
-            lease_table_ddl(dialect, table=lease_table, schema=schema) + ";",
+            "-- The SQL lock manager's lease table and the readers and waiters of its shared",
+            "-- locks (SQLLockManager, fence.lease_schema_ddl).",
+            *(s + ";" for s in lease_schema_ddl(dialect, table=lease_table, schema=schema)),
         ]
     if register is not None:
         out += [

@@ -29,6 +29,7 @@ from fence._clock import ManualClock
 from fence._core import (
     accepts,
     batch_rejection,
+    check_read,
     rejection,
     validate_resource,
     validate_token,
@@ -185,6 +186,15 @@ class MemoryGuard:
         """A registering read: raise the fence and return the value, or refuse a stale reader."""
         with self._checked(scope, token, must_exist=False) as cell:
             return cell.value
+
+    def read_checked(self, scope: str, token: int) -> Any:
+        """A checked read under a read lease (C13): the value, or
+        :class:`fence.StaleTokenError` if a writer newer than ``token`` has written
+        (:func:`fence.check_read`). It never raises the fence."""
+        with self._lock:
+            cell = self._cells.get(scope)
+            check_read(scope, token, cell.fence if cell else None)
+            return cell.value if cell and cell.exists else None
 
     def read(self, scope: str) -> Any:
         """The value of ``scope``, or ``None``."""

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from fence._async.sql import AsyncSQLLockManager
-from fence._sql_schema import lease_table_ddl
+from fence._sql_schema import lease_schema_ddl
 from fence._sync.sql import SQLLockManager
 from tests.registry import ManagerBackend, register_manager_backend
 from tests.servers import PostgresServer
@@ -24,11 +24,12 @@ def _setup(request: pytest.FixtureRequest) -> tuple[str, str]:
     url: str = request.getfixturevalue("postgres_url")
     table = f"fence_leases_{secrets.token_hex(4)}"
     with psycopg.connect(server.conninfo, autocommit=True) as conn:
-        conn.execute(lease_table_ddl("postgresql", table=table))
+        for statement in lease_schema_ddl("postgresql", table=table):
+            conn.execute(statement)
 
     def drop() -> None:
         with psycopg.connect(server.conninfo, autocommit=True) as conn:
-            conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+            conn.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_shared"')
 
     request.addfinalizer(drop)
     return url, table

@@ -25,4 +25,8 @@ def _make(urls: list[str], is_async: bool, **options: Any) -> Any:
     return cls(urls, **options)
 
 
-register_manager_backend(ManagerBackend("quorum", _setup, _make, marks=(pytest.mark.redis,)))
+# No shared locks: the quorum refuses mode="read" (tests/_async/test_shared_conformance.py
+# checks the refusal).
+register_manager_backend(
+    ManagerBackend("quorum", _setup, _make, marks=(pytest.mark.redis,), shared=False)
+)

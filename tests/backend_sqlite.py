@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
 from fence._async.sql import AsyncSQLLockManager
-from fence._sql_schema import lease_table_ddl
+from fence._sql_schema import lease_schema_ddl
 from fence._sync.sql import SQLLockManager
 from tests.registry import ManagerBackend, register_manager_backend
 
@@ -23,7 +23,8 @@ def _setup_file(request: pytest.FixtureRequest) -> str:
     tmp_path: Path = request.getfixturevalue("tmp_path")
     path = tmp_path / "locks.db"
     with sqlite3.connect(path) as conn:
-        conn.execute(lease_table_ddl("sqlite"))
+        for statement in lease_schema_ddl("sqlite"):
+            conn.execute(statement)
     conn.close()
     return f"sqlite:///{path}"
 
@@ -51,7 +52,8 @@ class _MemoryDatabase:
             else:
                 self.engine = create_engine("sqlite://", **options)
                 with self.engine.begin() as conn:
-                    conn.exec_driver_sql(lease_table_ddl("sqlite"))
+                    for statement in lease_schema_ddl("sqlite"):
+                        conn.exec_driver_sql(statement)
         return self.engine
 
     def dispose(self) -> None:

@@ -18,6 +18,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             "manager_backend",
             [pytest.param(b, id=b.name, marks=b.marks) for b in MANAGER_BACKENDS.values()],
         )
+    for name, shared in (("shared_backend", True), ("unshared_backend", False)):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(
+                name,
+                [
+                    pytest.param(b, id=b.name, marks=b.marks)
+                    for b in MANAGER_BACKENDS.values()
+                    if b.shared is shared
+                ],
+            )
     if "guard_harness_factory" in metafunc.fixturenames:
         metafunc.parametrize(
             "guard_harness_factory",

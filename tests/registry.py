@@ -37,6 +37,8 @@ class ManagerBackend:
         marks: pytest marks for the backend (e.g. ``pytest.mark.redis``).
         expiry_slack: seconds the backend may take beyond a ttl to treat a lease as expired
             (SQL backends that check expiry at statement time need none, a polling one some).
+        shared: whether the managers grant read leases (C13). The shared-lock suite runs
+            on those; on the others it checks that ``mode="read"`` is refused.
     """
 
     name: str
@@ -44,6 +46,7 @@ class ManagerBackend:
     make: Callable[..., Any]
     marks: tuple[pytest.MarkDecorator, ...] = ()
     expiry_slack: float = 0.0
+    shared: bool = True
 
 
 MANAGER_BACKENDS: dict[str, ManagerBackend] = {}

@@ -50,6 +50,14 @@ REQUIRED = {
     ("iofence ZooKeeper: hand-offs per second", "iofence Redis"),
     ("iofence SQL (SQLite file by URL)", "redis-py Lock"),
     ("iofence Redis FIFO: acquisitions, busiest / idlest worker", "equal shares"),
+    (
+        "Redis: 16 readers + 1 writer, shared locks",
+        "Redis: the same 17 tasks, one exclusive lock",
+    ),
+    (
+        "PostgreSQL: 16 readers + 1 writer, shared locks",
+        "PostgreSQL: the same 17 tasks, one exclusive lock",
+    ),
 }
 
 #: The waiters section's rows, per kind of waiter (their names carry the count of waiters).

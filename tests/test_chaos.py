@@ -87,6 +87,25 @@ def test_fenced_pairing_keeps_every_update(
     assert result["fault_errors"] == []
 
 
+def test_readers_check_every_read_and_stale_readers_are_refused(
+    chaos_run: tuple[dict[str, Any], Path],
+) -> None:
+    """The pairing with readers (C13): readers read under read leases beside the writers'
+    cycles; every accepted read saw a value written under a token not newer than the fence
+    it read with, nor newer than its lease; readers paused past their lease while a writer
+    wrote were refused at their next read."""
+    shared = [name for name in FENCED if PAIRINGS[name].readers]
+    assert shared
+    for name in shared:
+        result = by_name(chaos_run[0])[name]
+        assert result["ok"], result
+        assert result["reads_accepted"] > 0
+        assert result["stale_reads"] == 0
+        assert result["verdict"]["stale_reads"] == []
+        assert result["reads_rejected"] > 0
+        assert result["accepted"] > 0  # the writers wrote too
+
+
 @pytest.mark.parametrize("name", FENCED)
 def test_every_server_of_a_pairing_is_killed_and_its_connections_dropped(
     chaos_run: tuple[dict[str, Any], Path], name: str

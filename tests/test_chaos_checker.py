@@ -48,6 +48,46 @@ def test_lost_update_is_found() -> None:
     assert verdict.duplicate_values[0]["value"] == 2
 
 
+def shared_log() -> list[Record]:
+    """Writers 10 and 12, readers 11 and 13 between them, each read checked."""
+    return [
+        *clean_log()[:3],
+        Record(1.5, "w3", "acquired_read", "r", 11),
+        Record(1.6, "w3", "read_ok", "r", 11, 1, written=10, fence=10),
+        Record(2.5, "w2", "acquired", "r", 12),
+        Record(2.6, "w2", "write_ok", "r", 12, 1, 2),
+        Record(2.7, "w3", "read_rejected", "r", 11, 2, fence=12),
+        Record(3.0, "w1", "acquired_read", "r", 13),
+        Record(3.1, "w1", "read_ok", "r", 13, 2, written=12, fence=12),
+    ]
+
+
+def test_checked_reads_pass_when_no_newer_writer_wrote_what_they_read() -> None:
+    verdict = check(shared_log(), {"r": 2})
+    assert verdict.ok, verdict
+    assert verdict.reads_accepted == {"r": 2}
+    assert verdict.stale_reads == []
+
+
+def test_stale_read_accepted_is_found() -> None:
+    stale = [
+        # A fence above the read lease: a newer writer wrote, yet the read was accepted.
+        Record(4.0, "w3", "read_ok", "r", 11, 2, written=12, fence=12),
+        # A value under a token newer than the fence read with it.
+        Record(4.1, "w1", "read_ok", "r", 13, 2, written=12, fence=10),
+        # A value no accepted write produced.
+        Record(4.2, "w1", "read_ok", "r", 13, 7, written=12, fence=12),
+    ]
+    verdict = check([*shared_log(), *stale], {"r": 2})
+    assert not verdict.ok
+    assert [s["value"] for s in verdict.stale_reads] == [2, 2, 7]
+    assert "fence newer than the read lease" in verdict.stale_reads[0]["problems"]
+    assert verdict.stale_reads[1]["problems"] == [
+        "written under a token newer than the fence it was read with"
+    ]
+    assert verdict.stale_reads[2]["problems"] == ["a value no accepted write produced"]
+
+
 def test_token_issued_twice_is_found() -> None:
     log = [Record(1.0, "w1", "acquired", "r", 10), Record(2.0, "w2", "acquired", "r", 10)]
     verdict = check(log, {})

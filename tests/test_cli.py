@@ -150,7 +150,8 @@ def test_ddl_prints_the_library_ddl() -> None:
     done = run("ddl", "--dialect", "postgresql", "--table", "accounts", "--table", "app.Orders")
     assert done.returncode == 0
     text = done.stdout
-    assert fence.lease_table_ddl("postgresql") + ";" in text
+    for statement in fence.lease_schema_ddl("postgresql"):  # the shared locks' table too
+        assert statement + ";" in text
     assert REGISTER_TABLE_DDL.format(table="fence_register") + ";" in text
     assert FENCE_COLUMN_DDL.format(table="accounts") + ";" in text
     assert TOMBSTONE_COLUMN_DDL.format(table="accounts") + ";" in text
@@ -231,6 +232,24 @@ def test_ddl_runs_on_sqlite_and_doctor_judges_the_file(tmp_path: Path) -> None:
     )
     assert any(line.startswith("warn  fence register: fence_register is missing") for line in out)
     assert any(line.startswith("warn  journal_mode: delete") for line in out)
+    with sqlite3.connect(path) as db:  # a lease table of a version before shared locks
+        db.execute(
+            "CREATE TABLE fence_leases (resource TEXT PRIMARY KEY, token INTEGER NOT NULL, "
+            "owner TEXT, holder TEXT, expires_at REAL NOT NULL)"
+        )
+    old = lines(run("doctor", url).stdout)
+    assert any(
+        line.startswith("fail  lease table: fence_leases lacks readers, read_until, wtoken")
+        for line in old
+    ), old
+    assert any(
+        line.startswith("-> migrate it once") and "lease_upgrade_ddl" in line for line in old
+    )
+    assert any(
+        line.startswith("fail  shared table: fence_leases_shared is missing") for line in old
+    ), old
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TABLE fence_leases")
     assert any(line.startswith("ok    busy_timeout: 5000 ms") for line in out)
 
     done = run("ddl", "--dialect", "sqlite", "--table", "accounts")
@@ -239,7 +258,8 @@ def test_ddl_runs_on_sqlite_and_doctor_judges_the_file(tmp_path: Path) -> None:
         db.execute("PRAGMA journal_mode=WAL")
     after = run("doctor", url)
     assert after.returncode == 0, after.stdout
-    assert "5 ok, 0 warn, 0 fail" in after.stdout
+    assert "6 ok, 0 warn, 0 fail" in after.stdout
+    assert "ok    shared table: fence_leases_shared exists" in lines(after.stdout)
     slow = run("doctor", f"{url}?timeout=0")
     assert "warn  busy_timeout: 0 ms" in slow.stdout
     assert slow.returncode == 0

@@ -42,6 +42,29 @@ def test_a_release_wakes_one_waiter_in_arrival_order() -> None:
     assert board.waiting("r") == 1
 
 
+def test_a_release_wakes_every_queued_waiter_of_a_shared_lock() -> None:
+    """While waiters hold places in the queue of a shared lock, a release wakes all of
+    them (the queue decides who goes); the last reader leaving wakes only the writers."""
+    board = WakeBoard()
+    mark = board.mark()
+    readers = [Probe(), Probe()]
+    writer = Probe()
+    for i, probe in enumerate(readers):
+        assert not board.attach("r", probe, mark, ("r", i))
+    assert not board.attach("r", writer, mark, ("w", 0))
+    board.place("r", 3)
+    board.wake("r", writers=True)
+    assert [p.woken for p in (*readers, writer)] == [0, 0, 1]
+    board.wake("r")
+    assert [p.woken for p in (*readers, writer)] == [1, 1, 1]
+    board.place("r", -3)
+    late = [Probe(), Probe()]
+    for probe in late:
+        assert not board.attach("r", probe, board.mark())
+    board.wake("r")  # nobody queued: one waiter, as for an exclusive lock
+    assert [p.woken for p in late] == [1, 0]
+
+
 def test_the_reader_is_preferred_when_it_waits_for_the_resource() -> None:
     board = WakeBoard()
     mark = board.mark()

@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
-from fence._core import validate_resource
+from fence._core import LeaseMode, validate_mode, validate_resource
 from fence._errors import ConfigurationError, NotOwnerError
 from fence._events import EventBus
 from fence._sync.manager import Lease
@@ -47,6 +47,12 @@ class UnitOfWork:
     :class:`fence.LeaseLostError` is raised in place of the cancellation. The watch is
     disarmed just before commit: from there on the fences judge the writes.
 
+    With ``mode="read"`` the unit of work takes a read lease (C13), shared with other
+    readers, and the session is read-only: every write raises :class:`fence.ReadLeaseError`
+    before any I/O, and instead of claiming, the transaction checks at its start and at
+    its commit that no writer newer than the lease has written (:class:`StaleTokenError`
+    otherwise; see :func:`fence.adapters.orm.bind`).
+
     Args:
         manager: the lock manager.
         sessions: makes a new session (an ``sessionmaker``).
@@ -58,6 +64,8 @@ class UnitOfWork:
         events: the event bus for the session hook's events.
         unfenced: mapped classes or tables without a fence that the work may write
             (see :func:`fence.adapters.orm.bind`).
+        mode: ``"write"`` (the default) or ``"read"``: the lease to take, and a
+            read-only session for ``"read"``.
 
     Example::
 
@@ -86,7 +94,9 @@ class UnitOfWork:
         register: Table | None = None,
         events: EventBus | None = None,
         unfenced: Iterable[Any] = (),
+        mode: LeaseMode | str = LeaseMode.WRITE,
     ) -> None:
+        self.mode = validate_mode(mode)
         self.manager = manager
         self.sessions = sessions
         self.ttl = ttl
@@ -98,20 +108,26 @@ class UnitOfWork:
         self.unfenced = tuple(unfenced)
 
     @contextmanager
-    def __call__(self, resource: str) -> Iterator[Session]:
+    def __call__(self, resource: str, *, mode: LeaseMode | str | None = None) -> Iterator[Session]:
         """Run the ``with`` block as one fenced unit of work on ``resource``.
 
         Args:
             resource: the resource to lock; also the fence-register scope claimed.
+            mode: ``"read"`` or ``"write"`` for this unit of work (default: the one given
+                to the constructor).
 
         Raises:
             AcquireTimeout: the lock was not free within ``timeout``.
-            StaleTokenError: the claim or a write was refused (a newer holder wrote).
+            StaleTokenError: the claim or a write was refused (a newer holder wrote); for
+                a read: a writer newer than the lease wrote.
+            ReadLeaseError: the block wrote under a read lease (before any I/O).
             LeaseLostError: the lease was lost before commit; nothing was committed.
             BackendError: the lock manager or the database failed.
         """
+        mode = self.mode if mode is None else validate_mode(mode)
+        resource = validate_resource(resource)
         lease = self.manager.acquire(
-            validate_resource(resource), ttl=self.ttl, timeout=self.timeout, renew=self.renew
+            resource, mode=mode, ttl=self.ttl, timeout=self.timeout, renew=self.renew
         )
         committed = False
         try:
@@ -124,6 +140,7 @@ class UnitOfWork:
                     register=self.register,
                     events=self.events,
                     unfenced=self.unfenced,
+                    mode=mode,
                 )
                 session.connection()  # begins the transaction: the claim runs here
                 yield session
@@ -144,13 +161,17 @@ class UnitOfWork:
                 # lease ran out afterwards. Worth knowing, not worth failing the work.
                 _log.warning("lease on %r ended before its release, after commit", lease.resource)
 
-    def fenced(self, resource: str | Callable[..., str]) -> Callable[[_Fn], _Fn]:
+    def fenced(
+        self, resource: str | Callable[..., str], *, mode: LeaseMode | str | None = None
+    ) -> Callable[[_Fn], _Fn]:
         """Decorate a function to run as a unit of work; it gets the session as ``session=``.
 
         Args:
             resource: a ``str.format`` template filled from the call's arguments by name
                 (``"order:{order_id}"``), or a function of the same arguments that returns
                 the resource.
+            mode: ``"read"`` for a read-only unit of work under a read lease, ``"write"``
+                (default: the constructor's).
 
         Raises:
             ConfigurationError: the template names an argument the function does not take.
@@ -164,6 +185,8 @@ class UnitOfWork:
 
             deposit(7, 100)
         """
+
+        chosen = None if mode is None else validate_mode(mode)
 
         def decorate(fn: _Fn) -> _Fn:
             signature = inspect.signature(fn)
@@ -186,7 +209,7 @@ class UnitOfWork:
                     bound = signature.bind_partial(*args, **kwargs)
                     bound.apply_defaults()
                     name = resource.format(**bound.arguments)
-                with self(name) as session:
+                with self(name, mode=chosen) as session:
                     return fn(*args, session=session, **kwargs)
 
             return run

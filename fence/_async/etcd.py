@@ -18,7 +18,7 @@ import httpx
 from fence._acompat import sleep
 from fence._async.manager import AsyncBaseLockManager
 from fence._clock import Clock
-from fence._core import client_deadline, validate_ttl
+from fence._core import LeaseMode, client_deadline, validate_ttl
 from fence._errors import BackendError
 from fence._etcd import (
     DEFAULT_PREFIX,
@@ -27,6 +27,7 @@ from fence._etcd import (
     acquire_txn,
     b64,
     entry_key,
+    is_writer_key,
     lease_id,
     lease_seconds,
     owner_range,
@@ -39,6 +40,7 @@ from fence._etcd import (
     token_of,
     validate_prefix,
     watch_body,
+    writer_range,
 )
 from fence._events import EventBus
 from fence._queue import Place, owner_after_predecessor_left
@@ -69,6 +71,7 @@ class _Queued:
         place: where it stood at the last read (``None``: read again before waiting).
         seen: the store revision of that read; the watch replays every event after it.
         owner: known to own the lock (the predecessor it watched was the owner, and left).
+        reading: a reader (C13): only writers' keys ahead keep it out.
     """
 
     resource: str
@@ -80,6 +83,7 @@ class _Queued:
     place: Place[bytes] | None
     seen: int
     owner: bool = False
+    reading: bool = False
 
 
 class AsyncEtcdDriver:
@@ -103,6 +107,8 @@ class AsyncEtcdDriver:
     """
 
     source = "etcd"
+    #: Grants read leases (C13).
+    shared = True
 
     def __init__(
         self,
@@ -276,6 +282,10 @@ class AsyncEtcdDriver:
                 return None
             raise self._refused(what, exc) from exc
 
+    async def _exists(self, key: bytes, what: str) -> bool:
+        _, count = range_kvs(await self._read({"key": b64(key), "count_only": True}, what))
+        return count > 0
+
     async def _read(self, body: dict[str, Any], what: str) -> dict[str, Any]:
         try:
             return await self._call("/v3/kv/range", body, what, safe=True)
@@ -284,25 +294,33 @@ class AsyncEtcdDriver:
 
     # -- the driver protocol ---------------------------------------------------------------
 
-    async def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
-        """One attempt; see :meth:`fence.abc.AsyncDriver.acquire`.
+    async def acquire(
+        self,
+        resource: str,
+        secret: str,
+        ttl: float,
+        holder: str,
+        mode: LeaseMode = LeaseMode.WRITE,
+    ) -> AcquireReply:
+        """One attempt, of a writer or (``mode`` READ) a reader; see
+        :meth:`fence.abc.AsyncDriver.acquire`.
 
         The first attempt grants the contender's lease and joins the queue in one
-        transaction, which also says whether the key came first. A later attempt (after a
-        wait) renews the waiter's lease and, unless the wait proved it the owner, reads who
-        comes first.
+        transaction, which also says whether the key came first (for a reader: whether no
+        writer's key came before it). A later attempt (after a wait) renews the waiter's
+        lease and, unless the wait proved it the owner, reads who comes first.
         """
         queued = self._queued.get((resource, secret))
         if queued is not None:
             return await self._again(secret, queued)
+        reading = mode is LeaseMode.READ
         start = queue_prefix(self.prefix, resource)
         lease = lease_id(secret, resource)
         await self._grant(lease, lease_seconds(ttl), "acquire")
-        key = entry_key(start, lease)
+        key = entry_key(start, lease, reading=reading)
+        txn = acquire_txn(start, key, lease, holder, reading=reading)
         try:
-            reply = await self._call(
-                "/v3/kv/txn", acquire_txn(start, key, lease, holder), "acquire", safe=True
-            )
+            reply = await self._call("/v3/kv/txn", txn, "acquire", safe=True)
         except EtcdReplyError as exc:
             raise self._refused("acquire", exc) from exc
         answers = [item.get("response_range", {}) for item in reply.get("responses", ())]
@@ -310,17 +328,26 @@ class AsyncEtcdDriver:
         if reply.get("succeeded"):
             created = revision(reply)  # the put's revision: the key's create revision
             newest, count = range_kvs(answers[1])
-            place = Place(count - 1, newest[1].key if count > 1 and len(newest) > 1 else None)
+            if reading:  # every writer's key is older than this one
+                place = Place(count, newest[0].key if count and newest else None)
+            else:
+                place = Place(count - 1, newest[1].key if count > 1 and len(newest) > 1 else None)
         else:  # the key was there: this very request ran before, its reply was lost
             mine, _ = range_kvs(answers[0])
             first, _ = range_kvs(answers[1])
             if not mine:
                 raise BackendError(f"etcd answered the acquire with {reply!r}", code="RESPONSE")
             created = mine[0].create_revision
-            place = Place(0, None) if first and first[0].key == key else None
+            if reading:
+                owner = not first or first[0].create_revision > created
+            else:
+                owner = bool(first) and first[0].key == key
+            place = Place(0, None) if owner else None
         if place is not None and place.owner:
             return AcquireReply(token_of(created))
-        queued = _Queued(resource, key, lease, ttl, holder, created, place, revision(reply))
+        queued = _Queued(
+            resource, key, lease, ttl, holder, created, place, revision(reply), reading=reading
+        )
         self._queued[(resource, secret)] = queued
         return AcquireReply(None, cookie=queued, queued=True)
 
@@ -331,11 +358,17 @@ class AsyncEtcdDriver:
         if not await self._keepalive(queued.lease, "acquire"):
             # Its key went with its lease (it expired during a long wait, or was revoked).
             del self._queued[(resource, secret)]
-            return await self.acquire(resource, secret, queued.ttl, queued.holder)
+            mode = LeaseMode.READ if queued.reading else LeaseMode.WRITE
+            return await self.acquire(resource, secret, queued.ttl, queued.holder, mode)
         if not queued.owner:
-            got = await self._read(owner_range(queue_prefix(self.prefix, resource)), "acquire")
-            first, _ = range_kvs(got)
-            queued.owner = bool(first) and first[0].key == queued.key
+            start = queue_prefix(self.prefix, resource)
+            if queued.reading:
+                ahead = writer_range(start, max_create=queued.created - 1)
+                _, count = range_kvs(await self._read(ahead, "acquire"))
+                queued.owner = count == 0
+            else:
+                first, _ = range_kvs(await self._read(owner_range(start), "acquire"))
+                queued.owner = bool(first) and first[0].key == queued.key
         if queued.owner:
             del self._queued[(resource, secret)]
             return AcquireReply(token_of(queued.created))
@@ -350,8 +383,12 @@ class AsyncEtcdDriver:
             return
         start = queue_prefix(self.prefix, resource)
         if queued.place is None:
+            if queued.reading:  # the last writer's key before this one
+                body = writer_range(start, max_create=queued.created - 1)
+            else:
+                body = predecessor_range(start, queued.created)
             try:
-                got = await self._read(predecessor_range(start, queued.created), "wait")
+                got = await self._read(body, "wait")
             except BackendError as exc:
                 if not exc.retryable:
                     raise
@@ -432,7 +469,11 @@ class AsyncEtcdDriver:
         return await self._move(resource, secret, lease, needed)
 
     async def _move(self, resource: str, secret: str, old: int, seconds: int) -> bool:
-        key = entry_key(queue_prefix(self.prefix, resource), lease_id(secret, resource))
+        start = queue_prefix(self.prefix, resource)
+        lease = lease_id(secret, resource)
+        key = entry_key(start, lease)
+        if not await self._exists(key, "renewal"):
+            key = entry_key(start, lease, reading=True)
         new = lease_id(f"{secret}/{seconds}", resource)
         await self._grant(new, seconds, "renewal")
         txn = {
@@ -484,25 +525,45 @@ class AsyncEtcdDriver:
         return True
 
     async def inspect(self, resource: str) -> LockInfo | None:
-        """The first key of the queue and its lease's TTL (whole seconds, rounded down by
-        etcd); see :meth:`fence.abc.AsyncDriver.inspect`."""
+        """The first key of the queue (or, if it is a reader's, every reader's key before
+        the first writer's) and its lease's TTL (whole seconds, rounded down by etcd); see
+        :meth:`fence.abc.AsyncDriver.inspect`. One call per reader."""
         start = queue_prefix(self.prefix, resource)
         for _ in range(3):
             first, _ = range_kvs(await self._read(owner_range(start), "inspect"))
             if not first:
                 return None
             owner = first[0]
-            try:
-                got = await self._call(
-                    "/v3/lease/timetolive", {"ID": owner.lease}, "inspect", safe=True
-                )
-            except EtcdReplyError as exc:
-                raise self._refused("inspect", exc) from exc
-            left = int(got.get("TTL", -1))
-            if left >= 0:
-                label = owner.value.decode("utf-8", "replace") or None
-                return LockInfo(resource, token_of(owner.create_revision), float(left), label)
+            if is_writer_key(start, owner.key):
+                info = await self._lease_info(resource, owner, LeaseMode.WRITE)
+                if info is not None:
+                    return info
+                continue
+            writers, _ = range_kvs(await self._read(writer_range(start, descend=False), "inspect"))
+            body = owner_range(start) | {"limit": 0}
+            if writers:
+                body["max_create_revision"] = writers[0].create_revision - 1
+            keys, _ = range_kvs(await self._read(body, "inspect"))
+            readers = []
+            for kv in keys:
+                info = await self._lease_info(resource, kv, LeaseMode.READ)
+                if info is not None:
+                    readers.append(info)
+            found = LockInfo.of_readers(resource, readers)
+            if found is not None:
+                return found
         return None
+
+    async def _lease_info(self, resource: str, kv: Any, mode: LeaseMode) -> LockInfo | None:
+        try:
+            got = await self._call("/v3/lease/timetolive", {"ID": kv.lease}, "inspect", safe=True)
+        except EtcdReplyError as exc:
+            raise self._refused("inspect", exc) from exc
+        left = int(got.get("TTL", -1))
+        if left < 0:
+            return None
+        label = kv.value.decode("utf-8", "replace") or None
+        return LockInfo(resource, token_of(kv.create_revision), float(left), label, mode)
 
     async def revoke(self, resource: str) -> int:
         """Revoke the lease of the holder and of every waiter queued behind it; return the
@@ -549,7 +610,9 @@ class AsyncEtcdLockManager(AsyncBaseLockManager):
     cluster's raft log, grows across leader changes and restarts, and needs no clock
     (C2, C3). The lease is an etcd lease renewed by keepalive; etcd deletes the key when
     it expires, by the leader's clock. Waiters queue in creation order and each watches
-    only its predecessor's key, so a release wakes one waiter (FIFO, no herd).
+    only its predecessor's key, so a release wakes one waiter (FIFO, no herd). Shared locks
+    (C13): a reader's key waits only for the last writer's key before it, so a writer's
+    release wakes the readers behind it together.
 
     Args:
         endpoints: ``etcd://h1:2379,h2:2379,h3:2379`` (``etcds://`` for TLS; a path sets the

@@ -21,7 +21,13 @@ from typing import Any
 
 from fence._acompat import Waiter, cancel_after, current_owner, shield, spawn
 from fence._clock import Clock, subscribe, system_clock
-from fence._core import client_deadline, validate_resource, validate_ttl
+from fence._core import (
+    LeaseMode,
+    client_deadline,
+    validate_mode,
+    validate_resource,
+    validate_ttl,
+)
 from fence._deadline import reset, set_deadline
 from fence._errors import (
     AcquireTimeout,
@@ -29,11 +35,12 @@ from fence._errors import (
     ConfigurationError,
     LeaseExpiredError,
     LeaseLostError,
+    LockUpgradeError,
     NotOwnerError,
 )
 from fence._events import EventBus, EventKind, default_bus
 from fence._signal import Signal
-from fence.abc import AsyncDriver, LockInfo
+from fence.abc import AcquireReply, AsyncDriver, LockInfo
 
 __all__ = ["AsyncBaseLockManager", "AsyncLease"]
 
@@ -76,10 +83,15 @@ class AsyncLease:
     Pass ``lease.token`` to every guarded write. A lease whose holder paused past its
     deadline is no longer valid; the guards then reject its token once a newer holder wrote.
 
+    A read lease (:attr:`mode` ``READ``, from ``manager.read_lock``) shares the lock with
+    other readers and never writes: pass its token to checked reads
+    (:func:`fence.check_read`), never to a guarded write (C13).
+
     Attributes:
         resource: the locked resource.
-        token: the fencing token (C1, C2).
+        token: the fencing token (C1, C2, C13).
         ttl: the lease time asked for, in seconds.
+        mode: :attr:`LeaseMode.WRITE` (exclusive) or :attr:`LeaseMode.READ` (shared).
     """
 
     def __init__(
@@ -91,10 +103,12 @@ class AsyncLease:
         ttl: float,
         deadline: float,
         owner: object,
+        mode: LeaseMode = LeaseMode.WRITE,
     ) -> None:
         self._manager = manager
         self.resource = resource
         self.token = token
+        self.mode = mode
         self._secret = secret
         self.ttl = ttl
         self._deadline = deadline
@@ -111,7 +125,7 @@ class AsyncLease:
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "released" if self._released else "held"
-        return f"<AsyncLease {self.resource!r} token={self.token} {state}>"
+        return f"<AsyncLease {self.mode} {self.resource!r} token={self.token} {state}>"
 
     @property
     def deadline(self) -> float:
@@ -322,6 +336,7 @@ class AsyncBaseLockManager:
         self,
         resource: str,
         *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
         ttl: float | None = None,
         timeout: float | None = None,
         renew: bool | None = None,
@@ -332,8 +347,19 @@ class AsyncBaseLockManager:
 
         A waiter is woken by the release (or by the holder's expiry), not by polling.
 
+        Shared locks (C13): ``mode="read"`` takes a read lease, which the lock grants to
+        many readers at once but never beside a writer; ``"write"`` (the default) takes
+        the lock alone. Every lease gets a new token from the resource's one sequence, so
+        a writer's token is above every token issued before it, readers' included, and a
+        reader's is above every earlier writer's. A waiting writer keeps new readers out,
+        and waiters are served in arrival order, readers in batches. Reentrancy: an
+        owner's second read re-enters its read lease, a second write its write lease, and
+        a read by the writer re-enters the write lease (same token, still exclusive);
+        a write by an owner that holds a read lease raises :class:`LockUpgradeError`.
+
         Args:
             resource: what to lock; a non-empty ``str`` of at most 512 bytes.
+            mode: ``"write"`` (exclusive, the default) or ``"read"`` (shared).
             ttl: lease time in seconds (default: the manager's).
             timeout: how long to wait, in seconds. The call returns within ``timeout``
                 plus :data:`UNDO_LIMIT` and a few milliseconds, whatever the backend does:
@@ -352,11 +378,14 @@ class AsyncBaseLockManager:
         Raises:
             AcquireTimeout: the lock was not free within ``timeout``.
             LeaseLostError: a reentrant acquire found the held lease lost.
-            InvalidResourceError, ConfigurationError: bad arguments, before any I/O.
+            LockUpgradeError: a write asked for by an owner that holds a read lease on
+                ``resource`` (it would deadlock), before any I/O.
+            InvalidResourceError, ConfigurationError: bad arguments, or ``mode="read"`` on
+                a manager without shared locks, before any I/O.
             BackendError: the backend failed (with a timeout: it kept failing, or did not
                 answer, until the timeout ran out).
         """
-        lease = await self._acquire(resource, ttl, timeout, renew, on_lost, owner, True)
+        lease = await self._acquire(resource, ttl, timeout, renew, on_lost, owner, True, mode)
         assert lease is not None
         return lease
 
@@ -364,6 +393,7 @@ class AsyncBaseLockManager:
         self,
         resource: str,
         *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
         ttl: float | None = None,
         renew: bool | None = None,
         on_lost: LeaseCallback | None = None,
@@ -371,15 +401,17 @@ class AsyncBaseLockManager:
     ) -> AsyncLease | None:
         """Take the lock if it is free now, in one round trip; else return ``None``.
 
-        Same arguments as :meth:`acquire`, without ``timeout``.
+        Same arguments as :meth:`acquire`, without ``timeout``. A read is refused while a
+        writer holds the lock or waits for it.
         """
-        return await self._acquire(resource, ttl, 0.0, renew, on_lost, owner, False)
+        return await self._acquire(resource, ttl, 0.0, renew, on_lost, owner, False, mode)
 
     @asynccontextmanager
     async def lock(
         self,
         resource: str,
         *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
         ttl: float | None = None,
         timeout: float | None = None,
         renew: bool | None = None,
@@ -391,21 +423,92 @@ class AsyncBaseLockManager:
         Same arguments as :meth:`acquire`.
         """
         lease = await self.acquire(
-            resource, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, owner=owner
+            resource,
+            mode=mode,
+            ttl=ttl,
+            timeout=timeout,
+            renew=renew,
+            on_lost=on_lost,
+            owner=owner,
         )
         async with lease:
             yield lease
 
+    @asynccontextmanager
+    async def read_lock(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LeaseCallback | None = None,
+        owner: object = None,
+    ) -> AsyncIterator[AsyncLease]:
+        """Hold a read lease on ``resource`` for the ``async with`` block (C13).
+
+        Many readers hold the lock at once; none while a writer holds it or waits for it.
+        The lease's token serves checked reads (:func:`fence.check_read`); the session
+        hook and the unit of work refuse it for writes. Same arguments as :meth:`acquire`.
+
+        Example::
+
+            async with manager.read_lock("catalog") as lease:
+                value, fence = await guard.get("{catalog}:prices")
+                fence.check_read("{catalog}:prices", lease.token, fence)
+        """
+        async with self.lock(
+            resource,
+            mode=LeaseMode.READ,
+            ttl=ttl,
+            timeout=timeout,
+            renew=renew,
+            on_lost=on_lost,
+            owner=owner,
+        ) as lease:
+            yield lease
+
+    @asynccontextmanager
+    async def write_lock(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LeaseCallback | None = None,
+        owner: object = None,
+    ) -> AsyncIterator[AsyncLease]:
+        """Hold the write lease on ``resource`` for the ``async with`` block (C13).
+
+        The same as :meth:`lock`: exclusive, beside no other writer and no reader. Its
+        token is above every token issued before for ``resource``, readers' included.
+        Same arguments as :meth:`acquire`.
+        """
+        async with self.lock(
+            resource,
+            mode=LeaseMode.WRITE,
+            ttl=ttl,
+            timeout=timeout,
+            renew=renew,
+            on_lost=on_lost,
+            owner=owner,
+        ) as lease:
+            yield lease
+
     async def inspect(self, resource: str) -> LockInfo | None:
         """Who holds ``resource``: its token, the backend's remaining ttl, and the holder's
-        label (never its secret). ``None`` if nobody does."""
+        label (never its secret); for readers, ``mode`` is ``READ`` and ``readers`` lists
+        each of them. ``None`` if nobody does."""
         return await self.driver.inspect(validate_resource(resource))
 
     async def revoke(self, resource: str) -> int:
-        """End the lease on ``resource`` by force, whoever holds it.
+        """End the lease on ``resource`` by force, whoever holds it: the writer, or every
+        reader.
 
         For a hung holder. Returns a token above every token issued for ``resource``; pass it
-        to the guards' ``claim`` so that the hung holder's writes are refused from now on.
+        to the guards' ``claim`` so that the hung holder's writes are refused from now on
+        (and checked reads of readers, :func:`fence.check_read`).
         """
         resource = validate_resource(resource)
         token = await shield(self.driver.revoke(resource))
@@ -458,19 +561,38 @@ class AsyncBaseLockManager:
         on_lost: LeaseCallback | None,
         owner: object,
         blocking: bool,
+        mode: LeaseMode | str = LeaseMode.WRITE,
     ) -> AsyncLease | None:
         if self._closed:
             raise ConfigurationError(f"{self!r} is closed")
         resource = validate_resource(resource)
+        mode = validate_mode(mode)
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
         if timeout is not None and not timeout >= 0:
             raise ConfigurationError(f"timeout must be >= 0 or None, got {timeout!r}")
+        shared = mode is LeaseMode.READ
+        if shared and not getattr(self.driver, "shared", False):
+            raise ConfigurationError(
+                f"{self!r} has no shared locks: mode='read' is refused (see the docs on "
+                "shared locks for the managers that have them); take a write lease instead"
+            )
         if owner is None:
             owner = current_owner()
         key = (owner, resource)
-        if self.reentrant:
-            held = self._held.get(key)
-            if held is not None and not held._released:
+        held = self._held.get(key)
+        if held is not None and not held._released:
+            if held.mode is LeaseMode.READ and not shared:
+                # Two readers that both wait to become the writer wait for each other.
+                raise LockUpgradeError(
+                    f"cannot take a write lease on {resource!r} while holding a read lease "
+                    f"on it (token {held.token}): an upgrade deadlocks when two readers try "
+                    "it. Release the read lease first, then take the write lease and read "
+                    "again under it",
+                    resource=resource,
+                    token=held.token,
+                )
+            if self.reentrant:
+                # A read by the writer re-enters the write lease: it is exclusive already.
                 await self._reenter(held, ttl)
                 if on_lost is not None:
                     held.on_lost(on_lost)
@@ -497,10 +619,10 @@ class AsyncBaseLockManager:
                 scope = set_deadline(real_end)
                 try:
                     if real_end is None:
-                        reply = await self.driver.acquire(resource, secret, ttl, holder)
+                        reply = await self._attempt(resource, secret, ttl, holder, shared)
                     else:
                         async with cancel_after(max(real_end - time.monotonic(), 0.0) + _GRACE):
-                            reply = await self.driver.acquire(resource, secret, ttl, holder)
+                            reply = await self._attempt(resource, secret, ttl, holder, shared)
                 except BaseException as exc:
                     if not (isinstance(exc, BackendError) and getattr(exc, "sent", None) is False):
                         uncertain = True
@@ -594,7 +716,7 @@ class AsyncBaseLockManager:
             raise
 
         deadline = client_deadline(sent, ttl, drift=self.drift, margin=self.margin)
-        lease = AsyncLease(self, resource, reply.token, secret, ttl, deadline, owner)
+        lease = AsyncLease(self, resource, reply.token, secret, ttl, deadline, owner, mode)
         lease._issued = True
         if on_lost is not None:
             lease.on_lost(on_lost)
@@ -602,14 +724,28 @@ class AsyncBaseLockManager:
         events = self.events
         if events.active:
             now = clock.monotonic()
+            detail = {"mode": "read"} if shared else {}
             if waited:
-                events.emit(EventKind.WAITED, self.source, resource, reply.token, now - start)
-            events.emit(EventKind.ACQUIRED, self.source, resource, reply.token, now - start)
+                events.emit(
+                    EventKind.WAITED, self.source, resource, reply.token, now - start, **detail
+                )
+            events.emit(
+                EventKind.ACQUIRED, self.source, resource, reply.token, now - start, **detail
+            )
         if self.renew if renew is None else renew:
             lease._watchdog = spawn(self._watch, lease, name=f"fence-renew:{resource}")
             self._watchdogs = [w for w in self._watchdogs if not w.done()]
             self._watchdogs.append(lease._watchdog)
         return lease
+
+    async def _attempt(
+        self, resource: str, secret: str, ttl: float, holder: str, shared: bool
+    ) -> AcquireReply:
+        if shared:
+            return await self.driver.acquire(  # type: ignore[call-arg]
+                resource, secret, ttl, holder, LeaseMode.READ
+            )
+        return await self.driver.acquire(resource, secret, ttl, holder)
 
     async def _retry_pause(
         self,

@@ -7,7 +7,7 @@ import time
 from fence._acompat import Waiter
 from fence._async.manager import AsyncBaseLockManager
 from fence._clock import Clock
-from fence._core import TokenMode
+from fence._core import LeaseMode, TokenMode
 from fence._deadline import deadline
 from fence._errors import BackendError
 from fence._events import EventBus
@@ -23,6 +23,8 @@ class AsyncMemoryDriver:
     client wait for its socket timeout."""
 
     source = "memory"
+    #: Grants read leases (C13).
+    shared = True
 
     def __init__(self, backend: MemoryBackend) -> None:
         self.backend = backend
@@ -48,10 +50,17 @@ class AsyncMemoryDriver:
             finally:
                 paused.detach(waiter)
 
-    async def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
+    async def acquire(
+        self,
+        resource: str,
+        secret: str,
+        ttl: float,
+        holder: str,
+        mode: LeaseMode = LeaseMode.WRITE,
+    ) -> AcquireReply:
         """See :meth:`fence.abc.AsyncDriver.acquire`."""
         await self._enter("acquire", resource)
-        return self.backend.acquire(resource, secret, ttl, holder)
+        return self.backend.acquire(resource, secret, ttl, holder, mode)
 
     async def renew(self, resource: str, secret: str, ttl: float) -> bool:
         """See :meth:`fence.abc.AsyncDriver.renew`."""
@@ -72,6 +81,10 @@ class AsyncMemoryDriver:
             await waiter.wait(timeout)
         finally:
             self.backend.detach(resource, waiter)
+
+    async def abandon(self, resource: str, secret: str) -> None:
+        """A waiter gave up: take it out of the resource's queue."""
+        self.backend.abandon(resource, secret)
 
     async def inspect(self, resource: str) -> LockInfo | None:
         """See :meth:`fence.abc.AsyncDriver.inspect`."""

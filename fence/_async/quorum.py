@@ -551,6 +551,9 @@ class AsyncQuorumLockManager(AsyncBaseLockManager):
     largest the granting nodes proposed, written back to the nodes (a second round trip)
     before it is handed out, so any later majority sees it. See ``docs/managers.md``.
 
+    It has no shared locks: ``mode="read"`` raises :class:`ConfigurationError` before any
+    I/O (its protocol is model-checked for the exclusive lock only).
+
     Args:
         nodes: 3 or 5 independent Redis servers (not replicas of each other): URLs or
             ``redis.asyncio.Redis`` clients. The manager closes only what it built.

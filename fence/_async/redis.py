@@ -50,7 +50,7 @@ from fence._async.manager import AsyncBaseLockManager
 from fence._async.resp import AsyncRespClient, AsyncRespSubscriber
 from fence._async.sentinel import SentinelClients, sentinel_clients
 from fence._clock import Clock
-from fence._core import TokenMode, client_deadline, validate_ttl
+from fence._core import LeaseMode, TokenMode, client_deadline, validate_ttl
 from fence._deadline import time_left
 from fence._errors import BackendError, ConfigurationError, FenceWarning, InvalidTokenError
 from fence._events import EventBus
@@ -440,7 +440,9 @@ class _Listener:
                 return
             payload = message[2]
             if payload:
-                self._board.wake_key(resource, _text(payload))
+                # The waiters whose turn it is: a writer, or a batch of readers.
+                for key in _text(payload).split():
+                    self._board.wake_key(resource, key)
             else:
                 self._board.wake_one(resource, prefer=self._reader)
         elif kind == b"subscribe":
@@ -524,6 +526,8 @@ class AsyncRedisDriver:
     """
 
     source = "redis"
+    #: Grants read leases (C13).
+    shared = True
 
     def __init__(
         self,
@@ -620,6 +624,7 @@ class AsyncRedisDriver:
             raise ConfigurationError("wait_aof needs min_replicas >= 1")
         self._mode = self.token_mode.value
         self._mode_bytes = self._mode.encode()
+        self._fifo_flag = b"1" if self.fifo else b"0"
         self._queue_ms = milliseconds(self.queue_ttl)
         client_ = self.client
         self._acquire = client_.register_script(ACQUIRE)
@@ -821,21 +826,33 @@ class AsyncRedisDriver:
 
     # -- the driver protocol -------------------------------------------------------------
 
-    async def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
-        """One attempt: take the lock if free, issuing a token; see
-        :meth:`fence.abc.AsyncDriver.acquire`."""
+    async def acquire(
+        self,
+        resource: str,
+        secret: str,
+        ttl: float,
+        holder: str,
+        mode: LeaseMode = LeaseMode.WRITE,
+    ) -> AcquireReply:
+        """One attempt: take the lock (a writer) or a read lease (``mode`` READ) if the
+        queue lets it, issuing a token; see :meth:`fence.abc.AsyncDriver.acquire`."""
         if not self._checked:
             await self._check_config("acquire", resource)
         keys = self.keys(resource)
         mark = self.board.mark()
-        script_keys = [keys.lock, keys.token, keys.fence]
+        script_keys = [keys.lock, keys.token, keys.fence, keys.queue, keys.deadlines]
+        wid = waiter_id(secret)
         # Numbers and fixed words as bytes: no encoding on the hot path.
-        args: list[Any] = [secret, b"%d" % milliseconds(ttl), holder, self._mode_bytes]
-        wid = ""
-        if self.fifo:
-            wid = waiter_id(secret)
-            script_keys += [keys.queue, keys.deadlines]
-            args += [wid, self._queue_ms]
+        args: list[Any] = [
+            secret,
+            b"%d" % milliseconds(ttl),
+            holder,
+            self._mode_bytes,
+            wid,
+            self._queue_ms,
+            b"r" if mode is LeaseMode.READ else b"w",
+            self._fifo_flag,
+        ]
         if self.min_replicas:
             reply = await self._acquire_replicated(resource, script_keys, args)
         else:
@@ -845,7 +862,7 @@ class AsyncRedisDriver:
         wait_ms, queued = int(reply[1]), int(reply[2])
         # PTTL is truncated to whole ms: add one so the wait does not end just before expiry.
         holder_ttl = (wait_ms + 1) / 1000 if wait_ms >= 0 else None
-        return AcquireReply(None, holder_ttl, (mark, wid, bool(queued)))
+        return AcquireReply(None, holder_ttl, (mark, wid, bool(queued)), queued=bool(queued))
 
     async def _pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send commands in one pipeline on one connection; errors are returned in place."""
@@ -921,16 +938,16 @@ class AsyncRedisDriver:
         return bool(renewed)
 
     async def release(self, resource: str, secret: str) -> bool:
-        """Delete the lock if ``secret`` holds it and publish a wake-up; see
-        :meth:`fence.abc.AsyncDriver.release`."""
+        """End the lease ``secret`` holds (the writer's or a reader's) and publish a
+        wake-up; see :meth:`fence.abc.AsyncDriver.release`."""
         keys = self.keys(resource)
-        if self.fifo:
-            script_keys = [keys.lock, keys.queue, keys.deadlines]
-            args = [secret, b"1"]
-        else:
-            script_keys, args = [keys.lock], [secret]
         released = await self._run(
-            self._release, script_keys, args, "release", resource, urgent=True
+            self._release,
+            [keys.lock, keys.queue, keys.deadlines],
+            [secret, self._fifo_flag],
+            "release",
+            resource,
+            urgent=True,
         )
         return bool(released)
 
@@ -949,6 +966,9 @@ class AsyncRedisDriver:
             mark, wid, queued = cookie
         else:  # a reply that is not this driver's (the quorum's): no mark to trust
             mark, wid, queued = None, "", False
+        if (queued or self.fifo) and wid:
+            # A queued waiter's attempts are its heartbeat: try again well inside queue_ttl.
+            timeout = min(timeout, self.queue_ttl / 3)
         deadline = time.monotonic() + timeout
         keys = self.keys(resource)
         listener = self._listener
@@ -964,12 +984,13 @@ class AsyncRedisDriver:
                 )
                 if go:
                     return
+                queued = True
             if not await listener.ensure(resource, keys.signal, deadline):
                 return
             if mark is None:
                 mark = self.board.mark()
             seat = _Seat()
-            if self.board.attach(resource, seat, mark, wid or None):
+            if self.board.attach(resource, seat, mark, wid if queued else None):
                 return
             try:
                 await listener.serve(seat, deadline)
@@ -982,9 +1003,7 @@ class AsyncRedisDriver:
         """A waiter gave up: drop it from the FIFO queue and, if the lock is free, publish a
         wake-up in its place."""
         keys = self.keys(resource)
-        args: list[Any] = [waiter_id(secret)]
-        if self.fifo:
-            args.append(b"1")
+        args: list[Any] = [waiter_id(secret), self._fifo_flag]
         await self._run(
             self._abandon,
             [keys.lock, keys.queue, keys.deadlines],
@@ -999,9 +1018,7 @@ class AsyncRedisDriver:
         if one did, and leave a tombstone (for ``ttl``) that refuses an attempt with this
         secret still on its way. Returns whether the lock was held."""
         keys = self.keys(resource)
-        args: list[Any] = [secret, milliseconds(ttl), waiter_id(secret)]
-        if self.fifo:
-            args.append(b"1")
+        args: list[Any] = [secret, milliseconds(ttl), waiter_id(secret), self._fifo_flag]
         held = await self._run(
             self._cancel,
             [keys.lock, keys.queue, keys.deadlines],
@@ -1013,12 +1030,24 @@ class AsyncRedisDriver:
         return bool(held)
 
     async def inspect(self, resource: str) -> LockInfo | None:
-        """See :meth:`fence.abc.AsyncDriver.inspect`."""
+        """The writer, or every reader; see :meth:`fence.abc.AsyncDriver.inspect`."""
         got = await self._run(self._inspect, [self.keys(resource).lock], [], "inspect", resource)
         if not got:
             return None
-        token, pttl, holder = got
-        return LockInfo(resource, int(token), max(int(pttl), 0) / 1000, _text(holder) or None)
+        kind, rest = _text(got[0]), got[1:]
+        infos = [
+            LockInfo(
+                resource,
+                int(token),
+                max(int(ms), 0) / 1000,
+                _text(holder) or None,
+                LeaseMode.WRITE if kind == "w" else LeaseMode.READ,
+            )
+            for token, ms, holder in zip(rest[0::3], rest[1::3], rest[2::3], strict=True)
+        ]
+        if kind == "w":
+            return infos[0]
+        return LockInfo.of_readers(resource, infos)
 
     async def revoke(self, resource: str) -> int:
         """End the lease, issue a token above every earlier one and above the guards' fence
@@ -1027,7 +1056,7 @@ class AsyncRedisDriver:
         if not self._checked:
             await self._check_config("revoke", resource)
         keys = self.keys(resource)
-        args: list[Any] = [self._mode, b"1"] if self.fifo else [self._mode]
+        args: list[Any] = [self._mode, self._fifo_flag]
         token = await self._run(
             self._revoke,
             [keys.lock, keys.token, keys.fence, keys.queue, keys.deadlines],
@@ -1081,6 +1110,10 @@ class AsyncRedisLockManager(AsyncBaseLockManager):
     the guards' fence register. A blocking acquire is woken by the release (pub/sub: one
     listening connection per manager, however many tasks wait), or by the holder's expiry.
     All keys of a resource share the hash tag ``{resource}``, so Redis Cluster works.
+
+    Shared locks (C13): ``read_lock``/``write_lock`` (``acquire(..., mode="read")``); a
+    reader is a member of ``<prefix>{R}:readers``, and readers and writers waiting beside
+    them queue in arrival order; see ``docs/shared-locks.md``.
 
     Args:
         client: a URL (``redis://host:6379/0``;

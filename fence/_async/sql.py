@@ -9,8 +9,15 @@ Waiting: on PostgreSQL a release runs ``pg_notify`` in its own statement and wai
 woken through one ``LISTEN`` connection per driver, with a bounded poll as a fallback; on
 SQLite a release made in this process wakes a waiter of this process at once and other
 waiters poll with a jittered interval. Each release wakes one waiter of each process (the
-one that has waited longest), not all of them. The generic manager also wakes every waiter when the
+one that has waited longest), not all of them; where waiters of the process hold places
+in the queue of a shared lock (C13), it wakes all of those, and the queue decides who goes
+(a batch of readers together). The generic manager also wakes every waiter when the
 holder's lease ends by its ttl.
+
+Shared locks: a reader's lease is a row of ``<table>_shared``, as is every queued waiter.
+On PostgreSQL every call is still one statement; on SQLite a read acquire, and a write
+acquire that meets readers or queued waiters, is one ``BEGIN IMMEDIATE`` transaction in
+which :func:`fence._rwlock.decide` decides (in process, no round trip).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
@@ -39,10 +46,11 @@ from fence._acompat import Task, Waiter, call_later, settle, spawn
 from fence._acompat import sleep as _sleep
 from fence._async.manager import AsyncBaseLockManager
 from fence._clock import Clock
-from fence._core import MAX_TOKEN, TokenMode
+from fence._core import MAX_TOKEN, LeaseMode, TokenMode
 from fence._deadline import deadline, reset, set_deadline
 from fence._errors import BackendError, ConfigurationError, InvalidTokenError, RetryableError
 from fence._events import EventBus
+from fence._rwlock import Holder, Waiting, decide
 from fence._signal import Signal
 from fence._sql_schema import (
     DEFAULT_TABLE,
@@ -53,6 +61,14 @@ from fence._sql_schema import (
     notify_channel,
 )
 from fence.abc import AcquireReply, LockInfo
+
+#: ``run(step, params)`` in a SQLite transaction of the driver: the rows of one statement.
+_Rows = Awaitable[list[Any]]  # unasync: _Rows = list[Any]
+_Run = Callable[[str, dict[str, Any]], _Rows]
+
+#: How long a queued waiter keeps its place without an attempt (its heartbeat), in seconds;
+#: a queued waiter tries again at least every third of it.
+QUEUE_TTL = 3.0
 
 if TYPE_CHECKING:
     from sqlalchemy import Row, TextClause
@@ -77,7 +93,16 @@ _LISTEN_BACKOFF_MAX = 1.0
 #: How long one wait for notifications lasts before the listener re-checks for close().
 _LISTEN_SLICE = 1.0
 
-_STATEMENTS = ("acquire", "renew", "release", "inspect", "revoke")
+_STATEMENTS = (
+    "acquire",
+    "renew",
+    "renew_read",
+    "release",
+    "release_read",
+    "abandon",
+    "inspect",
+    "revoke",
+)
 
 #: What an engine built from a ``sqlite:`` file URL sets on every connection: WAL (readers
 #: never block the writer, a commit appends to the log instead of rewriting pages), the
@@ -243,6 +268,8 @@ class AsyncSQLDriver:
     """
 
     source = "sql"
+    #: Grants read leases (C13).
+    shared = True
 
     def __init__(
         self,
@@ -285,6 +312,14 @@ class AsyncSQLDriver:
         if self.statements.raise_fence is not None:
             self._raw_sql["raise_fence"] = self.statements.raise_fence
             self._sql["raise_fence"] = text(self.statements.raise_fence)
+        if self.statements.acquire_read is not None:
+            self._raw_sql["acquire_read"] = self.statements.acquire_read
+            self._sql["acquire_read"] = text(self.statements.acquire_read)
+        self._steps = {name: text(sql) for name, sql in self.statements.sqlite.items()}
+        # The leases this driver granted to readers, and the waiters it put in the queue:
+        # their calls take the shared table's statements.
+        self._reading: set[tuple[str, str]] = set()
+        self._placed: set[tuple[str, str]] = set()
         self._lock_row = text(self.statements.lock_row or "")
         # Autocommit: each statement is its own transaction, one round trip, no BEGIN/COMMIT.
         self._auto = (
@@ -319,6 +354,7 @@ class AsyncSQLDriver:
         )
 
         self._channel: str | None = None
+        self._writers_channel: str | None = None
         self._params: dict[str, Any] = {}
         self._wake_params: dict[str, Any] = {}
         self._listen_args: tuple[list[Any], dict[str, Any]] | None = None
@@ -327,7 +363,10 @@ class AsyncSQLDriver:
         self._ready = Signal()
         if dialect == "postgresql":
             self._channel = notify_channel(table, schema)
-            self._params = {"channel": self._channel} if notify else {}
+            self._writers_channel = notify_channel(table, schema, writers=True)
+            self._params = (
+                {"channel": self._channel, "channel_w": self._writers_channel} if notify else {}
+            )
             self._wake_params = {"channel": self._channel}
             self._sql["wake"] = text(self.statements.wake or "")
             self._board = WakeBoard()
@@ -365,43 +404,152 @@ class AsyncSQLDriver:
 
     # -- the driver protocol --------------------------------------------------------------
 
-    async def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
-        """See :meth:`fence.abc.AsyncDriver.acquire`; one upsert statement."""
-        cookie = self._mark()
-        row = await self._execute(
-            "acquire",
-            resource,
-            {"resource": resource, "secret": secret, "holder": holder, "ttl": float(ttl)},
-        )
+    async def acquire(
+        self,
+        resource: str,
+        secret: str,
+        ttl: float,
+        holder: str,
+        mode: LeaseMode = LeaseMode.WRITE,
+    ) -> AcquireReply:
+        """One attempt of a writer or (``mode`` READ) a reader; see
+        :meth:`fence.abc.AsyncDriver.acquire`. One statement (on SQLite, a read or a write
+        beside readers or queued waiters: one transaction)."""
+        key = (resource, secret)
+        reading = mode is LeaseMode.READ
+        # The wait needs the board's mark (taken before the attempt) and the mode.
+        cookie = (self._mark(), reading)
+        if not self._pg and (reading or key in self._placed):
+            return await self._decide(resource, secret, ttl, holder, reading, cookie)
+        params = {
+            "resource": resource,
+            "secret": secret,
+            "holder": holder,
+            "ttl": float(ttl),
+        }
+        if self._pg:
+            params["queue_ttl"] = QUEUE_TTL
+        row = await self._execute("acquire_read" if reading else "acquire", resource, params)
         if row is None:
             raise BackendError(f"acquire of {resource!r} on {self._where} returned no row")
-        token, granted, remaining = tuple(row)
+        token, granted, remaining, flag = tuple(row)
+        if not self._pg and not granted and flag:
+            # SQLite: readers or queued waiters: the transaction decides (and queues).
+            return await self._decide(resource, secret, ttl, holder, reading, cookie)
+        queued = bool(flag) and self._pg
+        return self._reply(key, reading, token, granted, remaining, queued, cookie)
+
+    def _reply(
+        self,
+        key: tuple[str, str],
+        reading: bool,
+        token: object,
+        granted: object,
+        remaining: object,
+        queued: bool,
+        cookie: object,
+    ) -> AcquireReply:
         if granted:
+            self._placed.discard(key)
+            if reading:
+                self._reading.add(key)
             return AcquireReply(_checked_token(token))
-        holder_ttl = None if remaining is None else max(float(remaining), 0.0)
-        return AcquireReply(None, holder_ttl, cookie)
+        if queued:
+            self._placed.add(key)
+        holder_ttl = None if remaining is None else max(float(cast("float", remaining)), 0.0)
+        return AcquireReply(None, holder_ttl, cookie, queued=queued)
+
+    async def _decide(
+        self, resource: str, secret: str, ttl: float, holder: str, reading: bool, cookie: object
+    ) -> AcquireReply:
+        """SQLite: one attempt decided in a ``BEGIN IMMEDIATE`` transaction by
+        :func:`fence._rwlock.decide`, which sees the lease row and the shared table as
+        they are (SQLite runs one writer at a time)."""
+        base = {"resource": resource, "secret": secret}
+
+        async def body(run: _Run) -> tuple[object, bool, float | None, bool]:
+            last, owner, owner_left, first, now = (await run("state", base))[0]
+            entries = await run("entries", base)
+            writer = None
+            if owner is not None and owner_left is not None and owner_left > 0:
+                writer = Holder(owner, int(last), float(owner_left))
+            readers = [
+                Holder(e[0], int(e[2]), float(e[3])) for e in entries if e[1] == "r" and e[3] > 0
+            ]
+            live = sorted(
+                (e for e in entries if e[1] in ("R", "W") and e[3] > 0), key=lambda e: (e[4], e[0])
+            )
+            queue = [Waiting(e[0], e[1] == "W", float(e[3])) for e in live]
+            verdict = decide(secret, reading, writer, readers, queue)
+            params: dict[str, Any] = {**base, "holder": holder, "ttl": float(ttl)}
+            if verdict.kept is not None:
+                params["token"] = verdict.kept
+                if reading:
+                    await run("put", {**params, "kind": "r", "seq": 0})
+                else:
+                    await run("write", params)
+                return verdict.kept, True, None, False
+            if not verdict.granted:
+                if verdict.queued:
+                    # Arrival order: kept by a waiter that has a place, else the clock.
+                    seq = next((e[4] for e in entries if e[0] == secret), int(now * 1_000_000))
+                    kind = "R" if reading else "W"
+                    await run(
+                        "put", {**params, "kind": kind, "token": None, "ttl": QUEUE_TTL, "seq": seq}
+                    )
+                return None, False, verdict.wait, verdict.queued
+            # The token rule of the statements: max(last + 1, first), first being the
+            # floor of the token mode (and of the fence register, if any).
+            token = max(int(last or 0) + 1, int(first))
+            if token > MAX_TOKEN:
+                raise InvalidTokenError(
+                    f"token space exhausted for {resource!r}: next token {token} > 2**53-1",
+                    value=token,
+                )
+            params["token"] = token
+            if reading:
+                await run("count", params)
+                await run("put", {**params, "kind": "r", "seq": 0})
+            else:
+                await run("write", params)
+                if verdict.placed:
+                    await run("drop", base)
+            await run("sweep", base)
+            return token, True, None, False
+
+        token, granted, wait, queued = await self._transaction("acquire", resource, body)
+        return self._reply((resource, secret), reading, token, granted, wait, queued, cookie)
 
     async def renew(self, resource: str, secret: str, ttl: float) -> bool:
-        """See :meth:`fence.abc.AsyncDriver.renew`."""
+        """See :meth:`fence.abc.AsyncDriver.renew`; a writer's or a reader's lease."""
+        name = "renew_read" if (resource, secret) in self._reading else "renew"
         row = await self._execute(
-            "renew", resource, {"resource": resource, "secret": secret, "ttl": float(ttl)}
+            name, resource, {"resource": resource, "secret": secret, "ttl": float(ttl)}
         )
         return row is not None
 
     async def release(self, resource: str, secret: str) -> bool:
-        """See :meth:`fence.abc.AsyncDriver.release`; on PostgreSQL it also notifies."""
+        """See :meth:`fence.abc.AsyncDriver.release`; a writer's or a reader's lease. On
+        PostgreSQL it also notifies (a reader: the last one)."""
+        key = (resource, secret)
+        reading = key in self._reading
+        self._reading.discard(key)
         row = await self._execute(
-            "release", resource, {"resource": resource, "secret": secret, **self._params}
+            "release_read" if reading else "release",
+            resource,
+            {"resource": resource, "secret": secret, **self._params},
         )
         if row is None:
             return False
         if self._local:
-            self._board.wake_one(resource)
+            # A reader leaving lets only writers in, never a reader that waits.
+            self._board.wake(resource, writers=reading)
         return True
 
     async def cancel(self, resource: str, secret: str, ttl: float) -> bool:
         """An acquire gave up without knowing what its last statement did (a timeout, a
-        cancellation): release the lock if that statement took it.
+        cancellation): release the lock (or the read lease) if that statement took it, and
+        the place in the queue if it took one.
 
         The statement may still be waiting in the database, behind another transaction's
         lock on the row. The release therefore first takes that row lock itself, in a
@@ -438,12 +586,18 @@ class AsyncSQLDriver:
         self, resource: str, secret: str, ttl: float, outcome: list[Any], done: Signal
     ) -> None:
         scope = set_deadline(time.monotonic() + ttl)
+        key = (resource, secret)
+        self._reading.discard(key)
+        self._placed.discard(key)
         try:
             params = {"resource": resource, "secret": secret, **self._params}
-            row = await self._execute("release", resource, params, lock_row=True)
-            if row is not None and self._local:
-                self._board.wake_one(resource)
-            outcome.append(row is not None)
+            rows = await self._execute_locked(
+                resource, [("release", params), ("release_read", params), ("abandon", params)]
+            )
+            held = rows[0] is not None or rows[1] is not None
+            if (held or rows[2] is not None) and self._local:
+                self._board.wake(resource)
+            outcome.append(held)
         except Exception as exc:
             outcome.append(exc)
         finally:
@@ -451,10 +605,13 @@ class AsyncSQLDriver:
             done.set()
 
     async def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
-        """Return on a release seen by this process, or after a jittered poll slice."""
+        """Return on a release seen by this process, or after a jittered poll slice (for a
+        queued waiter, at most a third of :data:`QUEUE_TTL`: its attempts keep its place)."""
         if timeout <= 0:
             return
         slice_ = min(timeout, self.poll_interval * random.uniform(0.5, 1.0))
+        if reply.queued:
+            slice_ = min(slice_, QUEUE_TTL / 3)
         if self._listen_args is not None and not self._closed:
             ready = self._start_listener()
             if not ready.is_set():
@@ -463,39 +620,75 @@ class AsyncSQLDriver:
                 await self._wait_signal(ready, slice_)
                 return
         waiter = Waiter()
-        if self._board.attach(resource, waiter, reply.cookie):
-            return
+        cookie = reply.cookie
+        mark, reading = cookie if isinstance(cookie, tuple) and len(cookie) == 2 else (None, False)
+        reading = reading is True
+        key = ("r" if reading else "w", id(waiter)) if reply.queued else None
+        if reply.queued:
+            self._board.place(resource, 1)
         try:
-            await waiter.wait(slice_)
+            if self._board.attach(resource, waiter, mark, key):
+                return
+            try:
+                await waiter.wait(slice_)
+            finally:
+                self._board.detach(resource, waiter)
         finally:
-            self._board.detach(resource, waiter)
+            if reply.queued:
+                self._board.place(resource, -1)
 
     async def abandon(self, resource: str, secret: str) -> None:
         """A waiter gave up; it may have been the one a release woke (each release wakes
-        one waiter of this process): wake another in its place. No I/O."""
-        del secret
-        self._board.wake_one(resource)
+        one waiter of this process): wake another in its place. A waiter that held a place
+        in the queue leaves it (one statement; on PostgreSQL it notifies the others)."""
+        key = (resource, secret)
+        if key in self._placed:
+            self._placed.discard(key)
+            await self._execute(
+                "abandon", resource, {"resource": resource, "secret": secret, **self._params}
+            )
+        self._board.wake(resource)
 
     async def inspect(self, resource: str) -> LockInfo | None:
-        """See :meth:`fence.abc.AsyncDriver.inspect`."""
-        row = await self._execute("inspect", resource, {"resource": resource})
-        if row is None:
-            return None
-        token, remaining, holder = tuple(row)
-        return LockInfo(resource, _checked_token(token), max(float(remaining), 0.0), holder)
+        """The writer, or every reader; see :meth:`fence.abc.AsyncDriver.inspect`."""
+        rows = await self._execute("inspect", resource, {"resource": resource}, every=True)
+        infos = [
+            LockInfo(
+                resource,
+                _checked_token(token),
+                max(float(remaining), 0.0),
+                holder,
+                LeaseMode.WRITE if kind == "w" else LeaseMode.READ,
+            )
+            for kind, token, remaining, holder in rows
+        ]
+        writers = [info for info in infos if info.mode is LeaseMode.WRITE]
+        if writers:
+            return writers[0]
+        return LockInfo.of_readers(resource, infos)
 
     async def revoke(self, resource: str) -> int:
-        """See :meth:`fence.abc.AsyncDriver.revoke`; the row keeps the new token."""
-        row = await self._execute("revoke", resource, {"resource": resource, **self._params})
-        if row is None:
-            raise BackendError(f"revoke of {resource!r} on {self._where} returned no row")
-        token = _checked_token(row[0])
-        if "raise_fence" in self._sql:
-            # SQLite has no data-modifying CTE: the register is raised in a second
-            # statement, after the lease row already holds the token.
-            await self._execute("raise_fence", resource, {"resource": resource, "token": token})
+        """End every lease of ``resource`` (the writer's, or every reader's); see
+        :meth:`fence.abc.AsyncDriver.revoke`. The lease row keeps the new token."""
+        params = {"resource": resource, **self._params}
+        if self._pg:
+            row = await self._execute("revoke", resource, params)
+            if row is None:
+                raise BackendError(f"revoke of {resource!r} on {self._where} returned no row")
+            token = _checked_token(row[0])
+        else:
+            # SQLite has no data-modifying CTE: the readers' rows go, and the register is
+            # raised, in the same transaction, after the lease row holds the new token.
+            async def body(run: _Run) -> int:
+                got = _checked_token((await run("revoke", params))[0][0])
+                await run("drop_readers", params)
+                if "raise_fence" in self._sql:
+                    await run("raise_fence", {"resource": resource, "token": got})
+                return got
+
+            token = await self._transaction("revoke", resource, body)
         if self._local:
-            self._board.wake_one(resource)
+            self._board.wake(resource)
         return token
 
     async def close(self) -> None:
@@ -517,19 +710,21 @@ class AsyncSQLDriver:
     # -- schema -----------------------------------------------------------------------------
 
     async def create_table(self) -> None:
-        """Create the lease table if it does not exist (the DDL of :func:`lease_table_ddl`).
+        """Create the lease table and its shared table if they do not exist (the DDL of
+        :func:`fence.lease_schema_ddl`).
 
         Raises:
             BackendError: the database refused or is unreachable.
         """
-        try:
-            async with self._serialised(), self._auto.connect() as conn:
-                await conn.execute(text(self.statements.create))
-        except sa_exc.IntegrityError:
-            # PostgreSQL: a concurrent CREATE TABLE IF NOT EXISTS won the race.
-            pass
-        except sa_exc.SQLAlchemyError as exc:
-            raise self._error(exc, "create_table", "") from exc
+        for statement in self.statements.create:
+            try:
+                async with self._serialised(), self._auto.connect() as conn:
+                    await conn.execute(text(statement))
+            except sa_exc.IntegrityError:
+                # PostgreSQL: a concurrent CREATE TABLE IF NOT EXISTS won the race.
+                pass
+            except sa_exc.SQLAlchemyError as exc:
+                raise self._error(exc, "create_table", "") from exc
         self._create_pending = False
 
     # -- internals --------------------------------------------------------------------------
@@ -549,14 +744,85 @@ class AsyncSQLDriver:
         params: dict[str, Any],
         *,
         retry: bool = True,
-        lock_row: bool = False,
-    ) -> Row[Any] | None:
+        every: bool = False,
+    ) -> Any:
+        """Run statement ``name``: its first row, or ``None`` (with ``every``: all rows)."""
         if self._create_pending:
             await self.create_table()
-        at = deadline()
-        if not _IS_ASYNC and self._raw and not lock_row:
-            return cast("Row[Any] | None", self._execute_raw(name, resource, params, at))
+        if not _IS_ASYNC and self._raw:
+            return self._execute_raw(name, resource, params, deadline(), every)
         statement = self._sql[name]
+
+        async def work(conn: Any) -> Any:
+            if self._pg:
+                result = await conn.execute(statement, params)
+            else:
+                # aiosqlite runs the statement on in its thread if the task is cancelled:
+                # let it finish, so a clean-up sees what it did.
+                result = await settle(conn.execute(statement, params))
+            return list(result.fetchall()) if every else result.first()
+
+        return await self._connected(name, resource, work, retry=retry)
+
+    async def _execute_locked(
+        self, resource: str, steps: list[tuple[str, dict[str, Any]]]
+    ) -> list[Row[Any] | None]:
+        """Run statements in one transaction that first takes the resource's row lock
+        (PostgreSQL) or the database's write lock (SQLite); their first rows."""
+        if self._create_pending:
+            await self.create_table()
+
+        async def work(conn: Any) -> list[Row[Any] | None]:
+            await conn.exec_driver_sql("BEGIN" if self._pg else "BEGIN IMMEDIATE")
+            try:
+                if self._pg:
+                    await conn.execute(self._lock_row, {"resource": resource})
+                rows = [(await conn.execute(self._sql[n], p)).first() for n, p in steps]
+                await conn.exec_driver_sql("COMMIT")
+            except BaseException:
+                try:
+                    await conn.exec_driver_sql("ROLLBACK")
+                except sa_exc.SQLAlchemyError:
+                    pass  # the connection broke: the server rolls back by itself
+                raise
+            return rows
+
+        return cast("list[Row[Any] | None]", await self._connected("cancel", resource, work))
+
+    async def _transaction(self, name: str, resource: str, body: Any) -> Any:
+        """SQLite: run ``body(run)`` in one ``BEGIN IMMEDIATE`` transaction, where
+        ``run(step, params)`` runs a statement of :attr:`LeaseStatements.sqlite` (or of
+        the driver's) and returns its rows. Rolled back if ``body`` raises."""
+        if self._create_pending:
+            await self.create_table()
+
+        async def work(conn: Any) -> Any:
+            async def run(step: str, params: dict[str, Any]) -> list[Any]:
+                statement = self._steps.get(step)
+                if statement is None:
+                    statement = self._sql[step]
+                result = await settle(conn.execute(statement, params))
+                return list(result.fetchall()) if result.returns_rows else []
+
+            await conn.exec_driver_sql("BEGIN IMMEDIATE")
+            try:
+                outcome = await body(run)
+                await conn.exec_driver_sql("COMMIT")
+            except BaseException:
+                try:
+                    await conn.exec_driver_sql("ROLLBACK")
+                except sa_exc.SQLAlchemyError:
+                    pass
+                raise
+            return outcome
+
+        return await self._connected(name, resource, work)
+
+    async def _connected(self, name: str, resource: str, work: Any, *, retry: bool = True) -> Any:
+        """Run ``work(conn)`` on a pooled connection within the caller's deadline (a
+        PostgreSQL socket is cut at the deadline; SQLite waits for a busy database at most
+        until then); map the driver's errors."""
+        at = deadline()
         for attempt in (1, 2):
             if at is not None and at <= time.monotonic():
                 raise BackendError(
@@ -585,15 +851,7 @@ class AsyncSQLDriver:
                             else:
                                 busy = None
                     try:
-                        if lock_row:
-                            return await self._locked(conn, statement, params)
-                        if self._pg:
-                            result = await conn.execute(statement, params)
-                        else:
-                            # aiosqlite runs the statement on in its thread if the task is
-                            # cancelled: let it finish, so a clean-up sees what it did.
-                            result = await settle(conn.execute(statement, params))
-                        return result.first()
+                        return await work(conn)
                     finally:
                         if alarm is not None:
                             alarm.cancel()
@@ -616,7 +874,7 @@ class AsyncSQLDriver:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _execute_raw(
-        self, name: str, resource: str, params: dict[str, Any], at: float | None
+        self, name: str, resource: str, params: dict[str, Any], at: float | None, every: bool
     ) -> Any:
         """Sync SQLite on an autocommit engine: one statement on the pool's DB-API
         connection, without SQLAlchemy's per-statement work (most of a call's cost
@@ -654,26 +912,9 @@ class AsyncSQLDriver:
             raise self._error(exc, name, resource) from exc
         finally:
             conn.close()
+        if every:
+            return rows
         return rows[0] if rows else None
-
-    async def _locked(
-        self, conn: Any, statement: TextClause, params: dict[str, Any]
-    ) -> Row[Any] | None:
-        """Run ``statement`` in a transaction that first takes the resource's row lock
-        (PostgreSQL) or the database's write lock (SQLite)."""
-        await conn.exec_driver_sql("BEGIN" if self._pg else "BEGIN IMMEDIATE")
-        try:
-            if self._pg:
-                await conn.execute(self._lock_row, {"resource": params["resource"]})
-            row: Row[Any] | None = (await conn.execute(statement, params)).first()
-            await conn.exec_driver_sql("COMMIT")
-        except BaseException:
-            try:
-                await conn.exec_driver_sql("ROLLBACK")
-            except sa_exc.SQLAlchemyError:
-                pass  # the connection broke: the server rolls back by itself
-            raise
-        return row
 
     @staticmethod
     def _socket(conn: Any) -> int | None:
@@ -709,10 +950,14 @@ class AsyncSQLDriver:
                 f"{where}: serialization failure or deadlock ({message}); repeat the call",
                 code="SERIALIZATION",
             )
-        if sqlstate in ("42P01", "3F000") or "no such table" in message:
+        if sqlstate in ("42P01", "3F000", "42703") or (
+            "no such table" in message or "no such column" in message or "has no column" in message
+        ):
             return BackendError(
-                f"{where}: the lease table is missing ({message}); create it with the "
-                "manager's create_table() or in a migration with the DDL of lease_table_ddl()",
+                f"{where}: the lease table or its shared table is missing, or lacks a column "
+                f"({message}); create them with the manager's create_table() or in a "
+                "migration with the DDL of lease_schema_ddl(); a lease table made before "
+                "shared locks needs the migration of lease_upgrade_ddl()",
                 code="SCHEMA",
             )
         if sqlstate == "3D000" or ("database" in text_ and "does not exist" in text_):
@@ -787,6 +1032,7 @@ class AsyncSQLDriver:
         assert self._listen_args is not None
         args, kwargs = self._listen_args
         quoted = '"' + (self._channel or "").replace('"', '""') + '"'
+        writers = '"' + (self._writers_channel or "").replace('"', '""') + '"'
         backoff = 0.05
         warned = False
         while not self._closed:
@@ -801,6 +1047,7 @@ class AsyncSQLDriver:
                 continue
             try:
                 await conn.execute(f"LISTEN {quoted}")
+                await conn.execute(f"LISTEN {writers}")
                 backoff = 0.05
                 warned = False
                 # Releases before this LISTEN were not seen: every waiter retries once.
@@ -810,7 +1057,8 @@ class AsyncSQLDriver:
                     notes = conn.notifies(timeout=_LISTEN_SLICE, stop_after=1)
                     async for note in notes:  # unasync: for note in notes:
                         if note.payload:
-                            self._board.wake_one(note.payload)
+                            only = note.channel == self._writers_channel
+                            self._board.wake(note.payload, writers=only)
             except psycopg.Error as exc:
                 _log.debug("LISTEN connection for %s lost: %s", self._where, exc)
             finally:
@@ -827,8 +1075,10 @@ class AsyncSQLLockManager(AsyncBaseLockManager):
     """A lock manager whose leases live in a PostgreSQL or SQLite table.
 
     Acquire, renew and release are one statement each; the database's clock decides
-    expiry and seeds the tokens, so clients with skewed clocks agree. Create the table once
-    with :meth:`create_table` or with the DDL from :func:`fence.lease_table_ddl`.
+    expiry and seeds the tokens, so clients with skewed clocks agree. Create the tables
+    once with :meth:`create_table` or with the DDL from :func:`fence.lease_schema_ddl`
+    (a lease table of an earlier version: :func:`fence.lease_upgrade_ddl`). Shared locks
+    (C13): ``read_lock``/``write_lock``; see ``docs/shared-locks.md``.
 
     Args:
         engine: an :class:`~sqlalchemy.ext.asyncio.AsyncEngine`, or a URL

@@ -36,17 +36,19 @@ from kazoo.retry import KazooRetry
 from fence._acompat import Waiter, completed
 from fence._async.manager import AsyncBaseLockManager
 from fence._clock import Clock
-from fence._core import client_deadline, validate_ttl
+from fence._core import LeaseMode, client_deadline, validate_ttl
 from fence._errors import BackendError, ConfigurationError
 from fence._events import EventBus
 from fence._queue import Place, owner_after_predecessor_left, place_in
 from fence._zookeeper import (
     DEFAULT_ROOT,
     MARK,
+    READ_MARK,
     SessionTimeoutProbe,
     decode_data,
     encode_data,
     guid_of,
+    is_writer_node,
     parse_hosts,
     queue_order,
     resource_path,
@@ -87,6 +89,7 @@ class _Node:
         place: where it stood at the last read (``None``: read again before waiting).
         owner: known to own the lock (the predecessor it watched was the owner, and left).
         granted: it holds the lock (acquire returned its token).
+        reading: a reader (C13): only writers' nodes ahead keep it out.
     """
 
     resource: str
@@ -99,6 +102,7 @@ class _Node:
     place: Place[str] | None = None
     owner: bool = False
     granted: bool = False
+    reading: bool = False
 
     @property
     def path(self) -> str:
@@ -291,7 +295,7 @@ class _Reaper:
         try:
             children = self._call(self._client.get_children_async(parent))
             for name in children:
-                if name.startswith(guid + MARK):
+                if name.startswith((guid + MARK, guid + READ_MARK)):
                     try:
                         self._call(self._client.delete_async(f"{parent}/{name}"))
                     except NoNodeError:
@@ -373,6 +377,8 @@ class AsyncZooKeeperDriver:
     """
 
     source = "zookeeper"
+    #: Grants read leases (C13).
+    shared = True
 
     def __init__(
         self,
@@ -557,14 +563,17 @@ class AsyncZooKeeperDriver:
             except NodeExistsError:
                 pass
 
-    async def _join(self, parent: str, guid: str, data: bytes, version: int, end: float) -> Any:
-        """One multi-operation: create the contender's node and bump the resource node's
-        version (only from ``version``, unless it is -1). Returns ``(name, czxid)``, or
-        ``None`` when ``version`` was stale (somebody joined since the read)."""
+    async def _join(
+        self, parent: str, guid: str, data: bytes, version: int, end: float, mark: str = MARK
+    ) -> Any:
+        """One multi-operation: create the contender's node (named with ``mark``: a writer's
+        or a reader's) and bump the resource node's version (only from ``version``, unless
+        it is -1). Returns ``(name, czxid)``, or ``None`` when ``version`` was stale
+        (somebody joined since the read)."""
 
         def start() -> Any:
             txn = self._client.transaction()
-            txn.create(f"{parent}/{guid}{MARK}", data, ephemeral=True, sequence=True)
+            txn.create(f"{parent}/{guid}{mark}", data, ephemeral=True, sequence=True)
             txn.set_data(parent, b"", version=version)
             return txn.commit_async()
 
@@ -618,12 +627,21 @@ class AsyncZooKeeperDriver:
 
     # -- the driver protocol ---------------------------------------------------------------
 
-    async def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
-        """One attempt; see :meth:`fence.abc.AsyncDriver.acquire`.
+    async def acquire(
+        self,
+        resource: str,
+        secret: str,
+        ttl: float,
+        holder: str,
+        mode: LeaseMode = LeaseMode.WRITE,
+    ) -> AcquireReply:
+        """One attempt, of a writer or (``mode`` READ) a reader; see
+        :meth:`fence.abc.AsyncDriver.acquire`.
 
         The first attempt reads the queue and joins it in one multi-operation; on a free
-        lock that multi-operation itself proves the node alone (two round trips). A later
-        attempt of a waiter whose predecessor, the owner, left is one write.
+        lock (for a reader: one without writers) that multi-operation itself proves the
+        node first (two round trips). A later attempt of a waiter whose predecessor, the
+        owner, left is one write.
         """
         sent = time.monotonic()
         end = sent + self.request_timeout
@@ -635,14 +653,18 @@ class AsyncZooKeeperDriver:
         parent = resource_path(self.root, resource)
         guid = guid_of(secret)
         data = encode_data(holder, ttl)
+        reading = mode is LeaseMode.READ
+        mark = READ_MARK if reading else MARK
         children, version = await self._children(parent, end, "acquire")
-        alone = not queue_order(children)
-        joined = await self._join(parent, guid, data, version if alone else -1, end)
+        order = queue_order(children)
+        # A reader needs no writer ahead; a writer nobody ahead.
+        alone = not any(map(is_writer_node, order)) if reading else not order
+        joined = await self._join(parent, guid, data, version if alone else -1, end, mark)
         if joined is None:  # somebody joined between the read and the write
             alone = False
-            joined = await self._join(parent, guid, data, -1, end)
+            joined = await self._join(parent, guid, data, -1, end, mark)
         name, czxid = joined
-        node = _Node(resource, parent, name, czxid, 0, ttl, holder)
+        node = _Node(resource, parent, name, czxid, 0, ttl, holder, reading=reading)
         self._nodes[key] = node
         if alone:  # the resource node's version proves nobody joined since it was empty
             return self._grant(key, node, sent)
@@ -653,7 +675,7 @@ class AsyncZooKeeperDriver:
         self, key: tuple[str, str], node: _Node, sent: float, end: float
     ) -> AcquireReply:
         children, _ = await self._children(node.parent, end, "acquire")
-        place = place_in(queue_order(children), node.name)
+        place = place_in(queue_order(children), node.name, is_writer_node)
         if place is None:  # the node is gone (revoked, or the session expired)
             return await self._rejoin(key, node, end)
         if place.owner:
@@ -685,7 +707,8 @@ class AsyncZooKeeperDriver:
                 code="UNAVAILABLE",
                 retryable=True,
             )
-        return await self.acquire(resource, secret, node.ttl, node.holder)
+        mode = LeaseMode.READ if node.reading else LeaseMode.WRITE
+        return await self.acquire(resource, secret, node.ttl, node.holder, mode)
 
     async def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
         """Watch the predecessor node until it is deleted, or ``timeout`` seconds pass (at
@@ -790,8 +813,9 @@ class AsyncZooKeeperDriver:
         return True
 
     async def inspect(self, resource: str) -> LockInfo | None:
-        """The first node of the queue; ``remaining`` by the leader's clock (the node's
-        ``mtime`` and a write's); see :meth:`fence.abc.AsyncDriver.inspect`."""
+        """The first node of the queue (or, if it is a reader's, every reader's node before
+        the first writer's); ``remaining`` by the leader's clock (the node's ``mtime`` and a
+        write's); see :meth:`fence.abc.AsyncDriver.inspect`."""
         end = self._deadline()
         parent = resource_path(self.root, resource)
         for _ in range(3):
@@ -799,17 +823,33 @@ class AsyncZooKeeperDriver:
             order = queue_order(children)
             if not order:
                 return None
-            first = f"{parent}/{order[0]}"
+            holders = order[:1]
+            if not is_writer_node(order[0]):
+                writers = [i for i, name in enumerate(order) if is_writer_node(name)]
+                holders = order[: writers[0]] if writers else order
+            found = []
             try:
-                data, stat = await self._op(
-                    "inspect", functools.partial(self._client.get_async, first), end
-                )
+                for name in holders:
+                    data, stat = await self._op(
+                        "inspect",
+                        functools.partial(self._client.get_async, f"{parent}/{name}"),
+                        end,
+                    )
+                    found.append((name, data, stat))
             except NoNodeError:
                 continue
-            holder, ttl = decode_data(data)
             clock = await self._op("inspect", lambda: self._client.set_async(parent, b""), end)
-            left = (int(stat.mtime) + (ttl or 0.0) * 1000 - int(clock.mtime)) / 1000
-            return LockInfo(resource, token_of(int(stat.czxid)), max(left, 0.0), holder)
+            infos = []
+            for name, data, stat in found:
+                holder, ttl = decode_data(data)
+                left = (int(stat.mtime) + (ttl or 0.0) * 1000 - int(clock.mtime)) / 1000
+                mode = LeaseMode.WRITE if is_writer_node(name) else LeaseMode.READ
+                infos.append(
+                    LockInfo(resource, token_of(int(stat.czxid)), max(left, 0.0), holder, mode)
+                )
+            if infos[0].mode is LeaseMode.WRITE:
+                return infos[0]
+            return LockInfo.of_readers(resource, infos)
         return None
 
     async def revoke(self, resource: str) -> int:
@@ -877,7 +917,8 @@ class AsyncZooKeeperLockManager(AsyncBaseLockManager):
     ttl (the holder's own driver deletes the node, never before the holder's deadline), or
     when the holder's session expires (the holder stopped, or lost its connections for the
     session timeout), whichever comes first; a renewal that finds the node gone reports the
-    lease lost (C10).
+    lease lost (C10). Shared locks (C13): a reader's node (``-read-``) waits only for the
+    last writer's node before it (kazoo's read/write recipe, with tokens).
 
     Args:
         hosts: ``zookeeper://h1:2181,h2:2181,h3:2181/root`` (the path sets the root), a

@@ -10,6 +10,13 @@ log alone:
    accepted writes (replaying the accepted increments gives the final state), and no two
    accepted writes produced the same value.
 3. **No token issued twice.** No two acquisitions of one record got the same token.
+
+With readers (C13), every accepted checked read is checked too:
+
+4. **No stale read accepted.** The value a reader accepted was written under a token not
+   newer than the fence it saw with it, and that fence not newer than the reader's token:
+   no writer whose lease came after the read lease wrote what it read. The value and its
+   writer's token are one that an accepted write produced (or the initial value).
 """
 
 from __future__ import annotations
@@ -29,15 +36,20 @@ class Record:
     Attributes:
         t: wall time in seconds.
         worker: the worker's name.
-        event: ``acquired``, ``released``, ``lost``, ``write_ok``, ``write_rejected``,
-            ``write_error`` (unknown outcome), ``read_rejected``, ``read_error``,
+        event: ``acquired``, ``acquired_read``, ``released``, ``lost``, ``write_ok``,
+            ``write_rejected``, ``write_error`` (unknown outcome), ``read_ok`` (a checked
+            read accepted under a read lease), ``read_rejected``, ``read_error``,
             ``acquire_error``, ``paused``, ``resumed``, ``fault``. The checker reads the
-            writes and the acquisitions; the other events are for people and pictures.
+            writes, the accepted checked reads and the acquisitions; the other events are
+            for people and pictures.
         scope: the record (resource) involved, if any.
         token: the lease token, if any (``None`` for an unfenced baseline).
         before: the value the worker read.
         after: the value it wrote.
         detail: anything else.
+        written: a checked read: the token the value was written under (``None``: the
+            initial value).
+        fence: a checked read: the fence read with the value.
     """
 
     t: float
@@ -48,6 +60,8 @@ class Record:
     before: int | None = None
     after: int | None = None
     detail: str | None = None
+    written: int | None = None
+    fence: int | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Record:
@@ -68,6 +82,9 @@ class Verdict:
         duplicate_tokens: tokens handed to two acquisitions of one record.
         unexplained: per record, value increments that no logged write accounts for (a
             write whose outcome was unknown to its worker may explain one each).
+        reads_accepted: accepted checked reads under read leases, per record.
+        stale_reads: accepted checked reads that saw a value written under a token newer
+            than their fence or their lease, or a value no accepted write produced.
     """
 
     accepted: dict[str, int] = field(default_factory=dict)
@@ -77,16 +94,19 @@ class Verdict:
     duplicate_values: list[dict[str, Any]] = field(default_factory=list)
     duplicate_tokens: list[dict[str, Any]] = field(default_factory=list)
     unexplained: dict[str, int] = field(default_factory=dict)
+    reads_accepted: dict[str, int] = field(default_factory=dict)
+    stale_reads: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """Whether all three properties held."""
+        """Whether every property held."""
         return not (
             self.stale_accepted
             or any(self.lost_updates.values())
             or self.duplicate_values
             or self.duplicate_tokens
             or any(self.unexplained.values())
+            or self.stale_reads
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -115,16 +135,19 @@ def check(
     writes: dict[str, list[Record]] = defaultdict(list)
     unknown: dict[str, int] = defaultdict(int)
     acquisitions: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    reads: list[Record] = []
     for record in records:
         if record.scope is None:
             continue
-        if record.event == "write_ok":
+        if record.event == "read_ok":
+            reads.append(record)
+        elif record.event == "write_ok":
             writes[record.scope].append(record)
         elif record.event == "write_error":
             unknown[record.scope] += 1
         elif record.event == "write_rejected":
             verdict.rejected[record.scope] = verdict.rejected.get(record.scope, 0) + 1
-        elif record.event == "acquired" and record.token is not None:
+        elif record.event in ("acquired", "acquired_read") and record.token is not None:
             acquisitions[record.scope][record.token].append(record.worker)
 
     for scope in sorted(set(writes) | set(final)):
@@ -161,6 +184,37 @@ def check(
         expected = initial.get(scope, 0) + len(accepted)
         verdict.lost_updates[scope] = max(0, expected - final.get(scope, 0))
         verdict.unexplained[scope] = max(0, final.get(scope, 0) - expected - unknown[scope])
+
+    produced = {
+        (scope, write.after, write.token) for scope, found in writes.items() for write in found
+    }
+    for read in reads:
+        scope = read.scope or ""
+        verdict.reads_accepted[scope] = verdict.reads_accepted.get(scope, 0) + 1
+        problems = []
+        if read.written is not None and (read.fence is None or read.written > read.fence):
+            problems.append("written under a token newer than the fence it was read with")
+        if read.token is None or (read.fence is not None and read.fence > read.token):
+            problems.append("fence newer than the read lease")
+        if read.written is not None and (read.token is None or read.written > read.token):
+            problems.append("written under a token newer than the read lease")
+        if read.written is None:
+            if read.before != initial.get(scope, 0):
+                problems.append("a value without a writer that is not the initial value")
+        elif (scope, read.before, read.written) not in produced:
+            problems.append("a value no accepted write produced")
+        if problems:
+            verdict.stale_reads.append(
+                {
+                    "scope": scope,
+                    "worker": read.worker,
+                    "token": read.token,
+                    "value": read.before,
+                    "written": read.written,
+                    "fence": read.fence,
+                    "problems": problems,
+                }
+            )
 
     for scope, by_token in acquisitions.items():
         for token, workers in by_token.items():

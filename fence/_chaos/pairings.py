@@ -9,7 +9,12 @@ A pairing names a *locker* kind and a *store* kind. Every worker of the run open
   C8) and a fenced write of the new value.
 
 Adding a pairing means adding a :class:`StoreKind` or :class:`LockerKind` (a few factory
-functions) and one :class:`Pairing` line. The ORM pairing is built that way in
+functions) and one :class:`Pairing` line.
+
+A pairing with readers (:attr:`Pairing.readers`, C13) mixes read cycles into the writers'
+cycles: a reader takes a read lease and makes checked reads (:meth:`Store.checked_read`:
+the value, the token it was written under, and the fence, in one atomic step), accepted
+iff the fence is not above its token. The ORM pairing is built that way in
 :mod:`fence._chaos.orm`; it runs when ``fence.adapters.orm`` is installed, and otherwise
 :data:`PLANNED` says what is missing and the summary of every run repeats it.
 
@@ -37,11 +42,13 @@ __all__ = [
     "PAIRINGS",
     "PLANNED",
     "STORES",
+    "CheckedRead",
     "Endpoints",
     "Held",
     "Locker",
     "LockerKind",
     "Pairing",
+    "SharedStore",
     "Store",
     "StoreKind",
 ]
@@ -103,9 +110,9 @@ class Held(Protocol):
 class Locker(Protocol):
     """Hands out :class:`Held` locks on records."""
 
-    def acquire(self, record: str, timeout: float) -> Held | None:
-        """Wait up to ``timeout`` seconds for the lock on ``record``; ``None`` if it stayed
-        taken.
+    def acquire(self, record: str, timeout: float, mode: str = "write") -> Held | None:
+        """Wait up to ``timeout`` seconds for the lock on ``record`` (a read lease with
+        ``mode="read"``); ``None`` if it stayed taken.
 
         Raises:
             BackendError: the server failed.
@@ -140,6 +147,35 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Close the connections."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedRead:
+    """What a reader saw, in one atomic step.
+
+    Attributes:
+        value: the counter.
+        written: the token it was written under (``None``: the initial value).
+        fence: the fence read with it.
+    """
+
+    value: int
+    written: int | None
+    fence: int | None
+
+
+class SharedStore(Store, Protocol):
+    """A store whose values carry the token they were written under (pairings with
+    readers)."""
+
+    def checked_read(self, record: str) -> CheckedRead:
+        """The counter, its writer's token and the fence, in one atomic step; raises the
+        fence of nothing.
+
+        Raises:
+            BackendError: the server failed.
+        """
         ...
 
 
@@ -196,6 +232,8 @@ class Pairing:
         fenced: whether writes carry tokens; the unfenced baseline is expected to lose
             updates, a fenced pairing never.
         description: one line for people.
+        readers: the share of cycles that are read cycles under a read lease (C13); the
+            store must be a :class:`SharedStore`.
     """
 
     name: str
@@ -204,6 +242,7 @@ class Pairing:
     store: str
     fenced: bool
     description: str
+    readers: float = 0.0
 
     @property
     def servers(self) -> tuple[str, ...]:
@@ -264,11 +303,11 @@ class _FenceLocker:
     def __init__(self, manager: BaseLockManager) -> None:
         self._manager = manager
 
-    def acquire(self, record: str, timeout: float) -> Held | None:
+    def acquire(self, record: str, timeout: float, mode: str = "write") -> Held | None:
         from fence._errors import AcquireTimeout
 
         try:
-            lease = self._manager.acquire(record, timeout=timeout, renew=False)
+            lease = self._manager.acquire(record, mode=mode, timeout=timeout, renew=False)
         except AcquireTimeout:
             return None
         return _LeaseHeld(lease)
@@ -338,7 +377,7 @@ class _RedisPyLocker:
         self._client = _redis_client(url)
         self._ttl = ttl
 
-    def acquire(self, record: str, timeout: float) -> Held | None:
+    def acquire(self, record: str, timeout: float, mode: str = "write") -> Held | None:
         from redis.exceptions import RedisError
 
         lock = self._client.lock(
@@ -437,6 +476,50 @@ class _RedisGuardStore:
 
     def close(self) -> None:
         self._client.close()
+
+
+class _RedisGuardSharedStore:
+    """Counters in Redis strings behind the Redis guard, each stored with the token it was
+    written under (``"<count>:<token>"``), for pairings with readers."""
+
+    def __init__(self, url: str) -> None:
+        self._client = _redis_client(url)
+        module = importlib.import_module("fence.adapters.redis")
+        self._guard = module.RedisGuard(self._client)
+
+    def read(self, record: str, token: int | None) -> int:
+        raw = self._guard.read_for_update(_counter_key(record), token=needs_token(token))
+        return _parse_counter(raw)[0]
+
+    def write(self, record: str, token: int | None, value: int) -> None:
+        token = needs_token(token)
+        self._guard.set(_counter_key(record), f"{value}:{token}", token=token, must_exist=True)
+
+    def checked_read(self, record: str) -> CheckedRead:
+        raw, fence = self._guard.get(_counter_key(record))
+        value, written = _parse_counter(raw)
+        return CheckedRead(value, written, fence)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _parse_counter(raw: Any) -> tuple[int, int | None]:
+    """A shared store's counter: ``"<count>:<token>"`` (or a bare count, initially)."""
+    text = (raw.decode() if isinstance(raw, bytes) else str(raw or "0")).strip()
+    count, _, token = text.partition(":")
+    return int(count or 0), int(token) if token else None
+
+
+def _final_redis_shared_counters(
+    endpoints: Endpoints, namespace: str, records: Sequence[str]
+) -> dict[str, int]:
+    client = _redis_client(endpoints.url("redis"))
+    try:
+        values = client.mget([_counter_key(record) for record in records])
+    finally:
+        client.close()
+    return {record: _parse_counter(value)[0] for record, value in zip(records, values, strict=True)}
 
 
 class _RedisPlainStore:
@@ -637,6 +720,13 @@ STORES: dict[str, StoreKind] = {
         _setup_sql_counters,
         _final_sql_counters,
     ),
+    "redis-guard-shared": StoreKind(
+        "fence.adapters.redis.RedisGuard, values tagged with their writer's token",
+        "redis",
+        lambda endpoints, namespace: _RedisGuardSharedStore(endpoints.url("redis")),
+        _setup_redis_counters,
+        _final_redis_shared_counters,
+    ),
     "redis-plain": StoreKind(
         "plain GET/SET (no token)",
         "redis",
@@ -690,6 +780,16 @@ _FENCED = [
         "sql-guard",
         True,
         "SQL lock manager and SQL row guard, both on PostgreSQL",
+    ),
+    Pairing(
+        "redis+redis-rw",
+        "rw",
+        "redis-manager",
+        "redis-guard-shared",
+        True,
+        "Redis lock manager with readers and writers (C13): writers do registering reads "
+        "and fenced SETs, readers checked reads under read leases",
+        readers=0.5,
     ),
 ]
 

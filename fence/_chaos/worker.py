@@ -2,7 +2,11 @@
 
 Each cycle picks a record, acquires its lease, reads the counter with a registering read
 (claim and read in one step, C8), waits a little (the work between read and write, the
-window a pause hits), writes ``counter + 1`` with the token, and releases. Every outcome is
+window a pause hits), writes ``counter + 1`` with the token, and releases. In a pairing
+with readers (C13) some cycles are read cycles instead: a read lease, a checked read (the
+value, the token it was written under and the fence, atomically), the same wait, a
+second checked read, and the release; a read is accepted only if the fence is not above
+the read lease's token. Every outcome is
 one JSON line of :class:`fence._chaos.checker.Record` in the worker's own log file, written
 as it happens, so the log survives whatever the controller does to the process.
 
@@ -18,10 +22,19 @@ import logging
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from fence._chaos.checker import Record
-from fence._chaos.pairings import PAIRINGS, Endpoints, Held, Locker, Store, open_locker, open_store
+from fence._chaos.pairings import (
+    PAIRINGS,
+    Endpoints,
+    Held,
+    Locker,
+    SharedStore,
+    Store,
+    open_locker,
+    open_store,
+)
 from fence._errors import BackendError, NotOwnerError, StaleTokenError
 
 __all__ = ["Board", "Phase", "WorkerConfig", "main"]
@@ -145,8 +158,21 @@ class _Worker:
         before: int | None = None,
         after: int | None = None,
         detail: str | None = None,
+        written: int | None = None,
+        fence: int | None = None,
     ) -> None:
-        record = Record(time.time(), self.config.name, event, scope, token, before, after, detail)
+        record = Record(
+            time.time(),
+            self.config.name,
+            event,
+            scope,
+            token,
+            before,
+            after,
+            detail,
+            written,
+            fence,
+        )
         data = {k: v for k, v in asdict(record).items() if v is not None}
         self.log.write(json.dumps(data, separators=(",", ":")) + "\n")
 
@@ -157,6 +183,10 @@ class _Worker:
         config = self.config
         index = self.rng.randrange(len(config.records))
         record = config.records[index]
+        share = PAIRINGS[config.pairing].readers
+        if share and self.rng.random() < share:
+            self.read_cycle(locker, cast(SharedStore, store), record, index)
+            return
         try:
             held = locker.acquire(record, config.acquire_timeout)
         except BackendError as err:
@@ -204,6 +234,44 @@ class _Worker:
             self.backoff()
         else:
             self.emit("write_ok", record, token, before, after)
+
+    def read_cycle(self, locker: Locker, store: SharedStore, record: str, index: int) -> None:
+        config = self.config
+        try:
+            held = locker.acquire(record, config.acquire_timeout, mode="read")
+        except BackendError as err:
+            self.emit("acquire_error", record, detail=_short(err))
+            self.backoff()
+            return
+        if held is None:
+            return
+        token = held.token
+        self.cycles += 1
+        self.board.post(config.index, Phase.HOLDING, token or 0, index, self.cycles)
+        self.emit("acquired_read", record, token)
+        try:
+            if self.checked_read(store, record, token) and config.work > 0:
+                # The window a pause hits: a writer may come in once the lease is over.
+                self.board.post(config.index, Phase.READ, token or 0, index, self.cycles)
+                time.sleep(config.work)
+                self.checked_read(store, record, token)
+        finally:
+            self.board.post(config.index, Phase.IDLE)
+            self.release(held, record, token)
+
+    def checked_read(self, store: SharedStore, record: str, token: int | None) -> bool:
+        """One checked read; whether it was accepted (the fence not above ``token``)."""
+        try:
+            seen = store.checked_read(record)
+        except BackendError as err:
+            self.emit("read_error", record, token, detail=_short(err))
+            return False
+        if token is None or (seen.fence is not None and seen.fence > token):
+            detail = f"STALE fence {seen.fence}: a writer newer than the read lease wrote"
+            self.emit("read_rejected", record, token, seen.value, detail=detail, fence=seen.fence)
+            return False
+        self.emit("read_ok", record, token, seen.value, written=seen.written, fence=seen.fence)
+        return True
 
     def release(self, held: Held, record: str, token: int | None) -> None:
         try:

@@ -23,7 +23,13 @@ from typing import Any
 
 from fence._clock import Clock, subscribe, system_clock
 from fence._compat import Waiter, cancel_after, current_owner, shield, spawn
-from fence._core import client_deadline, validate_resource, validate_ttl
+from fence._core import (
+    LeaseMode,
+    client_deadline,
+    validate_mode,
+    validate_resource,
+    validate_ttl,
+)
 from fence._deadline import reset, set_deadline
 from fence._errors import (
     AcquireTimeout,
@@ -31,11 +37,12 @@ from fence._errors import (
     ConfigurationError,
     LeaseExpiredError,
     LeaseLostError,
+    LockUpgradeError,
     NotOwnerError,
 )
 from fence._events import EventBus, EventKind, default_bus
 from fence._signal import Signal
-from fence.abc import Driver, LockInfo
+from fence.abc import AcquireReply, Driver, LockInfo
 
 __all__ = ["BaseLockManager", "Lease"]
 
@@ -78,10 +85,15 @@ class Lease:
     Pass ``lease.token`` to every guarded write. A lease whose holder paused past its
     deadline is no longer valid; the guards then reject its token once a newer holder wrote.
 
+    A read lease (:attr:`mode` ``READ``, from ``manager.read_lock``) shares the lock with
+    other readers and never writes: pass its token to checked reads
+    (:func:`fence.check_read`), never to a guarded write (C13).
+
     Attributes:
         resource: the locked resource.
-        token: the fencing token (C1, C2).
+        token: the fencing token (C1, C2, C13).
         ttl: the lease time asked for, in seconds.
+        mode: :attr:`LeaseMode.WRITE` (exclusive) or :attr:`LeaseMode.READ` (shared).
     """
 
     def __init__(
@@ -93,10 +105,12 @@ class Lease:
         ttl: float,
         deadline: float,
         owner: object,
+        mode: LeaseMode = LeaseMode.WRITE,
     ) -> None:
         self._manager = manager
         self.resource = resource
         self.token = token
+        self.mode = mode
         self._secret = secret
         self.ttl = ttl
         self._deadline = deadline
@@ -113,7 +127,7 @@ class Lease:
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "released" if self._released else "held"
-        return f"<Lease {self.resource!r} token={self.token} {state}>"
+        return f"<Lease {self.mode} {self.resource!r} token={self.token} {state}>"
 
     @property
     def deadline(self) -> float:
@@ -324,6 +338,7 @@ class BaseLockManager:
         self,
         resource: str,
         *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
         ttl: float | None = None,
         timeout: float | None = None,
         renew: bool | None = None,
@@ -334,8 +349,19 @@ class BaseLockManager:
 
         A waiter is woken by the release (or by the holder's expiry), not by polling.
 
+        Shared locks (C13): ``mode="read"`` takes a read lease, which the lock grants to
+        many readers at once but never beside a writer; ``"write"`` (the default) takes
+        the lock alone. Every lease gets a new token from the resource's one sequence, so
+        a writer's token is above every token issued before it, readers' included, and a
+        reader's is above every earlier writer's. A waiting writer keeps new readers out,
+        and waiters are served in arrival order, readers in batches. Reentrancy: an
+        owner's second read re-enters its read lease, a second write its write lease, and
+        a read by the writer re-enters the write lease (same token, still exclusive);
+        a write by an owner that holds a read lease raises :class:`LockUpgradeError`.
+
         Args:
             resource: what to lock; a non-empty ``str`` of at most 512 bytes.
+            mode: ``"write"`` (exclusive, the default) or ``"read"`` (shared).
             ttl: lease time in seconds (default: the manager's).
             timeout: how long to wait, in seconds. The call returns within ``timeout``
                 plus :data:`UNDO_LIMIT` and a few milliseconds, whatever the backend does:
@@ -354,11 +380,14 @@ class BaseLockManager:
         Raises:
             AcquireTimeout: the lock was not free within ``timeout``.
             LeaseLostError: a reentrant acquire found the held lease lost.
-            InvalidResourceError, ConfigurationError: bad arguments, before any I/O.
+            LockUpgradeError: a write asked for by an owner that holds a read lease on
+                ``resource`` (it would deadlock), before any I/O.
+            InvalidResourceError, ConfigurationError: bad arguments, or ``mode="read"`` on
+                a manager without shared locks, before any I/O.
             BackendError: the backend failed (with a timeout: it kept failing, or did not
                 answer, until the timeout ran out).
         """
-        lease = self._acquire(resource, ttl, timeout, renew, on_lost, owner, True)
+        lease = self._acquire(resource, ttl, timeout, renew, on_lost, owner, True, mode)
         assert lease is not None
         return lease
 
@@ -366,6 +395,7 @@ class BaseLockManager:
         self,
         resource: str,
         *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
         ttl: float | None = None,
         renew: bool | None = None,
         on_lost: LeaseCallback | None = None,
@@ -373,15 +403,17 @@ class BaseLockManager:
     ) -> Lease | None:
         """Take the lock if it is free now, in one round trip; else return ``None``.
 
-        Same arguments as :meth:`acquire`, without ``timeout``.
+        Same arguments as :meth:`acquire`, without ``timeout``. A read is refused while a
+        writer holds the lock or waits for it.
         """
-        return self._acquire(resource, ttl, 0.0, renew, on_lost, owner, False)
+        return self._acquire(resource, ttl, 0.0, renew, on_lost, owner, False, mode)
 
     @contextmanager
     def lock(
         self,
         resource: str,
         *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
         ttl: float | None = None,
         timeout: float | None = None,
         renew: bool | None = None,
@@ -393,21 +425,92 @@ class BaseLockManager:
         Same arguments as :meth:`acquire`.
         """
         lease = self.acquire(
-            resource, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, owner=owner
+            resource,
+            mode=mode,
+            ttl=ttl,
+            timeout=timeout,
+            renew=renew,
+            on_lost=on_lost,
+            owner=owner,
         )
         with lease:
             yield lease
 
+    @contextmanager
+    def read_lock(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LeaseCallback | None = None,
+        owner: object = None,
+    ) -> Iterator[Lease]:
+        """Hold a read lease on ``resource`` for the ``with`` block (C13).
+
+        Many readers hold the lock at once; none while a writer holds it or waits for it.
+        The lease's token serves checked reads (:func:`fence.check_read`); the session
+        hook and the unit of work refuse it for writes. Same arguments as :meth:`acquire`.
+
+        Example::
+
+            with manager.read_lock("catalog") as lease:
+                value, fence = guard.get("{catalog}:prices")
+                fence.check_read("{catalog}:prices", lease.token, fence)
+        """
+        with self.lock(
+            resource,
+            mode=LeaseMode.READ,
+            ttl=ttl,
+            timeout=timeout,
+            renew=renew,
+            on_lost=on_lost,
+            owner=owner,
+        ) as lease:
+            yield lease
+
+    @contextmanager
+    def write_lock(
+        self,
+        resource: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LeaseCallback | None = None,
+        owner: object = None,
+    ) -> Iterator[Lease]:
+        """Hold the write lease on ``resource`` for the ``with`` block (C13).
+
+        The same as :meth:`lock`: exclusive, beside no other writer and no reader. Its
+        token is above every token issued before for ``resource``, readers' included.
+        Same arguments as :meth:`acquire`.
+        """
+        with self.lock(
+            resource,
+            mode=LeaseMode.WRITE,
+            ttl=ttl,
+            timeout=timeout,
+            renew=renew,
+            on_lost=on_lost,
+            owner=owner,
+        ) as lease:
+            yield lease
+
     def inspect(self, resource: str) -> LockInfo | None:
         """Who holds ``resource``: its token, the backend's remaining ttl, and the holder's
-        label (never its secret). ``None`` if nobody does."""
+        label (never its secret); for readers, ``mode`` is ``READ`` and ``readers`` lists
+        each of them. ``None`` if nobody does."""
         return self.driver.inspect(validate_resource(resource))
 
     def revoke(self, resource: str) -> int:
-        """End the lease on ``resource`` by force, whoever holds it.
+        """End the lease on ``resource`` by force, whoever holds it: the writer, or every
+        reader.
 
         For a hung holder. Returns a token above every token issued for ``resource``; pass it
-        to the guards' ``claim`` so that the hung holder's writes are refused from now on.
+        to the guards' ``claim`` so that the hung holder's writes are refused from now on
+        (and checked reads of readers, :func:`fence.check_read`).
         """
         resource = validate_resource(resource)
         token = shield(self.driver.revoke(resource))
@@ -460,19 +563,38 @@ class BaseLockManager:
         on_lost: LeaseCallback | None,
         owner: object,
         blocking: bool,
+        mode: LeaseMode | str = LeaseMode.WRITE,
     ) -> Lease | None:
         if self._closed:
             raise ConfigurationError(f"{self!r} is closed")
         resource = validate_resource(resource)
+        mode = validate_mode(mode)
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
         if timeout is not None and not timeout >= 0:
             raise ConfigurationError(f"timeout must be >= 0 or None, got {timeout!r}")
+        shared = mode is LeaseMode.READ
+        if shared and not getattr(self.driver, "shared", False):
+            raise ConfigurationError(
+                f"{self!r} has no shared locks: mode='read' is refused (see the docs on "
+                "shared locks for the managers that have them); take a write lease instead"
+            )
         if owner is None:
             owner = current_owner()
         key = (owner, resource)
-        if self.reentrant:
-            held = self._held.get(key)
-            if held is not None and not held._released:
+        held = self._held.get(key)
+        if held is not None and not held._released:
+            if held.mode is LeaseMode.READ and not shared:
+                # Two readers that both wait to become the writer wait for each other.
+                raise LockUpgradeError(
+                    f"cannot take a write lease on {resource!r} while holding a read lease "
+                    f"on it (token {held.token}): an upgrade deadlocks when two readers try "
+                    "it. Release the read lease first, then take the write lease and read "
+                    "again under it",
+                    resource=resource,
+                    token=held.token,
+                )
+            if self.reentrant:
+                # A read by the writer re-enters the write lease: it is exclusive already.
                 self._reenter(held, ttl)
                 if on_lost is not None:
                     held.on_lost(on_lost)
@@ -499,10 +621,10 @@ class BaseLockManager:
                 scope = set_deadline(real_end)
                 try:
                     if real_end is None:
-                        reply = self.driver.acquire(resource, secret, ttl, holder)
+                        reply = self._attempt(resource, secret, ttl, holder, shared)
                     else:
                         with cancel_after(max(real_end - time.monotonic(), 0.0) + _GRACE):
-                            reply = self.driver.acquire(resource, secret, ttl, holder)
+                            reply = self._attempt(resource, secret, ttl, holder, shared)
                 except BaseException as exc:
                     if not (isinstance(exc, BackendError) and getattr(exc, "sent", None) is False):
                         uncertain = True
@@ -596,7 +718,7 @@ class BaseLockManager:
             raise
 
         deadline = client_deadline(sent, ttl, drift=self.drift, margin=self.margin)
-        lease = Lease(self, resource, reply.token, secret, ttl, deadline, owner)
+        lease = Lease(self, resource, reply.token, secret, ttl, deadline, owner, mode)
         lease._issued = True
         if on_lost is not None:
             lease.on_lost(on_lost)
@@ -604,14 +726,28 @@ class BaseLockManager:
         events = self.events
         if events.active:
             now = clock.monotonic()
+            detail = {"mode": "read"} if shared else {}
             if waited:
-                events.emit(EventKind.WAITED, self.source, resource, reply.token, now - start)
-            events.emit(EventKind.ACQUIRED, self.source, resource, reply.token, now - start)
+                events.emit(
+                    EventKind.WAITED, self.source, resource, reply.token, now - start, **detail
+                )
+            events.emit(
+                EventKind.ACQUIRED, self.source, resource, reply.token, now - start, **detail
+            )
         if self.renew if renew is None else renew:
             lease._watchdog = spawn(self._watch, lease, name=f"fence-renew:{resource}")
             self._watchdogs = [w for w in self._watchdogs if not w.done()]
             self._watchdogs.append(lease._watchdog)
         return lease
+
+    def _attempt(
+        self, resource: str, secret: str, ttl: float, holder: str, shared: bool
+    ) -> AcquireReply:
+        if shared:
+            return self.driver.acquire(  # type: ignore[call-arg]
+                resource, secret, ttl, holder, LeaseMode.READ
+            )
+        return self.driver.acquire(resource, secret, ttl, holder)
 
     def _retry_pause(
         self,

@@ -8,7 +8,7 @@ import time
 
 from fence._clock import Clock
 from fence._compat import Waiter
-from fence._core import TokenMode
+from fence._core import LeaseMode, TokenMode
 from fence._deadline import deadline
 from fence._errors import BackendError
 from fence._events import EventBus
@@ -25,6 +25,8 @@ class MemoryDriver:
     client wait for its socket timeout."""
 
     source = "memory"
+    #: Grants read leases (C13).
+    shared = True
 
     def __init__(self, backend: MemoryBackend) -> None:
         self.backend = backend
@@ -50,10 +52,17 @@ class MemoryDriver:
             finally:
                 paused.detach(waiter)
 
-    def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
+    def acquire(
+        self,
+        resource: str,
+        secret: str,
+        ttl: float,
+        holder: str,
+        mode: LeaseMode = LeaseMode.WRITE,
+    ) -> AcquireReply:
         """See :meth:`fence.abc.Driver.acquire`."""
         self._enter("acquire", resource)
-        return self.backend.acquire(resource, secret, ttl, holder)
+        return self.backend.acquire(resource, secret, ttl, holder, mode)
 
     def renew(self, resource: str, secret: str, ttl: float) -> bool:
         """See :meth:`fence.abc.Driver.renew`."""
@@ -74,6 +83,10 @@ class MemoryDriver:
             waiter.wait(timeout)
         finally:
             self.backend.detach(resource, waiter)
+
+    def abandon(self, resource: str, secret: str) -> None:
+        """A waiter gave up: take it out of the resource's queue."""
+        self.backend.abandon(resource, secret)
 
     def inspect(self, resource: str) -> LockInfo | None:
         """See :meth:`fence.abc.Driver.inspect`."""

@@ -49,7 +49,7 @@ from redis.retry import Retry
 
 from fence._clock import Clock
 from fence._compat import Waiter, cancel_after
-from fence._core import TokenMode, client_deadline, validate_ttl
+from fence._core import LeaseMode, TokenMode, client_deadline, validate_ttl
 from fence._deadline import time_left
 from fence._errors import BackendError, ConfigurationError, FenceWarning, InvalidTokenError
 from fence._events import EventBus
@@ -442,7 +442,9 @@ class _Listener:
                 return
             payload = message[2]
             if payload:
-                self._board.wake_key(resource, _text(payload))
+                # The waiters whose turn it is: a writer, or a batch of readers.
+                for key in _text(payload).split():
+                    self._board.wake_key(resource, key)
             else:
                 self._board.wake_one(resource, prefer=self._reader)
         elif kind == b"subscribe":
@@ -526,6 +528,8 @@ class RedisDriver:
     """
 
     source = "redis"
+    #: Grants read leases (C13).
+    shared = True
 
     def __init__(
         self,
@@ -622,6 +626,7 @@ class RedisDriver:
             raise ConfigurationError("wait_aof needs min_replicas >= 1")
         self._mode = self.token_mode.value
         self._mode_bytes = self._mode.encode()
+        self._fifo_flag = b"1" if self.fifo else b"0"
         self._queue_ms = milliseconds(self.queue_ttl)
         client_ = self.client
         self._acquire = client_.register_script(ACQUIRE)
@@ -821,21 +826,33 @@ class RedisDriver:
 
     # -- the driver protocol -------------------------------------------------------------
 
-    def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
-        """One attempt: take the lock if free, issuing a token; see
-        :meth:`fence.abc.Driver.acquire`."""
+    def acquire(
+        self,
+        resource: str,
+        secret: str,
+        ttl: float,
+        holder: str,
+        mode: LeaseMode = LeaseMode.WRITE,
+    ) -> AcquireReply:
+        """One attempt: take the lock (a writer) or a read lease (``mode`` READ) if the
+        queue lets it, issuing a token; see :meth:`fence.abc.Driver.acquire`."""
         if not self._checked:
             self._check_config("acquire", resource)
         keys = self.keys(resource)
         mark = self.board.mark()
-        script_keys = [keys.lock, keys.token, keys.fence]
+        script_keys = [keys.lock, keys.token, keys.fence, keys.queue, keys.deadlines]
+        wid = waiter_id(secret)
         # Numbers and fixed words as bytes: no encoding on the hot path.
-        args: list[Any] = [secret, b"%d" % milliseconds(ttl), holder, self._mode_bytes]
-        wid = ""
-        if self.fifo:
-            wid = waiter_id(secret)
-            script_keys += [keys.queue, keys.deadlines]
-            args += [wid, self._queue_ms]
+        args: list[Any] = [
+            secret,
+            b"%d" % milliseconds(ttl),
+            holder,
+            self._mode_bytes,
+            wid,
+            self._queue_ms,
+            b"r" if mode is LeaseMode.READ else b"w",
+            self._fifo_flag,
+        ]
         if self.min_replicas:
             reply = self._acquire_replicated(resource, script_keys, args)
         else:
@@ -845,7 +862,7 @@ class RedisDriver:
         wait_ms, queued = int(reply[1]), int(reply[2])
         # PTTL is truncated to whole ms: add one so the wait does not end just before expiry.
         holder_ttl = (wait_ms + 1) / 1000 if wait_ms >= 0 else None
-        return AcquireReply(None, holder_ttl, (mark, wid, bool(queued)))
+        return AcquireReply(None, holder_ttl, (mark, wid, bool(queued)), queued=bool(queued))
 
     def _pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send commands in one pipeline on one connection; errors are returned in place."""
@@ -919,15 +936,17 @@ class RedisDriver:
         return bool(renewed)
 
     def release(self, resource: str, secret: str) -> bool:
-        """Delete the lock if ``secret`` holds it and publish a wake-up; see
-        :meth:`fence.abc.Driver.release`."""
+        """End the lease ``secret`` holds (the writer's or a reader's) and publish a
+        wake-up; see :meth:`fence.abc.Driver.release`."""
         keys = self.keys(resource)
-        if self.fifo:
-            script_keys = [keys.lock, keys.queue, keys.deadlines]
-            args = [secret, b"1"]
-        else:
-            script_keys, args = [keys.lock], [secret]
-        released = self._run(self._release, script_keys, args, "release", resource, urgent=True)
+        released = self._run(
+            self._release,
+            [keys.lock, keys.queue, keys.deadlines],
+            [secret, self._fifo_flag],
+            "release",
+            resource,
+            urgent=True,
+        )
         return bool(released)
 
     def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
@@ -945,6 +964,9 @@ class RedisDriver:
             mark, wid, queued = cookie
         else:  # a reply that is not this driver's (the quorum's): no mark to trust
             mark, wid, queued = None, "", False
+        if (queued or self.fifo) and wid:
+            # A queued waiter's attempts are its heartbeat: try again well inside queue_ttl.
+            timeout = min(timeout, self.queue_ttl / 3)
         deadline = time.monotonic() + timeout
         keys = self.keys(resource)
         listener = self._listener
@@ -960,12 +982,13 @@ class RedisDriver:
                 )
                 if go:
                     return
+                queued = True
             if not listener.ensure(resource, keys.signal, deadline):
                 return
             if mark is None:
                 mark = self.board.mark()
             seat = _Seat()
-            if self.board.attach(resource, seat, mark, wid or None):
+            if self.board.attach(resource, seat, mark, wid if queued else None):
                 return
             try:
                 listener.serve(seat, deadline)
@@ -978,9 +1001,7 @@ class RedisDriver:
         """A waiter gave up: drop it from the FIFO queue and, if the lock is free, publish a
         wake-up in its place."""
         keys = self.keys(resource)
-        args: list[Any] = [waiter_id(secret)]
-        if self.fifo:
-            args.append(b"1")
+        args: list[Any] = [waiter_id(secret), self._fifo_flag]
         self._run(
             self._abandon,
             [keys.lock, keys.queue, keys.deadlines],
@@ -995,9 +1016,7 @@ class RedisDriver:
         if one did, and leave a tombstone (for ``ttl``) that refuses an attempt with this
         secret still on its way. Returns whether the lock was held."""
         keys = self.keys(resource)
-        args: list[Any] = [secret, milliseconds(ttl), waiter_id(secret)]
-        if self.fifo:
-            args.append(b"1")
+        args: list[Any] = [secret, milliseconds(ttl), waiter_id(secret), self._fifo_flag]
         held = self._run(
             self._cancel,
             [keys.lock, keys.queue, keys.deadlines],
@@ -1009,12 +1028,24 @@ class RedisDriver:
         return bool(held)
 
     def inspect(self, resource: str) -> LockInfo | None:
-        """See :meth:`fence.abc.Driver.inspect`."""
+        """The writer, or every reader; see :meth:`fence.abc.Driver.inspect`."""
         got = self._run(self._inspect, [self.keys(resource).lock], [], "inspect", resource)
         if not got:
             return None
-        token, pttl, holder = got
-        return LockInfo(resource, int(token), max(int(pttl), 0) / 1000, _text(holder) or None)
+        kind, rest = _text(got[0]), got[1:]
+        infos = [
+            LockInfo(
+                resource,
+                int(token),
+                max(int(ms), 0) / 1000,
+                _text(holder) or None,
+                LeaseMode.WRITE if kind == "w" else LeaseMode.READ,
+            )
+            for token, ms, holder in zip(rest[0::3], rest[1::3], rest[2::3], strict=True)
+        ]
+        if kind == "w":
+            return infos[0]
+        return LockInfo.of_readers(resource, infos)
 
     def revoke(self, resource: str) -> int:
         """End the lease, issue a token above every earlier one and above the guards' fence
@@ -1023,7 +1054,7 @@ class RedisDriver:
         if not self._checked:
             self._check_config("revoke", resource)
         keys = self.keys(resource)
-        args: list[Any] = [self._mode, b"1"] if self.fifo else [self._mode]
+        args: list[Any] = [self._mode, self._fifo_flag]
         token = self._run(
             self._revoke,
             [keys.lock, keys.token, keys.fence, keys.queue, keys.deadlines],
@@ -1077,6 +1108,10 @@ class RedisLockManager(BaseLockManager):
     the guards' fence register. A blocking acquire is woken by the release (pub/sub: one
     listening connection per manager, however many tasks wait), or by the holder's expiry.
     All keys of a resource share the hash tag ``{resource}``, so Redis Cluster works.
+
+    Shared locks (C13): ``read_lock``/``write_lock`` (``acquire(..., mode="read")``); a
+    reader is a member of ``<prefix>{R}:readers``, and readers and writers waiting beside
+    them queue in arrival order; see ``docs/shared-locks.md``.
 
     Args:
         client: a URL (``redis://host:6379/0``;

@@ -37,7 +37,7 @@ from kazoo.retry import KazooRetry
 
 from fence._clock import Clock
 from fence._compat import Waiter, completed
-from fence._core import client_deadline, validate_ttl
+from fence._core import LeaseMode, client_deadline, validate_ttl
 from fence._errors import BackendError, ConfigurationError
 from fence._events import EventBus
 from fence._queue import Place, owner_after_predecessor_left, place_in
@@ -45,10 +45,12 @@ from fence._sync.manager import BaseLockManager
 from fence._zookeeper import (
     DEFAULT_ROOT,
     MARK,
+    READ_MARK,
     SessionTimeoutProbe,
     decode_data,
     encode_data,
     guid_of,
+    is_writer_node,
     parse_hosts,
     queue_order,
     resource_path,
@@ -89,6 +91,7 @@ class _Node:
         place: where it stood at the last read (``None``: read again before waiting).
         owner: known to own the lock (the predecessor it watched was the owner, and left).
         granted: it holds the lock (acquire returned its token).
+        reading: a reader (C13): only writers' nodes ahead keep it out.
     """
 
     resource: str
@@ -101,6 +104,7 @@ class _Node:
     place: Place[str] | None = None
     owner: bool = False
     granted: bool = False
+    reading: bool = False
 
     @property
     def path(self) -> str:
@@ -293,7 +297,7 @@ class _Reaper:
         try:
             children = self._call(self._client.get_children_async(parent))
             for name in children:
-                if name.startswith(guid + MARK):
+                if name.startswith((guid + MARK, guid + READ_MARK)):
                     try:
                         self._call(self._client.delete_async(f"{parent}/{name}"))
                     except NoNodeError:
@@ -375,6 +379,8 @@ class ZooKeeperDriver:
     """
 
     source = "zookeeper"
+    #: Grants read leases (C13).
+    shared = True
 
     def __init__(
         self,
@@ -559,14 +565,17 @@ class ZooKeeperDriver:
             except NodeExistsError:
                 pass
 
-    def _join(self, parent: str, guid: str, data: bytes, version: int, end: float) -> Any:
-        """One multi-operation: create the contender's node and bump the resource node's
-        version (only from ``version``, unless it is -1). Returns ``(name, czxid)``, or
-        ``None`` when ``version`` was stale (somebody joined since the read)."""
+    def _join(
+        self, parent: str, guid: str, data: bytes, version: int, end: float, mark: str = MARK
+    ) -> Any:
+        """One multi-operation: create the contender's node (named with ``mark``: a writer's
+        or a reader's) and bump the resource node's version (only from ``version``, unless
+        it is -1). Returns ``(name, czxid)``, or ``None`` when ``version`` was stale
+        (somebody joined since the read)."""
 
         def start() -> Any:
             txn = self._client.transaction()
-            txn.create(f"{parent}/{guid}{MARK}", data, ephemeral=True, sequence=True)
+            txn.create(f"{parent}/{guid}{mark}", data, ephemeral=True, sequence=True)
             txn.set_data(parent, b"", version=version)
             return txn.commit_async()
 
@@ -620,12 +629,21 @@ class ZooKeeperDriver:
 
     # -- the driver protocol ---------------------------------------------------------------
 
-    def acquire(self, resource: str, secret: str, ttl: float, holder: str) -> AcquireReply:
-        """One attempt; see :meth:`fence.abc.Driver.acquire`.
+    def acquire(
+        self,
+        resource: str,
+        secret: str,
+        ttl: float,
+        holder: str,
+        mode: LeaseMode = LeaseMode.WRITE,
+    ) -> AcquireReply:
+        """One attempt, of a writer or (``mode`` READ) a reader; see
+        :meth:`fence.abc.Driver.acquire`.
 
         The first attempt reads the queue and joins it in one multi-operation; on a free
-        lock that multi-operation itself proves the node alone (two round trips). A later
-        attempt of a waiter whose predecessor, the owner, left is one write.
+        lock (for a reader: one without writers) that multi-operation itself proves the
+        node first (two round trips). A later attempt of a waiter whose predecessor, the
+        owner, left is one write.
         """
         sent = time.monotonic()
         end = sent + self.request_timeout
@@ -637,14 +655,18 @@ class ZooKeeperDriver:
         parent = resource_path(self.root, resource)
         guid = guid_of(secret)
         data = encode_data(holder, ttl)
+        reading = mode is LeaseMode.READ
+        mark = READ_MARK if reading else MARK
         children, version = self._children(parent, end, "acquire")
-        alone = not queue_order(children)
-        joined = self._join(parent, guid, data, version if alone else -1, end)
+        order = queue_order(children)
+        # A reader needs no writer ahead; a writer nobody ahead.
+        alone = not any(map(is_writer_node, order)) if reading else not order
+        joined = self._join(parent, guid, data, version if alone else -1, end, mark)
         if joined is None:  # somebody joined between the read and the write
             alone = False
-            joined = self._join(parent, guid, data, -1, end)
+            joined = self._join(parent, guid, data, -1, end, mark)
         name, czxid = joined
-        node = _Node(resource, parent, name, czxid, 0, ttl, holder)
+        node = _Node(resource, parent, name, czxid, 0, ttl, holder, reading=reading)
         self._nodes[key] = node
         if alone:  # the resource node's version proves nobody joined since it was empty
             return self._grant(key, node, sent)
@@ -653,7 +675,7 @@ class ZooKeeperDriver:
 
     def _look(self, key: tuple[str, str], node: _Node, sent: float, end: float) -> AcquireReply:
         children, _ = self._children(node.parent, end, "acquire")
-        place = place_in(queue_order(children), node.name)
+        place = place_in(queue_order(children), node.name, is_writer_node)
         if place is None:  # the node is gone (revoked, or the session expired)
             return self._rejoin(key, node, end)
         if place.owner:
@@ -683,7 +705,8 @@ class ZooKeeperDriver:
                 code="UNAVAILABLE",
                 retryable=True,
             )
-        return self.acquire(resource, secret, node.ttl, node.holder)
+        mode = LeaseMode.READ if node.reading else LeaseMode.WRITE
+        return self.acquire(resource, secret, node.ttl, node.holder, mode)
 
     def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
         """Watch the predecessor node until it is deleted, or ``timeout`` seconds pass (at
@@ -786,8 +809,9 @@ class ZooKeeperDriver:
         return True
 
     def inspect(self, resource: str) -> LockInfo | None:
-        """The first node of the queue; ``remaining`` by the leader's clock (the node's
-        ``mtime`` and a write's); see :meth:`fence.abc.Driver.inspect`."""
+        """The first node of the queue (or, if it is a reader's, every reader's node before
+        the first writer's); ``remaining`` by the leader's clock (the node's ``mtime`` and a
+        write's); see :meth:`fence.abc.Driver.inspect`."""
         end = self._deadline()
         parent = resource_path(self.root, resource)
         for _ in range(3):
@@ -795,17 +819,33 @@ class ZooKeeperDriver:
             order = queue_order(children)
             if not order:
                 return None
-            first = f"{parent}/{order[0]}"
+            holders = order[:1]
+            if not is_writer_node(order[0]):
+                writers = [i for i, name in enumerate(order) if is_writer_node(name)]
+                holders = order[: writers[0]] if writers else order
+            found = []
             try:
-                data, stat = self._op(
-                    "inspect", functools.partial(self._client.get_async, first), end
-                )
+                for name in holders:
+                    data, stat = self._op(
+                        "inspect",
+                        functools.partial(self._client.get_async, f"{parent}/{name}"),
+                        end,
+                    )
+                    found.append((name, data, stat))
             except NoNodeError:
                 continue
-            holder, ttl = decode_data(data)
             clock = self._op("inspect", lambda: self._client.set_async(parent, b""), end)
-            left = (int(stat.mtime) + (ttl or 0.0) * 1000 - int(clock.mtime)) / 1000
-            return LockInfo(resource, token_of(int(stat.czxid)), max(left, 0.0), holder)
+            infos = []
+            for name, data, stat in found:
+                holder, ttl = decode_data(data)
+                left = (int(stat.mtime) + (ttl or 0.0) * 1000 - int(clock.mtime)) / 1000
+                mode = LeaseMode.WRITE if is_writer_node(name) else LeaseMode.READ
+                infos.append(
+                    LockInfo(resource, token_of(int(stat.czxid)), max(left, 0.0), holder, mode)
+                )
+            if infos[0].mode is LeaseMode.WRITE:
+                return infos[0]
+            return LockInfo.of_readers(resource, infos)
         return None
 
     def revoke(self, resource: str) -> int:
@@ -873,7 +913,8 @@ class ZooKeeperLockManager(BaseLockManager):
     ttl (the holder's own driver deletes the node, never before the holder's deadline), or
     when the holder's session expires (the holder stopped, or lost its connections for the
     session timeout), whichever comes first; a renewal that finds the node gone reports the
-    lease lost (C10).
+    lease lost (C10). Shared locks (C13): a reader's node (``-read-``) waits only for the
+    last writer's node before it (kazoo's read/write recipe, with tokens).
 
     Args:
         hosts: ``zookeeper://h1:2181,h2:2181,h3:2181/root`` (the path sets the root), a

@@ -34,7 +34,7 @@ from fence._async.redis import AsyncRedisLockManager
 from fence._async.sql import AsyncSQLLockManager
 from fence._redis_scripts import resource_keys
 from fence._resp import ConnectionFailure
-from fence._sql_schema import lease_table_ddl
+from fence._sql_schema import lease_schema_ddl
 from tests._acompat import join, sleep, spawn
 from tests.fix_quorum import start_nodes, stop_nodes
 from tests.servers import PostgresServer, RedisServer
@@ -372,7 +372,8 @@ async def test_sqlite_busy_database_honours_the_timeout(tmp_path: Path, resource
     wait is cut at the deadline, not at the 5 s busy timeout."""
     path = tmp_path / "locks.db"
     with sqlite3.connect(path) as conn:
-        conn.execute(lease_table_ddl("sqlite"))
+        for statement in lease_schema_ddl("sqlite"):
+            conn.execute(statement)
     conn.close()
     manager = AsyncSQLLockManager(f"sqlite:///{path}")
     blocker = sqlite3.connect(path, isolation_level=None)

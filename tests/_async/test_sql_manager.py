@@ -30,7 +30,7 @@ from fence import (
     TokenMode,
 )
 from fence._async.sql import AsyncSQLDriver, AsyncSQLLockManager
-from fence._sql_schema import lease_table, lease_table_ddl, notify_channel
+from fence._sql_schema import lease_schema_ddl, lease_table, lease_upgrade_ddl, notify_channel
 from fence.adapters._sql_common import REGISTER_TABLE_DDL
 from fence.testing import EventRecorder
 from tests._acompat import join, sleep, spawn
@@ -393,17 +393,19 @@ def database(request: pytest.FixtureRequest, tmp_path: Path, table: str) -> Iter
             finally:
                 conn.close()
 
-        run_sqlite(lease_table_ddl("sqlite", table=table))
+        for statement in lease_schema_ddl("sqlite", table=table):
+            run_sqlite(statement)
         yield f"sqlite:///{path}", run_sqlite
     else:
         server: PostgresServer = request.getfixturevalue("postgres_server")
-        pg_execute(server, lease_table_ddl("postgresql", table=table))
+        for statement in lease_schema_ddl("postgresql", table=table):
+            pg_execute(server, statement)
 
         def run_pg(sql: str, *params: Any) -> list[tuple[Any, ...]]:
             return pg_execute(server, sql, *params)
 
         yield server.url, run_pg
-        pg_execute(server, f'DROP TABLE IF EXISTS "{table}"')
+        pg_execute(server, f'DROP TABLE IF EXISTS "{table}", "{table}_shared"')
 
 
 async def test_restored_table_hybrid_survives_counter_does_not(
@@ -513,7 +515,7 @@ async def test_create_table_is_idempotent_and_schema_aware(
     assert lease.token >= 1
     await lease.release()
     if url.startswith("postgresql"):
-        run(f'DROP TABLE "{name}"')
+        run(f'DROP TABLE "{name}", "{name}_shared"')
 
 
 async def test_table_from_metadata_is_the_same_table(
@@ -524,8 +526,12 @@ async def test_table_from_metadata_is_the_same_table(
     url, run = database
     name = f"meta_{secrets.token_hex(3)}"
     engine = create_engine(url)
+    metadata = MetaData()
     try:
-        lease_table(MetaData(), name=name).create(engine)
+        table = lease_table(metadata, name=name)
+        assert table.name == name
+        assert set(metadata.tables) == {name, f"{name}_shared"}
+        metadata.create_all(engine)
     finally:
         engine.dispose()
     manager = AsyncSQLLockManager(url, table=name)
@@ -536,8 +542,54 @@ async def test_table_from_metadata_is_the_same_table(
     assert info.token == lease.token
     assert 0 < info.remaining <= 5
     await lease.release()
+    reader = await manager.acquire(resource, mode="read", ttl=5)
+    info = await manager.inspect(resource)
+    assert info is not None
+    assert [r.token for r in info.readers] == [reader.token]
+    await reader.release()
     if url.startswith("postgresql"):
-        run(f'DROP TABLE "{name}"')
+        run(f'DROP TABLE "{name}", "{name}_shared"')
+
+
+# The lease table as versions before shared locks created it.
+_EARLIER_DDL = {
+    "sqlite": """CREATE TABLE {name} (resource TEXT PRIMARY KEY,
+        token BIGINT NOT NULL CHECK (token BETWEEN 1 AND 9007199254740991),
+        owner TEXT, holder TEXT, expires_at REAL NOT NULL)""",
+    "postgresql": """CREATE TABLE {name} (resource TEXT PRIMARY KEY,
+        token BIGINT NOT NULL CHECK (token BETWEEN 1 AND 9007199254740991),
+        owner TEXT, holder TEXT, expires_at TIMESTAMPTZ NOT NULL)""",
+}
+
+
+async def test_upgrade_ddl_migrates_an_earlier_lease_table(
+    database: Any, managers: list[Any], resource: str
+) -> None:
+    """A lease table from before shared locks, with a lease row in it, migrated by
+    ``lease_upgrade_ddl()``: the manager keeps its token sequence and has shared locks."""
+    url, run = database
+    dialect = "postgresql" if url.startswith("postgresql") else "sqlite"
+    name = f"old_{secrets.token_hex(3)}"
+    run(_EARLIER_DDL[dialect].format(name=name))
+    run(
+        f"INSERT INTO {name} (resource, token, owner, holder, expires_at) "
+        f"VALUES (%s, 41, NULL, NULL, {'now()' if dialect == 'postgresql' else '0'})",
+        resource,
+    )
+    manager = AsyncSQLLockManager(url, table=name)
+    managers.append(manager)
+    with pytest.raises(BackendError, match="lease_upgrade_ddl"):
+        await manager.acquire(resource)
+    for statement in lease_upgrade_ddl(dialect, table=name):
+        run(statement)
+    writer = await manager.acquire(resource)
+    assert writer.token > 41
+    await writer.release()
+    reader = await manager.acquire(resource, mode="read")
+    assert reader.token > writer.token
+    await reader.release()
+    if dialect == "postgresql":
+        run(f'DROP TABLE "{name}", "{name}_shared"')
 
 
 # -- SQLite configuration ---------------------------------------------------------------------

@@ -31,7 +31,7 @@ import redis
 from fence import AcquireTimeout, BackendError, MemoryBackend
 from fence._redis_scripts import resource_keys
 from fence._resp import ConnectionFailure
-from fence._sql_schema import lease_table_ddl
+from fence._sql_schema import lease_schema_ddl
 from fence._sync.manager import UNDO_LIMIT
 from fence._sync.memory import MemoryLockManager
 from fence._sync.quorum import QuorumLockManager
@@ -374,7 +374,8 @@ def test_sqlite_busy_database_honours_the_timeout(tmp_path: Path, resource: str)
     wait is cut at the deadline, not at the 5 s busy timeout."""
     path = tmp_path / "locks.db"
     with sqlite3.connect(path) as conn:
-        conn.execute(lease_table_ddl("sqlite"))
+        for statement in lease_schema_ddl("sqlite"):
+            conn.execute(statement)
     conn.close()
     manager = SQLLockManager(f"sqlite:///{path}")
     blocker = sqlite3.connect(path, isolation_level=None)
