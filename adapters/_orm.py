@@ -610,7 +610,7 @@ def bind(
         token = lease.token
         if scope is None:
             scope = lease.resource
-    token = validate_token(token)
+    token = validate_token(token, read=wanted is LeaseMode.READ)
     if claim:
         if scope is None:
             raise ConfigurationError("bind(token=..., claim=True) needs the scope to claim")

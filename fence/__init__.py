@@ -29,6 +29,7 @@ from fence._core import (
     MAX_RESOURCE_LENGTH,
     MAX_TOKEN,
     LeaseMode,
+    ReadToken,
     TokenMode,
     accepts,
     check_read,
@@ -157,6 +158,7 @@ __all__ = [
     "NotOwnerError",
     "QuorumLockManager",
     "ReadLeaseError",
+    "ReadToken",
     "Reason",
     "RedisLockManager",
     "RetryPolicy",
@@ -206,6 +208,7 @@ for _name in (
     "LockInfo",
     "TokenMode",
     "LeaseMode",
+    "ReadToken",
     "ManualClock",
     "SystemClock",
 ):

@@ -14,6 +14,7 @@ from fence._errors import (
     ConfigurationError,
     InvalidResourceError,
     InvalidTokenError,
+    ReadLeaseError,
     Reason,
     StaleTokenError,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "MAX_RESOURCE_LENGTH",
     "MAX_TOKEN",
     "LeaseMode",
+    "ReadToken",
     "TokenMode",
     "accepts",
     "backoff_delay",
@@ -44,11 +46,34 @@ MAX_TOKEN = 2**53 - 1
 MAX_RESOURCE_LENGTH = 512
 
 
-def validate_token(token: object) -> int:
+class ReadToken(int):
+    """The token of a read lease (C13): an ``int`` that guarded writes refuse.
+
+    A read lease is shared with other readers, so its token proves nothing about who
+    writes. Every guarded write, claim and registering read refuses a ``ReadToken`` with
+    :class:`ReadLeaseError` before any I/O; checked reads (:func:`check_read`) and a
+    read-only session (``bind(..., mode="read")``) take it. It compares, hashes, prints and
+    pickles as the number it is. A token turned into a plain ``int`` (``int(token)``, or a
+    trip through JSON to another process) is no longer recognised as a reader's: keep the
+    lease where the work runs.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"ReadToken({int.__repr__(self)})"
+
+    __str__ = int.__repr__
+
+
+def validate_token(token: object, *, read: bool = False) -> int:
     """Return ``token`` if it is a valid fencing token, else raise (C1).
 
     Args:
         token: the value to check.
+        read: the caller only reads under the token (a checked read): a read lease's token
+            (:class:`ReadToken`) is welcome. Otherwise the token is for a write, a claim or
+            a registering read, and a read lease's token is refused.
 
     Returns:
         The token as a plain ``int``.
@@ -56,7 +81,16 @@ def validate_token(token: object) -> int:
     Raises:
         InvalidTokenError: ``token`` is not an ``int`` (``bool`` is refused) or is outside
             ``1 .. 2**53 - 1``.
+        ReadLeaseError: ``token`` is a read lease's and ``read`` is false (C13).
     """
+    if isinstance(token, ReadToken) and not read:
+        raise ReadLeaseError(
+            f"token {int.__repr__(token)} is a read lease's: a read lease is shared with "
+            "other readers, so its token cannot fence a write, a claim or a registering "
+            "read. Take a write lease (manager.write_lock(resource)) for work that writes; "
+            "under a read lease, read and check with fence.check_read",
+            token=int.__index__(token),
+        )
     if isinstance(token, bool) or not isinstance(token, int):
         raise InvalidTokenError(
             f"a fencing token must be an int, got {type(token).__name__} {token!r}",
@@ -200,7 +234,7 @@ def check_read(scope: str, token: int, fence: int | None) -> None:
             reader's lease wrote, so the read may mix states. Read again under a new lease.
         InvalidTokenError: ``token`` is not a valid token.
     """
-    token = validate_token(token)
+    token = validate_token(token, read=True)
     if fence is not None and fence > token:
         raise StaleTokenError(
             scope,

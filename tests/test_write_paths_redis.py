@@ -5,7 +5,9 @@ I/O. Each row below is one path, a small declarative record; adding a path is ad
 row. Guard rows run for the sync and the asyncio guard, against every kind of key, for
 three callers:
 
-- unbound (no token): refused with :class:`fence.InvalidTokenError` before any I/O;
+- unbound (no token): refused with :class:`fence.InvalidTokenError` before any I/O; a read
+  lease's token (:class:`fence.ReadToken`) with :class:`fence.ReadLeaseError`, also before
+  any I/O;
 - a stale holder (token 10 under fence 20): refused, data and fence unchanged;
 - the current holder (token 25): the write lands and the key's fence ends at 25; or, for
   a key the guard must not write (the fence namespace, a lock manager's key, an untagged
@@ -34,7 +36,14 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoPermissionError
 from redis.retry import Retry
 
-from fence import InvalidResourceError, InvalidTokenError, Reason, StaleTokenError
+from fence import (
+    InvalidResourceError,
+    InvalidTokenError,
+    ReadLeaseError,
+    ReadToken,
+    Reason,
+    StaleTokenError,
+)
 from fence.adapters.redis import AsyncRedisGuard, RedisGuard, acl_rules
 from tests.servers import RedisServer
 
@@ -448,6 +457,9 @@ async def test_guard_path(
         # Unbound: no token, refused before any I/O (no connection error).
         with pytest.raises(InvalidTokenError):
             await _run(path, dead_guard, key, None)
+        # A read lease's token (C13): refused before any I/O too.
+        with pytest.raises(ReadLeaseError):
+            await _run(path, dead_guard, key, ReadToken(CURRENT))
         if kind.refused(path):
             for token in (STALE, CURRENT):
                 with pytest.raises(InvalidResourceError, match=r"fence namespace|hash tag"):

@@ -23,6 +23,7 @@ from fence._acompat import Waiter, cancel_after, current_owner, shield, spawn
 from fence._clock import Clock, subscribe, system_clock
 from fence._core import (
     LeaseMode,
+    ReadToken,
     client_deadline,
     validate_mode,
     validate_resource,
@@ -107,7 +108,8 @@ class AsyncLease:
     ) -> None:
         self._manager = manager
         self.resource = resource
-        self.token = token
+        # A read lease's token is marked, so that no guard takes it for a write (C13).
+        self.token: int = ReadToken(token) if mode is LeaseMode.READ else token
         self.mode = mode
         self._secret = secret
         self.ttl = ttl

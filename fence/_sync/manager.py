@@ -25,6 +25,7 @@ from fence._clock import Clock, subscribe, system_clock
 from fence._compat import Waiter, cancel_after, current_owner, shield, spawn
 from fence._core import (
     LeaseMode,
+    ReadToken,
     client_deadline,
     validate_mode,
     validate_resource,
@@ -109,7 +110,8 @@ class Lease:
     ) -> None:
         self._manager = manager
         self.resource = resource
-        self.token = token
+        # A read lease's token is marked, so that no guard takes it for a write (C13).
+        self.token: int = ReadToken(token) if mode is LeaseMode.READ else token
         self.mode = mode
         self._secret = secret
         self.ttl = ttl
