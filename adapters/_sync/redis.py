@@ -71,12 +71,16 @@ from .._redis_lua import (
     parse_fence,
     server_state,
 )
+from .._redis_wire import RAISE_UNLISTED, Wire, takes_command_name
 
 __all__ = ["FencedPipeline", "RedisBatch", "RedisGuard"]
 
 RedisClient = redis.Redis | redis.cluster.RedisCluster
 
 _SOURCE = "redis-guard"
+
+#: A write queued in a fenced pipeline: token, operation, script, keys, argv.
+_Queued = tuple[int, Op, Script, list[Any], list[Any]]
 
 #: The operations that leave the same state when sent twice with the same token, so a
 #: call made only of them is sent once more after the server closed its connection under
@@ -214,6 +218,7 @@ class RedisGuard:
         self.check_issuer = bool(check_issuer)
         self.events = events or default_bus
         self._owns_client = False
+        self._wire = Wire(client)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisGuard:
@@ -558,21 +563,84 @@ class RedisGuard:
 
     def _evalsha(self, script: Script, keys: list[str], argv: list[Any], what: str) -> Any:
         """One ``EVALSHA``; on ``NOSCRIPT`` (a restart, ``SCRIPT FLUSH``) load and retry once."""
-        client = self.client
-        # redis-py types execute_command on some client classes only.
-        command: Any = client.execute_command
         try:
-            return command("EVALSHA", script.sha, len(keys), *keys, *argv)
+            return self._call(script, keys, argv)
         except NoScriptError:
-            client.script_load(script.text)
+            self.client.script_load(script.text)
         try:
-            return command("EVALSHA", script.sha, len(keys), *keys, *argv)
+            return self._call(script, keys, argv)
         except NoScriptError as err:
             raise RetryableError(
                 f"{what}: the {script.name} script vanished from the script cache twice"
                 " in a row (SCRIPT FLUSH or restarts); nothing was written, retry",
                 code="NOSCRIPT",
             ) from err
+
+    def _call(self, script: Script, keys: list[str], argv: list[Any]) -> Any:
+        """One ``EVALSHA``, packed by the guard and sent on a connection of the client's
+        pool (:mod:`fence.adapters._redis_wire`), or by ``execute_command`` for a client
+        kind that path does not cover. Raises redis-py's errors as they come."""
+        client = self.client
+        pool = self._wire.pool(client)
+        if pool is None:
+            # redis-py types execute_command on some client classes only.
+            command: Any = client.execute_command
+            return command("EVALSHA", script.sha, len(keys), *keys, *argv)
+        (reply,) = _round_trip(pool, self._wire.pack(((script, keys, argv),)), 1)
+        if isinstance(reply, ResponseError):
+            raise reply
+        return reply
+
+    def _call_all(self, calls: list[tuple[Script, list[Any], list[Any]]]) -> list[Any]:
+        """Several ``EVALSHA`` s in one round trip, as :meth:`_call`: one reply per call, an
+        error reply as its exception object."""
+        client = self.client
+        pool = self._wire.pool(client)
+        if pool is not None:
+            return _round_trip(pool, self._wire.pack(calls), len(calls))
+        pipe = client.pipeline(transaction=False)
+        for script, keys, argv in calls:
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *argv)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        return replies
+
+
+def _round_trip(pool: Any, packed: list[Any], count: int) -> list[Any]:
+    """Send ``packed`` on a connection of ``pool`` and read ``count`` replies.
+
+    The way redis-py's ``execute_command`` and its pipelines do it: the connection comes
+    from the pool and goes back to it, disconnected first if the call failed on the
+    connection; the connection's own ``Retry`` decides whether the whole call is sent
+    again after a connection error or a timeout (so a client configured never to retry
+    never resends a write whose reply was lost), and redis-py before 6.0 only for the
+    errors in its ``retry_on_error``.
+
+    Returns:
+        One reply per command; an error reply as its ``ResponseError`` object.
+    """
+    named = takes_command_name(pool)
+    conn = pool.get_connection("EVALSHA") if named else pool.get_connection()
+
+    def attempt() -> list[Any]:
+        conn.send_packed_command(packed)
+        replies: list[Any] = []
+        for _ in range(count):
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as err:
+                replies.append(err)
+        return replies
+
+    def failed(error: Exception) -> None:
+        conn.disconnect()
+        if RAISE_UNLISTED and not isinstance(error, tuple(conn.retry_on_error or ())):
+            raise error
+
+    try:
+        replies: list[Any] = conn.retry.call_with_retry(attempt, failed)
+        return replies
+    finally:
+        pool.release(conn)
 
 
 def _pairs(flat: Any) -> dict[Any, Any]:
@@ -709,7 +777,9 @@ class FencedPipeline:
 
     def __init__(self, guard: RedisGuard) -> None:
         self.guard = guard
-        self._queued: list[tuple[int, Op, Script, list[Any]]] = []
+        # Per write: its token, its operation, and the script, keys and argv that send it
+        # (for MANY, the write's own part of a call).
+        self._queued: list[_Queued] = []
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -721,10 +791,9 @@ class FencedPipeline:
         layout, issuer = guard.layout, guard.check_issuer
         part = None if layout.cluster else many_part(layout, token, op, issuer=issuer)
         if part is not None:
-            self._queued.append((token, op, MANY, part))
+            self._queued.append((token, op, MANY, part[:2], part[2:]))
         else:
-            script, keys, argv = command(layout, token, op, issuer=issuer)
-            self._queued.append((token, op, script, [script.sha, len(keys), *keys, *argv]))
+            self._queued.append((token, op, *command(layout, token, op, issuer=issuer)))
         return self
 
     def set(
@@ -763,7 +832,7 @@ class FencedPipeline:
         """Queue a claim; see :meth:`RedisGuard.claim`."""
         return self._add(token, op_claim(key))
 
-    def _send_repeatable(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
+    def _send_repeatable(self, queued: list[_Queued]) -> list[Any]:
         """:meth:`_send`, once more if the server closed the connection under it and every
         write is safe to repeat (see :meth:`RedisGuard._eval`)."""
         try:
@@ -771,7 +840,7 @@ class FencedPipeline:
         except BackendError as err:
             if not closed_connection(err.__cause__ or err):
                 raise
-            if not all(op.code in _REPEATABLE for _, op, _, _ in queued):
+            if not all(entry[1].code in _REPEATABLE for entry in queued):
                 raise
         return self._send(queued)
 
@@ -803,7 +872,7 @@ class FencedPipeline:
                 replies[i] = reply
         bus = guard.events
         out: list[Any] = []
-        for (token, op, _, _), reply in zip(queued, replies, strict=True):
+        for (token, op, *_), reply in zip(queued, replies, strict=True):
             if isinstance(reply, int):  # the bare number of a write that landed
                 if bus.active:
                     bus.emit(EventKind.WRITE_ACCEPTED, _SOURCE, op.key, token, op=op.code)
@@ -835,34 +904,32 @@ class FencedPipeline:
                 out.append(outcome[0])
         return out
 
-    def _send(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
+    def _send(self, queued: list[_Queued]) -> list[Any]:
         """One round trip; a run of plain sets and hsets goes as one :data:`MANY` call.
 
         Returns one reply per queued write (an error object for a call that failed).
         """
-        pipe = self.guard.client.pipeline(transaction=False)
+        calls: list[tuple[Script, list[Any], list[Any]]] = []
         runs: list[int] = []  # per call: 0 for one write on its own, else the MANY's count
         i, n = 0, len(queued)
         while i < n:
-            script, args = queued[i][2], queued[i][3]
+            _, _, script, keys, argv = queued[i]
             if script is not MANY:
-                pipe.execute_command("EVALSHA", *args)
+                calls.append((script, keys, argv))
                 runs.append(0)
                 i += 1
                 continue
             j = i
-            keys: list[Any] = []
-            argv: list[Any] = []
+            keys, argv = [], []
             while j < n and queued[j][2] is MANY:
-                part = queued[j][3]
-                keys += part[:2]
-                argv += part[2:]
+                keys += queued[j][3]
+                argv += queued[j][4]
                 j += 1
-            pipe.execute_command("EVALSHA", MANY.sha, len(keys), *keys, *argv)
+            calls.append((MANY, keys, argv))
             runs.append(j - i)
             i = j
         try:
-            replies = pipe.execute(raise_on_error=False)
+            replies = self.guard._call_all(calls)
         except RedisError as err:
             raise _translate(err, "fenced pipeline") from err
         out: list[Any] = []
