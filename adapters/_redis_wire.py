@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import types
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 from typing import Any
 
 import redis
@@ -157,6 +158,9 @@ class Wire:
 #: never copied into the command's buffer.
 _CUTOFF = 6000
 
+#: ``$<n>\r\n``, the length line of a bulk string, for the common small sizes.
+_SIZES = [b"$%d\r\n" % size for size in range(256)]
+
 _HEADS: dict[tuple[str, int, int], bytes] = {}
 
 
@@ -192,29 +196,38 @@ def pack_calls(
         The chunks to send, in order.
     """
     encoding, errors, encode = encoder.encoding, encoder.encoding_errors, encoder.encode
+    sizes, crlf = _SIZES, b"\r\n"
     out: list[Any] = []
     buffer: list[Any] = []
+    add = buffer.append
     for script, keys, argv in calls:
-        buffer.append(_head(script, len(keys) + len(argv), len(keys)))
-        for part in (keys, argv):
-            for arg in part:
-                kind = type(arg)
-                if kind is bytes:
-                    data = arg
-                elif kind is str:
-                    data = arg.encode(encoding, errors)
-                else:
-                    data = encode(arg)
-                if type(data) is memoryview:
-                    size = data.nbytes
-                else:
-                    size = len(data)
-                    if size <= _CUTOFF:
-                        buffer.append(b"$%d\r\n%s\r\n" % (size, data))
-                        continue
-                buffer.append(b"$%d\r\n" % size)
+        add(_head(script, len(keys) + len(argv), len(keys)))
+        for arg in chain(keys, argv):
+            kind = type(arg)
+            if kind is bytes:
+                data = arg
+            elif kind is str:
+                data = arg.encode(encoding, errors)
+            else:
+                data = encode(arg)
+                if type(data) is memoryview:  # sent as it is, as redis-py does
+                    add(b"$%d\r\n" % data.nbytes)
+                    out.append(b"".join(buffer))
+                    out.append(data)
+                    buffer[:] = (crlf,)
+                    continue
+            size = len(data)
+            if size < 256:
+                add(sizes[size])
+            elif size <= _CUTOFF:
+                add(b"$%d\r\n" % size)
+            else:
+                add(b"$%d\r\n" % size)
                 out.append(b"".join(buffer))
                 out.append(data)
-                buffer = [b"\r\n"]
+                buffer[:] = (crlf,)
+                continue
+            add(data)
+            add(crlf)
     out.append(b"".join(buffer))
     return out

@@ -547,66 +547,66 @@ class RedisGuard:
     def _eval(
         self, script: Script, keys: list[str], argv: list[Any], what: str, *, repeat: bool
     ) -> Any:
-        """One ``EVALSHA`` (see :meth:`_evalsha`). A call that is safe to repeat is sent
-        once more, on a new connection, if the server had closed the connection under it
-        (a restart, an idle timeout): redis-py 5 does not reconnect and resend by itself,
-        and a client may be configured never to."""
-        try:
-            return self._evalsha(script, keys, argv, what)
-        except RedisError as err:
-            if not (repeat and closed_connection(err)):
-                raise _translate(err, what) from err
-        try:
-            return self._evalsha(script, keys, argv, what)
-        except RedisError as err:
-            raise _translate(err, what) from err
+        """One ``EVALSHA``; on ``NOSCRIPT`` (a restart, ``SCRIPT FLUSH``) load the script and
+        send it once more.
 
-    def _evalsha(self, script: Script, keys: list[str], argv: list[Any], what: str) -> Any:
-        """One ``EVALSHA``; on ``NOSCRIPT`` (a restart, ``SCRIPT FLUSH``) load and retry once."""
-        try:
-            return self._call(script, keys, argv)
-        except NoScriptError:
-            self.client.script_load(script.text)
-        try:
-            return self._call(script, keys, argv)
-        except NoScriptError as err:
-            raise RetryableError(
-                f"{what}: the {script.name} script vanished from the script cache twice"
-                " in a row (SCRIPT FLUSH or restarts); nothing was written, retry",
-                code="NOSCRIPT",
-            ) from err
+        A call that is safe to repeat is sent again, the whole sequence once more on a new
+        connection, if the server had closed the connection under it (a restart, an idle
+        timeout): redis-py 5 does not reconnect and resend by itself, and a client may be
+        configured never to.
+        """
+        resent = False
+        while True:
+            try:
+                try:
+                    return self._call(script, keys, argv)
+                except NoScriptError:
+                    self.client.script_load(script.text)
+                try:
+                    return self._call(script, keys, argv)
+                except NoScriptError as err:
+                    raise RetryableError(
+                        f"{what}: the {script.name} script vanished from the script cache"
+                        " twice in a row (SCRIPT FLUSH or restarts); nothing was written, retry",
+                        code="NOSCRIPT",
+                    ) from err
+            except RedisError as err:
+                if resent or not (repeat and closed_connection(err)):
+                    raise _translate(err, what) from err
+                resent = True
 
     def _call(self, script: Script, keys: list[str], argv: list[Any]) -> Any:
-        """One ``EVALSHA``, packed by the guard and sent on a connection of the client's
-        pool (:mod:`fence.adapters._redis_wire`), or by ``execute_command`` for a client
-        kind that path does not cover. Raises redis-py's errors as they come."""
+        """One ``EVALSHA`` (awaitable for the asyncio guard): packed by the guard and sent on
+        a connection of the client's pool (:mod:`fence.adapters._redis_wire`), or through
+        ``execute_command`` for a client kind that path does not cover. Raises redis-py's
+        errors as they come. (A plain function returning the call: one coroutine less on
+        the path of every write.)"""
         client = self.client
         pool = self._wire.pool(client)
         if pool is None:
             # redis-py types execute_command on some client classes only.
             command: Any = client.execute_command
             return command("EVALSHA", script.sha, len(keys), *keys, *argv)
-        (reply,) = _round_trip(pool, self._wire.pack(((script, keys, argv),)), 1)
-        if isinstance(reply, ResponseError):
-            raise reply
-        return reply
+        return _round_trip(pool, self._wire.pack(((script, keys, argv),)), None)
 
     def _call_all(self, calls: list[tuple[Script, list[Any], list[Any]]]) -> list[Any]:
         """Several ``EVALSHA`` s in one round trip, as :meth:`_call`: one reply per call, an
         error reply as its exception object."""
         client = self.client
         pool = self._wire.pool(client)
-        if pool is not None:
-            return _round_trip(pool, self._wire.pack(calls), len(calls))
-        pipe = client.pipeline(transaction=False)
-        for script, keys, argv in calls:
-            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *argv)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
+        if pool is None:
+            pipe = client.pipeline(transaction=False)
+            for script, keys, argv in calls:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *argv)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+        else:
+            replies = _round_trip(pool, self._wire.pack(calls), len(calls))
         return replies
 
 
-def _round_trip(pool: Any, packed: list[Any], count: int) -> list[Any]:
-    """Send ``packed`` on a connection of ``pool`` and read ``count`` replies.
+def _round_trip(pool: Any, packed: list[Any], count: int | None) -> Any:
+    """Send ``packed`` on a connection of ``pool`` and read ``count`` replies, or with
+    ``count=None`` the one reply of one command.
 
     The way redis-py's ``execute_command`` and its pipelines do it: the connection comes
     from the pool and goes back to it, disconnected first if the call failed on the
@@ -616,13 +616,16 @@ def _round_trip(pool: Any, packed: list[Any], count: int) -> list[Any]:
     errors in its ``retry_on_error``.
 
     Returns:
-        One reply per command; an error reply as its ``ResponseError`` object.
+        One reply per command, an error reply as its ``ResponseError`` object; with
+        ``count=None`` the reply (an error reply raised).
     """
     named = takes_command_name(pool)
     conn = pool.get_connection("EVALSHA") if named else pool.get_connection()
 
-    def attempt() -> list[Any]:
+    def attempt() -> Any:
         conn.send_packed_command(packed)
+        if count is None:
+            return conn.read_response()
         replies: list[Any] = []
         for _ in range(count):
             try:
@@ -637,8 +640,7 @@ def _round_trip(pool: Any, packed: list[Any], count: int) -> list[Any]:
             raise error
 
     try:
-        replies: list[Any] = conn.retry.call_with_retry(attempt, failed)
-        return replies
+        return conn.retry.call_with_retry(attempt, failed)
     finally:
         pool.release(conn)
 
