@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import types
 from collections.abc import Callable, Iterable, Sequence
-from itertools import chain
 from typing import Any
 
 import redis
@@ -158,21 +157,22 @@ class Wire:
 #: never copied into the command's buffer.
 _CUTOFF = 6000
 
-#: ``$<n>\r\n``, the length line of a bulk string, for the common small sizes.
-_SIZES = [b"$%d\r\n" % size for size in range(256)]
+#: ``$<n>``, the length line of a bulk string without its CRLF, for the common sizes.
+_LENGTHS = [b"$%d" % size for size in range(256)]
 
 _HEADS: dict[tuple[str, int, int], bytes] = {}
 
 
 def _head(script: Script, arity: int, numkeys: int) -> bytes:
-    """``*<n> EVALSHA <sha> <numkeys>`` in RESP, built once per call shape."""
+    """``*<n> EVALSHA <sha> <numkeys>`` in RESP without the last CRLF, built once per call
+    shape."""
     shape = (script.sha, arity, numkeys)
     head = _HEADS.get(shape)
     if head is None:
         if len(_HEADS) >= 4096:
             _HEADS.clear()
         count = b"%d" % numkeys
-        head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n" % (
+        head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s" % (
             arity + 3,
             script.sha.encode(),
             len(count),
@@ -190,44 +190,41 @@ def pack_calls(
     Arguments are encoded by ``encoder`` (a redis-py ``Encoder``): ``bytes`` pass as they
     are, ``str`` is encoded with the client's encoding, anything else goes through
     ``encoder.encode`` (numbers; ``DataError`` for what redis-py refuses). Small arguments
-    share one buffer; a large one or a ``memoryview`` is a chunk of its own.
+    share one buffer, joined once; a large one or a ``memoryview`` is a chunk of its own.
 
     Returns:
         The chunks to send, in order.
     """
     encoding, errors, encode = encoder.encoding, encoder.encoding_errors, encoder.encode
-    sizes, crlf = _SIZES, b"\r\n"
+    lengths, crlf = _LENGTHS, b"\r\n"
     out: list[Any] = []
-    buffer: list[Any] = []
-    add = buffer.append
+    # Every element is followed by a CRLF: the pieces are joined by it once at the end.
+    pieces: list[Any] = []
     for script, keys, argv in calls:
-        add(_head(script, len(keys) + len(argv), len(keys)))
-        for arg in chain(keys, argv):
-            kind = type(arg)
-            if kind is bytes:
-                data = arg
-            elif kind is str:
-                data = arg.encode(encoding, errors)
-            else:
-                data = encode(arg)
-                if type(data) is memoryview:  # sent as it is, as redis-py does
-                    add(b"$%d\r\n" % data.nbytes)
-                    out.append(b"".join(buffer))
-                    out.append(data)
-                    buffer[:] = (crlf,)
-                    continue
-            size = len(data)
-            if size < 256:
-                add(sizes[size])
-            elif size <= _CUTOFF:
-                add(b"$%d\r\n" % size)
-            else:
-                add(b"$%d\r\n" % size)
-                out.append(b"".join(buffer))
-                out.append(data)
-                buffer[:] = (crlf,)
-                continue
-            add(data)
-            add(crlf)
-    out.append(b"".join(buffer))
+        pieces.append(_head(script, len(keys) + len(argv), len(keys)))
+        for part in (keys, argv):
+            for arg in part:
+                kind = type(arg)
+                if kind is str:
+                    data = arg.encode(encoding, errors)
+                elif kind is bytes:
+                    data = arg
+                else:
+                    data = encode(arg)
+                    if type(data) is memoryview:  # sent as it is, as redis-py does
+                        pieces += (b"$%d" % data.nbytes, b"")
+                        out += (crlf.join(pieces), data)
+                        pieces = [b""]
+                        continue
+                size = len(data)
+                if size < 256:
+                    pieces += (lengths[size], data)
+                elif size <= _CUTOFF:
+                    pieces += (b"$%d" % size, data)
+                else:
+                    pieces += (b"$%d" % size, b"")
+                    out += (crlf.join(pieces), data)
+                    pieces = [b""]
+    pieces.append(b"")
+    out.append(crlf.join(pieces))
     return out

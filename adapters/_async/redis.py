@@ -504,7 +504,10 @@ class AsyncRedisGuard:
         """One write by the leanest script that does it (:func:`command`); its result."""
         token = validate_token(token)
         script, keys, argv = command(self.layout, token, op, issuer=self.check_issuer)
-        reply = await self._eval(script, keys, argv, op.key, repeat=op.code in _REPEATABLE)
+        try:  # _eval, inlined: one coroutine less on the path of every write
+            reply = await self._call(script, keys, argv)
+        except RedisError as err:
+            reply = await self._recover(err, script, keys, argv, op.key, op.code in _REPEATABLE)
         if isinstance(reply, int):  # the bare number of a write that landed
             result: Any = reply
         else:
@@ -545,33 +548,50 @@ class AsyncRedisGuard:
     async def _eval(
         self, script: Script, keys: list[str], argv: list[Any], what: str, *, repeat: bool
     ) -> Any:
-        """One ``EVALSHA``; on ``NOSCRIPT`` (a restart, ``SCRIPT FLUSH``) load the script and
-        send it once more.
+        """One ``EVALSHA``; on a failure, :meth:`_recover`."""
+        try:
+            return await self._call(script, keys, argv)
+        except RedisError as err:
+            return await self._recover(err, script, keys, argv, what, repeat)
 
-        A call that is safe to repeat is sent again, the whole sequence once more on a new
-        connection, if the server had closed the connection under it (a restart, an idle
-        timeout): redis-py 5 does not reconnect and resend by itself, and a client may be
-        configured never to.
+    async def _recover(
+        self,
+        err: RedisError,
+        script: Script,
+        keys: list[str],
+        argv: list[Any],
+        what: str,
+        repeat: bool,
+    ) -> Any:
+        """After ``err`` failed an ``EVALSHA``: the reply of the call sent again, or the
+        error translated into the :class:`fence.FenceError` family.
+
+        On ``NOSCRIPT`` (a restart, ``SCRIPT FLUSH``) the script is loaded and the call sent
+        once more. A call that is safe to repeat (``repeat``) is sent again, the whole
+        sequence once more on a new connection, if the server had closed the connection
+        under it (a restart, an idle timeout): redis-py 5 does not reconnect and resend by
+        itself, and a client may be configured never to. Any other error is translated.
         """
-        resent = False
+        resent = loaded = False
         while True:
             try:
-                try:
-                    return await self._call(script, keys, argv)
-                except NoScriptError:
+                if isinstance(err, NoScriptError):
+                    if loaded:
+                        raise RetryableError(
+                            f"{what}: the {script.name} script vanished from the script cache"
+                            " twice in a row (SCRIPT FLUSH or restarts); nothing was written,"
+                            " retry",
+                            code="NOSCRIPT",
+                        ) from err
                     await self.client.script_load(script.text)
-                try:
-                    return await self._call(script, keys, argv)
-                except NoScriptError as err:
-                    raise RetryableError(
-                        f"{what}: the {script.name} script vanished from the script cache"
-                        " twice in a row (SCRIPT FLUSH or restarts); nothing was written, retry",
-                        code="NOSCRIPT",
-                    ) from err
-            except RedisError as err:
-                if resent or not (repeat and closed_connection(err)):
+                    loaded = True
+                elif not resent and repeat and closed_connection(err):
+                    resent, loaded = True, False
+                else:
                     raise _translate(err, what) from err
-                resent = True
+                return await self._call(script, keys, argv)
+            except RedisError as again:
+                err = again
 
     def _call(self, script: Script, keys: list[str], argv: list[Any]) -> Any:
         """One ``EVALSHA`` (awaitable for the asyncio guard): packed by the guard and sent on
