@@ -12,14 +12,16 @@ with the connection's own retry policy, as ``execute_command`` does
 It does so only for the client kinds whose ``execute_command`` path it reproduces: a
 ``redis.Redis`` or ``redis.asyncio.Redis`` (or a subclass that overrides nothing on that
 path) with a connection pool, no pinned single connection, no client-side cache, and
-redis-py's own metrics off. Every other client (a cluster client, a subclass or an
-instrumentation wrapper around ``execute_command``, a single-connection client) keeps
-``execute_command``, one ``EVALSHA`` per write as before.
+redis-py's own metrics and debug log (``redis.client`` at ``DEBUG``) off. Every other
+client (a cluster client, a subclass or an instrumentation wrapper around
+``execute_command``, a single-connection client) keeps ``execute_command``, one
+``EVALSHA`` per write as before.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -78,6 +80,8 @@ def _find_observability() -> Callable[[], Any] | None:
 
 _OBSERVABILITY = _find_observability()
 
+_CLIENT_LOG = logging.getLogger("redis.client")
+
 
 def _metrics_on() -> bool:
     """Whether redis-py's own metrics are on: its ``execute_command`` records every call."""
@@ -113,13 +117,15 @@ class Wire:
         client: the guard's redis-py client.
     """
 
-    __slots__ = ("_encoder", "_execute", "_pool")
+    __slots__ = ("_encoder", "_execute", "_log", "_pool")
 
     def __init__(self, client: object) -> None:
         single = getattr(client, "single_connection_client", False) or getattr(
             client, "_single_connection_client", False
         )
         self._execute = None if single else _plain_execute(client)
+        # redis-py's sync client logs every failed call at DEBUG level on that logger.
+        self._log = _CLIENT_LOG if isinstance(client, redis.Redis) else None
         self._pool: Any = None
         self._encoder: Any = None
 
@@ -127,11 +133,13 @@ class Wire:
         """The pool to send on directly, or ``None`` for ``execute_command``.
 
         Checked on every call: an instrumentation installed after the guard was built, a
-        connection pinned by the client, redis-py's metrics turned on, each sends the
-        guard back to ``execute_command``.
+        connection pinned by the client, redis-py's metrics or its debug log turned on,
+        each sends the guard back to ``execute_command``.
         """
         execute = self._execute
         if execute is None or type(client).execute_command is not execute:
+            return None
+        if self._log is not None and self._log.isEnabledFor(logging.DEBUG):
             return None
         if client.connection is not None:
             return None
