@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.exceptions import DataError
 from redis.retry import Retry
@@ -307,3 +308,71 @@ def test_a_timed_out_call_disconnects_its_connection() -> None:
     finally:
         client.close()
         server.stop()
+
+
+@pytest.mark.parametrize("flavor", ["sync", "asyncio"])
+async def test_a_write_is_sent_again_after_a_restart_exactly_when_a_plain_one_is(
+    flavor: str,
+) -> None:
+    """After a restart closed the pooled connection, an ``incr`` (which the guard itself
+    never sends twice) lands exactly when redis-py's own ``INCRBY`` on the same client
+    does: the client's ``Retry`` and its pool decide, for both alike."""
+    server = RedisServer("--appendonly", "yes", "--appendfsync", "always").start()
+    try:
+        for retries in (0, 1):
+            landed, values = await _incr_after_restart(flavor, server, retries)
+            assert landed[0] == landed[1]
+            # Each call applied once or not at all, never twice.
+            assert values == [b"2" if ok else b"1" for ok in landed]
+    finally:
+        server.stop()
+
+
+async def _incr_after_restart(
+    flavor: str, server: RedisServer, retries: int
+) -> tuple[list[bool], list[Any]]:
+    """Whether a plain ``INCRBY`` and a fenced ``incr`` landed after a restart, and the
+    values they left."""
+    if flavor == "asyncio":
+        client: Any = redis.asyncio.Redis(
+            port=server.port,
+            retry=AsyncRetry(NoBackoff(), retries),
+            retry_on_error=[redis.ConnectionError],
+        )
+        guard: Any = AsyncRedisGuard(client)
+    else:
+        client = redis.Redis(
+            port=server.port,
+            retry=Retry(NoBackoff(), retries),
+            retry_on_error=[redis.ConnectionError],
+        )
+        guard = RedisGuard(client)
+    writes = [
+        lambda: client.incrby("plain", 1),
+        lambda: guard.incr("fenced", 1, token=1),
+    ]
+    landed = []
+    try:
+        deleted = client.delete("plain", "fenced")
+        if inspect.isawaitable(deleted):
+            await deleted
+        for write in writes:
+            for attempt in range(2):
+                if attempt:
+                    server.restart()
+                try:
+                    result = write()
+                    if inspect.isawaitable(result):
+                        await result
+                except (redis.ConnectionError, FenceError):
+                    assert attempt == 1
+                    landed.append(False)
+                else:
+                    if attempt:
+                        landed.append(True)
+        values = [client.get(key) for key in ("plain", "fenced")]
+        return landed, [await value if inspect.isawaitable(value) else value for value in values]
+    finally:
+        closing = _close(client)
+        if inspect.isawaitable(closing):
+            await closing
