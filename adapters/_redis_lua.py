@@ -20,6 +20,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, NamedTuple
 
 from redis.crc import key_slot
@@ -957,10 +958,7 @@ def op_hset(key: str, mapping: Mapping[Any, Any], must_exist: bool) -> Op:
     """A fenced ``HSET`` of the fields in ``mapping``."""
     if not mapping:
         raise ConfigurationError("hset needs at least one field")
-    args: list[Any] = []
-    for field, value in mapping.items():
-        args += (field, value)
-    return Op("hset", key, tuple(args), must_exist)
+    return Op("hset", key, tuple(chain.from_iterable(mapping.items())), must_exist)
 
 
 def op_incr(key: str, amount: int, must_exist: bool) -> Op:

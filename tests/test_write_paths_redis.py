@@ -45,6 +45,7 @@ from fence import (
     StaleTokenError,
 )
 from fence.adapters.redis import AsyncRedisGuard, RedisGuard, acl_rules
+from tests.clients_redis import counting_client
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -403,8 +404,10 @@ def admin(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
-def _dead_client(flavor: str) -> Any:
+def _dead_client(flavor: str, counting: bool = False) -> Any:
     """A client whose server does not exist: any I/O raises a connection error."""
+    if counting:
+        return counting_client(flavor, "redis://127.0.0.1:1", retry=Retry(NoBackoff(), 0))
     if flavor == "asyncio":
         return redis.asyncio.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
     return redis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
@@ -450,8 +453,41 @@ def _state(admin: redis.Redis) -> dict[bytes, Any]:
 async def test_guard_path(
     flavor: str, path: GuardPath, kind: KeyKind, users: Users, admin: redis.Redis
 ) -> None:
+    client = _client(flavor, users.guard_url)
+    try:
+        await _check_path(flavor, path, kind, client, admin)
+    finally:
+        await _close(client)
+
+
+@pytest.mark.parametrize("kind", KEY_KINDS[:2], ids=lambda kind: kind.name)
+@pytest.mark.parametrize("path", GUARD_PATHS, ids=lambda path: path.name)
+@pytest.mark.parametrize("flavor", ["sync", "asyncio"])
+async def test_guard_path_through_execute_command(
+    flavor: str, path: GuardPath, kind: KeyKind, users: Users, admin: redis.Redis
+) -> None:
+    """The same rows through a client with an ``execute_command`` of its own: the guard's
+    other way to the storage (it sends its calls through that method, not around it)."""
+    client = counting_client(flavor, users.guard_url)
+    try:
+        await _check_path(flavor, path, kind, client, admin, counting=True)
+        assert ("pipeline" if path.pipelined else "EVALSHA") in client.commands
+    finally:
+        await _close(client)
+
+
+async def _check_path(
+    flavor: str,
+    path: GuardPath,
+    kind: KeyKind,
+    client: Any,
+    admin: redis.Redis,
+    *,
+    counting: bool = False,
+) -> None:
+    """The three callers of one row: unbound, a stale holder, the current holder."""
     key = kind.key
-    dead = _dead_client(flavor)
+    dead = _dead_client(flavor, counting)
     try:
         dead_guard = _guard(flavor, dead, kind.scope)
         # Unbound: no token, refused before any I/O (no connection error).
@@ -468,24 +504,20 @@ async def test_guard_path(
     finally:
         await _close(dead)
 
-    client = _client(flavor, users.guard_url)
-    try:
-        guard = _guard(flavor, client, kind.scope)
-        fence_key = guard.layout.fence_key(key, data=not path.scope)
-        SEEDS[path.seed](admin, key)
-        admin.set(fence_key, FENCE)
-        before = _state(admin)
-        # A stale holder: refused, nothing written.
-        with pytest.raises(StaleTokenError) as caught:
-            await _run(path, guard, key, STALE)
-        assert (caught.value.reason, caught.value.fence) == (Reason.STALE, FENCE)
-        assert _state(admin) == before
-        # The current holder: written, and the fence ends at its token.
-        result = await _run(path, guard, key, CURRENT)
-        assert path.landed(admin, key, result[0] if path.pipelined else result)
-        assert admin.get(fence_key) == str(CURRENT).encode()
-    finally:
-        await _close(client)
+    guard = _guard(flavor, client, kind.scope)
+    fence_key = guard.layout.fence_key(key, data=not path.scope)
+    SEEDS[path.seed](admin, key)
+    admin.set(fence_key, FENCE)
+    before = _state(admin)
+    # A stale holder: refused, nothing written.
+    with pytest.raises(StaleTokenError) as caught:
+        await _run(path, guard, key, STALE)
+    assert (caught.value.reason, caught.value.fence) == (Reason.STALE, FENCE)
+    assert _state(admin) == before
+    # The current holder: written, and the fence ends at its token.
+    result = await _run(path, guard, key, CURRENT)
+    assert path.landed(admin, key, result[0] if path.pipelined else result)
+    assert admin.get(fence_key) == str(CURRENT).encode()
 
 
 # -- raw rows ------------------------------------------------------------------------------

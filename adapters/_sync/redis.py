@@ -73,12 +73,16 @@ from .._redis_lua import (
     parse_fence,
     server_state,
 )
+from .._redis_wire import RAISE_UNLISTED, Wire, takes_command_name
 
 __all__ = ["FencedPipeline", "RedisBatch", "RedisGuard"]
 
 RedisClient = redis.Redis | redis.cluster.RedisCluster
 
 _SOURCE = "redis-guard"
+
+#: A write queued in a fenced pipeline: token, operation, script, keys, argv.
+_Queued = tuple[int, Op, Script, list[Any], list[Any]]
 
 #: The operations that leave the same state when sent twice with the same token, so a
 #: call made only of them is sent once more after the server closed its connection under
@@ -217,6 +221,7 @@ class RedisGuard:
         self.events = events or default_bus
         self._owns_client = False
         self._sentinel: SentinelClients | None = None
+        self._wire = Wire(client)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisGuard:
@@ -516,7 +521,10 @@ class RedisGuard:
         """One write by the leanest script that does it (:func:`command`); its result."""
         token = validate_token(token)
         script, keys, argv = command(self.layout, token, op, issuer=self.check_issuer)
-        reply = self._eval(script, keys, argv, op.key, repeat=op.code in _REPEATABLE)
+        try:  # _eval, inlined: one coroutine less on the path of every write
+            reply = self._call(script, keys, argv)
+        except RedisError as err:
+            reply = self._recover(err, script, keys, argv, op.key, op.code in _REPEATABLE)
         if isinstance(reply, int):  # the bare number of a write that landed
             result: Any = reply
         else:
@@ -557,37 +565,119 @@ class RedisGuard:
     def _eval(
         self, script: Script, keys: list[str], argv: list[Any], what: str, *, repeat: bool
     ) -> Any:
-        """One ``EVALSHA`` (see :meth:`_evalsha`). A call that is safe to repeat is sent
-        once more, on a new connection, if the server had closed the connection under it
-        (a restart, an idle timeout): redis-py 5 does not reconnect and resend by itself,
-        and a client may be configured never to."""
+        """One ``EVALSHA``; on a failure, :meth:`_recover`."""
         try:
-            return self._evalsha(script, keys, argv, what)
+            return self._call(script, keys, argv)
         except RedisError as err:
-            if not (repeat and closed_connection(err)):
-                raise _translate(err, what) from err
-        try:
-            return self._evalsha(script, keys, argv, what)
-        except RedisError as err:
-            raise _translate(err, what) from err
+            return self._recover(err, script, keys, argv, what, repeat)
 
-    def _evalsha(self, script: Script, keys: list[str], argv: list[Any], what: str) -> Any:
-        """One ``EVALSHA``; on ``NOSCRIPT`` (a restart, ``SCRIPT FLUSH``) load and retry once."""
+    def _recover(
+        self,
+        err: RedisError,
+        script: Script,
+        keys: list[str],
+        argv: list[Any],
+        what: str,
+        repeat: bool,
+    ) -> Any:
+        """After ``err`` failed an ``EVALSHA``: the reply of the call sent again, or the
+        error translated into the :class:`fence.FenceError` family.
+
+        On ``NOSCRIPT`` (a restart, ``SCRIPT FLUSH``) the script is loaded and the call sent
+        once more. A call that is safe to repeat (``repeat``) is sent again, the whole
+        sequence once more on a new connection, if the server had closed the connection
+        under it (a restart, an idle timeout): redis-py 5 does not reconnect and resend by
+        itself, and a client may be configured never to. Any other error is translated.
+        """
+        resent = loaded = False
+        while True:
+            try:
+                if isinstance(err, NoScriptError):
+                    if loaded:
+                        raise RetryableError(
+                            f"{what}: the {script.name} script vanished from the script cache"
+                            " twice in a row (SCRIPT FLUSH or restarts); nothing was written,"
+                            " retry",
+                            code="NOSCRIPT",
+                        ) from err
+                    self.client.script_load(script.text)
+                    loaded = True
+                elif not resent and repeat and closed_connection(err):
+                    resent, loaded = True, False
+                else:
+                    raise _translate(err, what) from err
+                return self._call(script, keys, argv)
+            except RedisError as again:
+                err = again
+
+    def _call(self, script: Script, keys: list[str], argv: list[Any]) -> Any:
+        """One ``EVALSHA`` (awaitable for the asyncio guard): packed by the guard and sent on
+        a connection of the client's pool (:mod:`fence.adapters._redis_wire`), or through
+        ``execute_command`` for a client kind that path does not cover. Raises redis-py's
+        errors as they come. (A plain function returning the call: one coroutine less on
+        the path of every write.)"""
         client = self.client
-        # redis-py types execute_command on some client classes only.
-        command: Any = client.execute_command
-        try:
+        pool = self._wire.pool(client)
+        if pool is None:
+            # redis-py types execute_command on some client classes only.
+            command: Any = client.execute_command
             return command("EVALSHA", script.sha, len(keys), *keys, *argv)
-        except NoScriptError:
-            client.script_load(script.text)
-        try:
-            return command("EVALSHA", script.sha, len(keys), *keys, *argv)
-        except NoScriptError as err:
-            raise RetryableError(
-                f"{what}: the {script.name} script vanished from the script cache twice"
-                " in a row (SCRIPT FLUSH or restarts); nothing was written, retry",
-                code="NOSCRIPT",
-            ) from err
+        return _round_trip(pool, self._wire.pack(((script, keys, argv),)), None)
+
+    def _call_all(self, calls: list[tuple[Script, list[Any], list[Any]]]) -> list[Any]:
+        """Several ``EVALSHA`` s in one round trip, as :meth:`_call`: one reply per call, an
+        error reply as its exception object."""
+        client = self.client
+        pool = self._wire.pool(client)
+        if pool is None:
+            pipe = client.pipeline(transaction=False)
+            for script, keys, argv in calls:
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *argv)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+        else:
+            replies = _round_trip(pool, self._wire.pack(calls), len(calls))
+        return replies
+
+
+def _round_trip(pool: Any, packed: list[Any], count: int | None) -> Any:
+    """Send ``packed`` on a connection of ``pool`` and read ``count`` replies, or with
+    ``count=None`` the one reply of one command.
+
+    The way redis-py's ``execute_command`` and its pipelines do it: the connection comes
+    from the pool and goes back to it, disconnected first if the call failed on the
+    connection; the connection's own ``Retry`` decides whether the whole call is sent
+    again after a connection error or a timeout (so a client configured never to retry
+    never resends a write whose reply was lost), and redis-py before 6.0 only for the
+    errors in its ``retry_on_error``.
+
+    Returns:
+        One reply per command, an error reply as its ``ResponseError`` object; with
+        ``count=None`` the reply (an error reply raised).
+    """
+    named = takes_command_name(pool)
+    conn = pool.get_connection("EVALSHA") if named else pool.get_connection()
+
+    def attempt() -> Any:
+        conn.send_packed_command(packed)
+        if count is None:
+            return conn.read_response()
+        replies: list[Any] = []
+        for _ in range(count):
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as err:
+                replies.append(err)
+        return replies
+
+    def failed(error: Exception) -> None:
+        conn.disconnect()
+        if RAISE_UNLISTED and not isinstance(error, tuple(conn.retry_on_error or ())):
+            raise error
+
+    try:
+        return conn.retry.call_with_retry(attempt, failed)
+    finally:
+        pool.release(conn)
 
 
 def _pairs(flat: Any) -> dict[Any, Any]:
@@ -724,7 +814,9 @@ class FencedPipeline:
 
     def __init__(self, guard: RedisGuard) -> None:
         self.guard = guard
-        self._queued: list[tuple[int, Op, Script, list[Any]]] = []
+        # Per write: its token, its operation, and the script, keys and argv that send it
+        # (for MANY, the write's own part of a call).
+        self._queued: list[_Queued] = []
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -736,10 +828,9 @@ class FencedPipeline:
         layout, issuer = guard.layout, guard.check_issuer
         part = None if layout.cluster else many_part(layout, token, op, issuer=issuer)
         if part is not None:
-            self._queued.append((token, op, MANY, part))
+            self._queued.append((token, op, MANY, part[:2], part[2:]))
         else:
-            script, keys, argv = command(layout, token, op, issuer=issuer)
-            self._queued.append((token, op, script, [script.sha, len(keys), *keys, *argv]))
+            self._queued.append((token, op, *command(layout, token, op, issuer=issuer)))
         return self
 
     def set(
@@ -778,7 +869,7 @@ class FencedPipeline:
         """Queue a claim; see :meth:`RedisGuard.claim`."""
         return self._add(token, op_claim(key))
 
-    def _send_repeatable(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
+    def _send_repeatable(self, queued: list[_Queued]) -> list[Any]:
         """:meth:`_send`, once more if the server closed the connection under it and every
         write is safe to repeat (see :meth:`RedisGuard._eval`)."""
         try:
@@ -786,7 +877,7 @@ class FencedPipeline:
         except BackendError as err:
             if not closed_connection(err.__cause__ or err):
                 raise
-            if not all(op.code in _REPEATABLE for _, op, _, _ in queued):
+            if not all(entry[1].code in _REPEATABLE for entry in queued):
                 raise
         return self._send(queued)
 
@@ -818,7 +909,7 @@ class FencedPipeline:
                 replies[i] = reply
         bus = guard.events
         out: list[Any] = []
-        for (token, op, _, _), reply in zip(queued, replies, strict=True):
+        for (token, op, *_), reply in zip(queued, replies, strict=True):
             if isinstance(reply, int):  # the bare number of a write that landed
                 if bus.active:
                     bus.emit(EventKind.WRITE_ACCEPTED, _SOURCE, op.key, token, op=op.code)
@@ -850,34 +941,32 @@ class FencedPipeline:
                 out.append(outcome[0])
         return out
 
-    def _send(self, queued: list[tuple[int, Op, Script, list[Any]]]) -> list[Any]:
+    def _send(self, queued: list[_Queued]) -> list[Any]:
         """One round trip; a run of plain sets and hsets goes as one :data:`MANY` call.
 
         Returns one reply per queued write (an error object for a call that failed).
         """
-        pipe = self.guard.client.pipeline(transaction=False)
+        calls: list[tuple[Script, list[Any], list[Any]]] = []
         runs: list[int] = []  # per call: 0 for one write on its own, else the MANY's count
         i, n = 0, len(queued)
         while i < n:
-            script, args = queued[i][2], queued[i][3]
+            _, _, script, keys, argv = queued[i]
             if script is not MANY:
-                pipe.execute_command("EVALSHA", *args)
+                calls.append((script, keys, argv))
                 runs.append(0)
                 i += 1
                 continue
             j = i
-            keys: list[Any] = []
-            argv: list[Any] = []
+            keys, argv = [], []
             while j < n and queued[j][2] is MANY:
-                part = queued[j][3]
-                keys += part[:2]
-                argv += part[2:]
+                keys += queued[j][3]
+                argv += queued[j][4]
                 j += 1
-            pipe.execute_command("EVALSHA", MANY.sha, len(keys), *keys, *argv)
+            calls.append((MANY, keys, argv))
             runs.append(j - i)
             i = j
         try:
-            replies = pipe.execute(raise_on_error=False)
+            replies = self.guard._call_all(calls)
         except RedisError as err:
             raise _translate(err, "fenced pipeline") from err
         out: list[Any] = []
