@@ -17,7 +17,7 @@ from redis.retry import Retry
 
 from fence import BackendError, Reason, RetryableError, StaleTokenError
 from fence.adapters.redis import AsyncRedisGuard, CrossSlotError, RedisGuard, slot_of
-from tests.servers import RedisServer
+from tests.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -33,7 +33,13 @@ def aof_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def cluster_server() -> Iterator[RedisServer]:
     """A one-node Redis Cluster that owns every slot: the server enforces CROSSSLOT."""
-    server = RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+    # The bus port on a free port of its own: the default, port + 10000, can be taken by a
+    # client connection's local port (it falls in the ephemeral range) or pass 65535.
+    server = RedisServer(
+        "--cluster-enabled", "yes",
+        "--cluster-config-file", "nodes.conf",
+        "--cluster-port", str(free_port()),
+    )  # fmt: skip
     server.start()
     admin = redis.Redis(port=server.port)
     try:
