@@ -345,6 +345,45 @@ def test_cluster_sync(cluster: RedisClusterServers) -> None:
         client.close()
 
 
+def test_cluster_shared_locks(cluster: RedisClusterServers) -> None:
+    """Shared locks (C13) on resources spread over all three masters: readers share, a
+    writer waits for them and gets a token above theirs, and every key a resource's shared
+    lock uses lives in the resource's one slot."""
+    client = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+    manager = RedisLockManager(client, ttl=10)
+    try:
+        resources = [f"doc:{i}:{secrets.token_hex(2)}" for i in range(12)]
+        nodes = {client.get_node_from_key(resource_keys("fence:", r).lock).name for r in resources}
+        assert len(nodes) == 3
+        for resource in resources:
+            first = manager.acquire(resource, mode="read", owner="reader-1")
+            second = manager.acquire(resource, mode="read", owner="reader-2")
+            assert first.token != second.token
+            assert manager.try_acquire(resource, owner="writer") is None  # readers hold it
+            info = manager.inspect(resource)
+            assert info is not None
+            assert len(info.readers) == 2
+            keys = resource_keys("fence:", resource)
+            stored = (keys.lock, keys.token, keys.readers, keys.reader_tokens, keys.queue)
+            used = [
+                key for key in (*stored, keys.deadlines, keys.queue_writers) if client.exists(key)
+            ]
+            assert keys.readers in used
+            assert {key_slot(key.encode()) for key in used} == {key_slot(keys.lock.encode())}
+            first.release()
+            second.release()
+            writer = manager.acquire(resource, owner="writer", timeout=5)
+            assert writer.token > max(first.token, second.token)
+            assert manager.try_acquire(resource, mode="read", owner="reader-3") is None
+            writer.release()
+            reader = manager.acquire(resource, mode="read", owner="reader-3", timeout=5)
+            assert reader.token > writer.token
+            reader.release()
+    finally:
+        manager.close()
+        client.close()
+
+
 def test_cluster_fifo_from_url(cluster: RedisClusterServers) -> None:
     """FIFO waiting works on a cluster too; the manager builds and closes its clients."""
     manager = RedisLockManager(cluster.url, cluster=True, fifo=True, queue_ttl=30, ttl=30)
