@@ -24,7 +24,7 @@ CONSENSUS = [
     for name, pairing in PAIRINGS.items()
     if pairing.fenced and {"etcd", "zookeeper"} & set(pairing.servers)
 ]
-PAUSES = 12
+PAUSES = 8
 
 pytestmark = [
     pytest.mark.redis,
