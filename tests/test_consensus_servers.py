@@ -52,3 +52,40 @@ def test_a_cluster_of_a_dead_run_is_reaped() -> None:
         assert proc.wait(timeout=10) == -signal.SIGKILL  # killed by the reaper
     for member in cluster.members:
         member.proc = None
+
+
+def test_a_zookeeper_member_that_does_not_rejoin_is_restarted_from_its_data(
+    zookeeper_ensemble: ZooKeeperEnsemble,
+) -> None:
+    """A member that stays out of the ensemble (here: stopped behind the rig's back, as a
+    follower looping in its sync with a woken leader stays out) holds up ``wait_ready``
+    until ``restart_after``; then every running member is restarted from its data, and the
+    ensemble forms again with its nodes and zxids."""
+    from kazoo.client import KazooClient
+
+    zookeeper_ensemble.heal()
+    client = KazooClient(hosts=zookeeper_ensemble.hosts, timeout=10.0)
+    client.start(timeout=15)
+    try:
+        path = client.create("/rejoin-", b"kept", sequence=True)
+        _, before = client.get(path)
+    finally:
+        client.stop()
+        client.close()
+    stuck = zookeeper_ensemble.members[1]
+    assert stuck.proc is not None
+    pids = [m.proc.pid for m in zookeeper_ensemble.members if m.proc is not None]
+    stuck.proc.send_signal(signal.SIGSTOP)  # the rig still counts it as running
+    zookeeper_ensemble.wait_ready(timeout=90, restart_after=2)
+    assert all(m.proc is not None and m.proc.pid not in pids for m in zookeeper_ensemble.members)
+    client = KazooClient(hosts=zookeeper_ensemble.hosts, timeout=10.0)
+    client.start(timeout=15)
+    try:
+        data, stat = client.get(path)
+        assert data == b"kept"
+        assert stat.czxid == before.czxid
+        after = client.create("/rejoin-", b"", sequence=True)
+        assert client.get(after)[1].czxid > before.czxid
+    finally:
+        client.stop()
+        client.close()

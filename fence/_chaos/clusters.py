@@ -497,20 +497,37 @@ class ZooKeeperEnsemble(_Cluster):
             return jar.stem.removeprefix("zookeeper-")
         return "?"
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 60.0, *, restart_after: float | None = None) -> None:
         """Wait until every running member serves, one of them as the leader, and a write
         through each running member commits.
 
         The write matters: a leader that was frozen still calls itself leader for a while
         after it wakes, until it finds out that its followers moved on.
+
+        A member can fail to rejoin on its own: ZooKeeper 3.8 followers were seen to loop
+        in their sync with a leader that had been frozen and woke (``Got zxid ...
+        expected 0x1``, the connection dropped, again), for minutes. After
+        ``restart_after`` seconds (a third of ``timeout`` by default) without a working
+        ensemble, every running member is restarted once from its data, as an operator
+        would; the ensemble keeps its data and its zxids.
         """
-        end = time.monotonic() + timeout
+        start = time.monotonic()
+        end = start + timeout
+        restart_at = start + (timeout / 3 if restart_after is None else restart_after)
+        restarted = False
         while True:
             running = [m.index for m in self.members if m.running and not m.paused]
             modes = [self.mode(index) for index in running]
             formed = bool(modes) and all(modes) and modes.count("leader") == 1
             if formed and all(self._write(index, end) for index in running):
                 return
+            if not restarted and running and time.monotonic() > restart_at:
+                restarted = True
+                for index in running:
+                    self.kill(index)
+                for index in running:
+                    self.start_member(index)
+                continue
             if time.monotonic() > end:
                 tails = "\n".join(self.tail(i, 800) for i in range(len(self.members)))
                 raise TimeoutError(f"the ZooKeeper ensemble did not form in {timeout} s:\n{tails}")
