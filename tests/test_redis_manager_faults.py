@@ -301,14 +301,25 @@ def cluster() -> Iterator[RedisClusterServers]:
     servers.stop()
 
 
+def spread(client: redis.RedisCluster, prefix: str, per_node: int) -> list[str]:
+    """``per_node`` random resource names on each master of the cluster."""
+    masters = {node.name for node in client.get_primaries()}
+    found: dict[str, list[str]] = {name: [] for name in masters}
+    while any(len(names) < per_node for names in found.values()):
+        resource = f"{prefix}:{secrets.token_hex(3)}"
+        node = client.get_node_from_key(resource_keys("fence:", resource).lock).name
+        if len(found[node]) < per_node:
+            found[node].append(resource)
+    assert len(found) == 3  # the resources really are spread over the three masters
+    return [resource for names in found.values() for resource in names]
+
+
 def test_cluster_sync(cluster: RedisClusterServers) -> None:
     """Every operation on resources spread over all three masters, with a given client."""
     client = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
     manager = RedisLockManager(client, ttl=10)
     try:
-        resources = [f"order:{i}:{secrets.token_hex(2)}" for i in range(12)]
-        nodes = {client.get_node_from_key(resource_keys("fence:", r).lock).name for r in resources}
-        assert len(nodes) == 3  # the resources really are spread over the masters
+        resources = spread(client, "order", 4)  # four resources on each master
         for resource in resources:
             keys = resource_keys("fence:", resource)
             lease = manager.acquire(resource)
@@ -352,9 +363,7 @@ def test_cluster_shared_locks(cluster: RedisClusterServers) -> None:
     client = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
     manager = RedisLockManager(client, ttl=10)
     try:
-        resources = [f"doc:{i}:{secrets.token_hex(2)}" for i in range(12)]
-        nodes = {client.get_node_from_key(resource_keys("fence:", r).lock).name for r in resources}
-        assert len(nodes) == 3
+        resources = spread(client, "doc", 4)
         for resource in resources:
             first = manager.acquire(resource, mode="read", owner="reader-1")
             second = manager.acquire(resource, mode="read", owner="reader-2")
