@@ -19,9 +19,11 @@ __all__ = ["sigint_ignored"]
 def sigint_ignored() -> Iterator[None]:
     """Ignore SIGINT for a while; processes started meanwhile keep ignoring it.
 
-    The caller itself does not lose a Ctrl-C that arrives meanwhile: SIGINT is blocked as
-    well as ignored, so the kernel keeps it pending, and it is raised (as
-    ``KeyboardInterrupt``) once the previous handler is back.
+    The caller itself does not lose a Ctrl-C that arrives meanwhile: SIGINT is blocked in
+    the calling thread as well as ignored, so the kernel keeps it pending, and it is raised
+    (as ``KeyboardInterrupt``) once the previous handler is back. The parents of
+    ``fence demo`` and ``fence chaos`` start their workers from the main thread; another
+    thread that left SIGINT unblocked could still take one meanwhile, and drop it.
     """
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
