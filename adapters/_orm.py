@@ -25,6 +25,7 @@ The statements and the verdicts come from the SQL row guard (``_sql_statements``
 from __future__ import annotations
 
 import contextvars
+import re
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1708,8 +1709,14 @@ def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
     first read: on PostgreSQL it takes the register row's lock first, and the read that
     follows sees what an older holder that held the lock committed (C8).
 
-    The claim runs as a statement prepared once per connection (``PREPARE`` goes in the
-    first transaction's message; the name is known from then on by the connection's pool
+    The claim is ``UPDATE register SET fence = $2 WHERE scope = $1 AND fence <= $2``, the
+    cheapest statement that takes the row's lock and raises its fence (the same lock as
+    the upsert's ``ON CONFLICT DO UPDATE``). It changes no row when the scope has no
+    register row yet, or when the token is stale: the caller then runs the register
+    guard's upsert, which inserts the row or judges the refusal.
+
+    It runs as a statement prepared once per connection (``PREPARE`` goes in the first
+    transaction's message; the name is known from then on by the connection's pool
     entry), so PostgreSQL neither parses nor plans it again. A server session that lost
     it (``DEALLOCATE``, ``DISCARD ALL``, a transaction pooler that moved the connection)
     answers ``26000``: the transaction is rolled back and the message sent again with the
@@ -1717,26 +1724,17 @@ def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
     statement again when ``search_path`` changed.
 
     Returns:
-        The claim's row count: 1 if the fence was raised, 0 if it was refused.
+        The claim's row count: 1 if the fence was raised, 0 if not (no row, or refused).
     """
-    from psycopg import IsolationLevel, pq
-
+    pg = _psycopg()
     register = found.register
     raw: Any = connection.connection.driver_connection
     claim = _PG_CLAIMS.get(register)
     if claim is None:
         claim = _PG_CLAIMS[register] = _pg_claim(register, raw)
-    begin = [b"BEGIN"]
-    if raw.isolation_level is not None:
-        level = IsolationLevel(raw.isolation_level).name.replace("_", " ")
-        begin.append(b"ISOLATION LEVEL " + level.encode())
-    if raw.read_only is not None:
-        begin.append(b"READ ONLY" if raw.read_only else b"READ WRITE")
-    if raw.deferrable is not None:
-        begin.append(b"DEFERRABLE" if raw.deferrable else b"NOT DEFERRABLE")
     name, prepare = claim
     execute = b"%s; EXECUTE %s(%s, %d)" % (
-        b" ".join(begin),
+        _pg_begin(raw, pg),
         name,
         _pg_literal(found.scope, raw),
         found.token,
@@ -1746,11 +1744,10 @@ def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
         fresh = name not in prepared
         results = _pg_send(raw, prepare + execute if fresh else execute, found)
         last = results[-1]
-        if last.status == pq.ExecStatus.TUPLES_OK:
+        if last.status == pg.COMMAND_OK:
             prepared.add(name)
-            count: int = last.ntuples
-            return count
-        state = last.error_field(pq.DiagnosticField.SQLSTATE)
+            return int(last.command_tuples or 0)
+        state = last.error_field(pg.SQLSTATE)
         if state == b"26000" and not fresh:  # the session lost the statement
             prepared.discard(name)
             _pg_send(raw, b"ROLLBACK", found)
@@ -1760,6 +1757,49 @@ def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
             continue
         break
     raise _pg_error(raw, results, found)
+
+
+class _Psycopg:
+    """What the claim's hot path uses of psycopg, imported once (psycopg is optional)."""
+
+    def __init__(self) -> None:
+        from psycopg import AsyncConnection, IsolationLevel, errors, generators, pq
+
+        self.AsyncConnection = AsyncConnection
+        self.IsolationLevel = IsolationLevel
+        self.errors = errors
+        self.execute = generators.execute
+        self.COMMAND_OK = pq.ExecStatus.COMMAND_OK
+        self.SQLSTATE = pq.DiagnosticField.SQLSTATE
+        self.begins: dict[tuple[Any, Any, Any], bytes] = {}
+
+
+_PSYCOPG: list[_Psycopg] = []
+
+
+def _psycopg() -> _Psycopg:
+    if not _PSYCOPG:
+        _PSYCOPG.append(_Psycopg())
+    return _PSYCOPG[0]
+
+
+def _pg_begin(raw: Any, pg: _Psycopg) -> bytes:
+    """``BEGIN`` with the connection's transaction characteristics, as psycopg sends it."""
+    shape = (raw.isolation_level, raw.read_only, raw.deferrable)
+    begin = pg.begins.get(shape)
+    if begin is None:
+        level, read_only, deferrable = shape
+        words = [b"BEGIN"]
+        if level is not None:
+            words.append(
+                b"ISOLATION LEVEL " + pg.IsolationLevel(level).name.replace("_", " ").encode()
+            )
+        if read_only is not None:
+            words.append(b"READ ONLY" if read_only else b"READ WRITE")
+        if deferrable is not None:
+            words.append(b"DEFERRABLE" if deferrable else b"NOT DEFERRABLE")
+        begin = pg.begins[shape] = b" ".join(words)
+    return begin
 
 
 def _pg_claim(register: Table, raw: Any) -> tuple[bytes, bytes]:
@@ -1777,16 +1817,20 @@ def _pg_claim(register: Table, raw: Any) -> tuple[bytes, bytes]:
         if register.schema
         else pg_sql.Identifier(register.name)
     )
-    text = pg_sql.SQL(
-        "INSERT INTO {t} AS cur (scope, fence) VALUES ($1, $2) ON CONFLICT (scope) DO UPDATE "
-        "SET fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence RETURNING scope"
-    ).format(t=table)
+    text = pg_sql.SQL("UPDATE {t} SET fence = $2 WHERE scope = $1 AND fence <= $2").format(t=table)
     body = text.as_bytes(raw)
     name = b"iofence_claim_" + hashlib.sha1(body, usedforsecurity=False).hexdigest()[:16].encode()
     return name, b"PREPARE %s AS %s; " % (name, body)
 
 
+#: Scopes that are their own SQL literal between quotes: printable ASCII without a quote
+#: or a backslash reads the same in every server encoding and string setting.
+_PLAIN_SCOPE = re.compile(r"[ -&(-\[\]-~]*")
+
+
 def _pg_literal(value: str, raw: Any) -> bytes:
+    if _PLAIN_SCOPE.fullmatch(value):
+        return b"'%s'" % value.encode("ascii")
     from psycopg import sql as pg_sql
 
     return pg_sql.Literal(value).as_bytes(raw)
@@ -1794,16 +1838,15 @@ def _pg_literal(value: str, raw: Any) -> bytes:
 
 def _pg_send(raw: Any, query: bytes, found: SessionBinding) -> list[Any]:
     """Send one simple-protocol message on psycopg's connection and return its results."""
-    from psycopg import AsyncConnection, errors, generators
-
+    pg = _psycopg()
     pgconn = raw.pgconn
     try:
         pgconn.send_query(query)
-        if isinstance(raw, AsyncConnection):
-            results: list[Any] = await_only(raw.wait(generators.execute(pgconn)))
+        if isinstance(raw, pg.AsyncConnection):
+            results: list[Any] = await_only(raw.wait(pg.execute(pgconn)))
         else:
-            results = raw.wait(generators.execute(pgconn))
-    except errors.Error as exc:
+            results = raw.wait(pg.execute(pgconn))
+    except pg.errors.Error as exc:
         raise translate_error(exc, "fence claim", found.scope) from exc
     return results
 

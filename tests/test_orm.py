@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, Integer, create_engine, select
+from sqlalchemy import Engine, Integer, create_engine, event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from fence import EventBus, EventKind, Reason, TokenRequiredError
@@ -241,6 +241,67 @@ def test_the_claim_is_prepared_once_per_connection(postgres_url: str) -> None:
         with pytest.raises(StaleTokenError):
             _unit(engine, env, 4, 40)
         assert _value(engine, env) == 51
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_repeated_claim_is_one_prepared_update(postgres_url: str) -> None:
+    """The first claim of a scope inserts its register row (the upsert, judged by the
+    register guard); every later claim is the prepared ``UPDATE`` alone, with no upsert
+    statement of its own, and a stale one still ends in ``StaleTokenError``."""
+    engine = _one_connection(postgres_url)
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    try:
+        env = Env(engine)
+        event.listen(engine, "before_cursor_execute", record)
+        _unit(engine, env, 5, 50)
+        first = [s for s in seen if "ON CONFLICT" in s and env.register.name in s]
+        seen.clear()
+        _unit(engine, env, 6, 60)
+        later = [s for s in seen if env.register.name in s]
+        with pytest.raises(StaleTokenError):
+            _unit(engine, env, 5, 55)
+        with engine.connect() as conn:
+            fence = conn.execute(
+                select(env.register.c.fence).where(env.register.c.scope == "item:1")
+            ).scalar_one()
+        assert len(first) == 1  # the row was absent: the upsert created it
+        assert later == []  # the register row exists: the prepared UPDATE only
+        assert fence == 6
+        assert _value(engine, env) == 60
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+        engine.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    "scope", ["plain:1", "it's", "back\\slash'; SELECT 1; --", "ünï\u2603", 'dq"x', "e'\\x41'"]
+)
+def test_the_claim_sends_any_scope_as_its_literal(postgres_url: str, scope: str) -> None:
+    """The claim's scope goes inside the message as a literal: quotes, backslashes and
+    non-ASCII text reach the register exactly, and a stale holder of it is refused."""
+    engine = _one_connection(postgres_url)
+    try:
+        env = Env(engine)
+        for token in (5, 6):  # the first inserts the row, the second is the prepared UPDATE
+            with Session(engine) as s:
+                bind(s, token=token, scope=scope, register=env.register)
+                s.get(env.Item, 1).v = token
+                s.commit()
+        with pytest.raises(StaleTokenError), Session(engine) as s:
+            bind(s, token=5, scope=scope, register=env.register)
+            s.get(env.Item, 1)
+        with engine.connect() as conn:
+            register = env.register.c
+            rows = conn.execute(select(register.fence).where(register.scope == scope)).all()
+        assert [tuple(row) for row in rows] == [(6,)]
+        assert _value(engine, env) == 6
     finally:
         engine.dispose()
 
