@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import pickle
 import secrets
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import BigInteger, Integer, Table, delete, insert, select, update
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.ext.asyncio.session import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.orm.exc import StaleDataError
@@ -42,13 +40,6 @@ from fence.adapters.orm import (
     tombstone_column,
     unbind,
 )
-
-SQLITE = "sqlite+aiosqlite"  # unasync: SQLITE = "sqlite"
-
-DIALECTS = [
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
-]
 
 
 @dataclass
@@ -98,17 +89,6 @@ def make_models() -> Models:
 
     register = fence_register_table(Base.metadata, f"orm_register_{suffix}")
     return Models(Item, Plain, Versioned, Dropin, register, Base)
-
-
-@pytest.fixture(params=DIALECTS)
-async def engine(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[AsyncEngine]:
-    if request.param == "sqlite":
-        url = f"{SQLITE}:///{tmp_path / 'orm.db'}"
-    else:
-        url = request.getfixturevalue("postgres_url")
-    eng = create_async_engine(url)
-    yield eng
-    await eng.dispose()
 
 
 @pytest.fixture

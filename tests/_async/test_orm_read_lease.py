@@ -6,13 +6,11 @@ units of work, side by side."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import Integer, event, insert, select, text, update
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.ext.asyncio.session import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -28,24 +26,6 @@ from fence.adapters.orm import (
 )
 from fence.adapters.sql import AsyncFenceRegister
 from tests._acompat import join, spawn
-
-SQLITE = "sqlite+aiosqlite"  # unasync: SQLITE = "sqlite"
-
-DIALECTS = [
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
-]
-
-
-@pytest.fixture(params=DIALECTS)
-async def engine(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[AsyncEngine]:
-    if request.param == "sqlite":
-        url = f"{SQLITE}:///{tmp_path / 'read.db'}"
-    else:
-        url = request.getfixturevalue("postgres_url")
-    eng = create_async_engine(url)
-    yield eng
-    await eng.dispose()
 
 
 class Env:

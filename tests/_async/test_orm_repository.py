@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio  # unasync: import time
 import secrets
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import Integer, select
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.ext.asyncio.session import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -26,24 +24,6 @@ from fence.adapters.orm import (
     fence_register_table,
 )
 from fence.adapters.sql import AsyncFenceRegister
-
-SQLITE = "sqlite+aiosqlite"  # unasync: SQLITE = "sqlite"
-
-DIALECTS = [
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
-]
-
-
-@pytest.fixture(params=DIALECTS)
-async def engine(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[AsyncEngine]:
-    if request.param == "sqlite":
-        url = f"{SQLITE}:///{tmp_path / 'uow.db'}"
-    else:
-        url = request.getfixturevalue("postgres_url")
-    eng = create_async_engine(url)
-    yield eng
-    await eng.dispose()
 
 
 class Env:

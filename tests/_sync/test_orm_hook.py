@@ -14,23 +14,11 @@ from __future__ import annotations
 
 import pickle
 import secrets
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import (
-    BigInteger,
-    Engine,
-    Integer,
-    Table,
-    create_engine,
-    delete,
-    insert,
-    select,
-    update,
-)
+from sqlalchemy import BigInteger, Engine, Integer, Table, delete, insert, select, update
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.orm.exc import StaleDataError
 
@@ -52,13 +40,6 @@ from fence.adapters.orm import (
     tombstone_column,
     unbind,
 )
-
-SQLITE = "sqlite"
-
-DIALECTS = [
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
-]
 
 
 @dataclass
@@ -108,17 +89,6 @@ def make_models() -> Models:
 
     register = fence_register_table(Base.metadata, f"orm_register_{suffix}")
     return Models(Item, Plain, Versioned, Dropin, register, Base)
-
-
-@pytest.fixture(params=DIALECTS)
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
-    if request.param == "sqlite":
-        url = f"{SQLITE}:///{tmp_path / 'orm.db'}"
-    else:
-        url = request.getfixturevalue("postgres_url")
-    eng = create_engine(url)
-    yield eng
-    eng.dispose()
 
 
 @pytest.fixture

@@ -8,12 +8,10 @@ units of work, side by side."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, Integer, create_engine, event, insert, select, text, update
+from sqlalchemy import Engine, Integer, event, insert, select, text, update
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from fence import ConfigurationError, LeaseMode, ReadLeaseError, UnfencedWriteError
@@ -28,24 +26,6 @@ from fence.adapters.orm import (
 )
 from fence.adapters.sql import FenceRegister
 from tests._compat import join, spawn
-
-SQLITE = "sqlite"
-
-DIALECTS = [
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
-]
-
-
-@pytest.fixture(params=DIALECTS)
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
-    if request.param == "sqlite":
-        url = f"{SQLITE}:///{tmp_path / 'read.db'}"
-    else:
-        url = request.getfixturevalue("postgres_url")
-    eng = create_engine(url)
-    yield eng
-    eng.dispose()
 
 
 class Env:

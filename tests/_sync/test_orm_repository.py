@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, Integer, create_engine, select
+from sqlalchemy import Engine, Integer, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from fence import ConfigurationError, LeaseLostError
@@ -26,24 +24,6 @@ from fence.adapters.orm import (
     fence_register_table,
 )
 from fence.adapters.sql import FenceRegister
-
-SQLITE = "sqlite"
-
-DIALECTS = [
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
-]
-
-
-@pytest.fixture(params=DIALECTS)
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
-    if request.param == "sqlite":
-        url = f"{SQLITE}:///{tmp_path / 'uow.db'}"
-    else:
-        url = request.getfixturevalue("postgres_url")
-    eng = create_engine(url)
-    yield eng
-    eng.dispose()
 
 
 class Env:
