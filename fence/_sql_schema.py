@@ -61,6 +61,14 @@ DEFAULT_TABLE = "fence_leases"
 #: and :func:`lease_upgrade_ddl` adds them.
 SHARED_COLUMNS = ("readers", "read_until", "wtoken")
 
+
+def _shared_columns(dialect: str) -> list[tuple[str, str]]:
+    """The columns of :data:`SHARED_COLUMNS` with their SQL types, for ``dialect``."""
+    until = "TIMESTAMPTZ" if dialect == "postgresql" else "REAL"
+    types = ("INTEGER NOT NULL DEFAULT 0", until, "BIGINT NOT NULL DEFAULT 0")
+    return list(zip(SHARED_COLUMNS, types, strict=True))
+
+
 _DIALECTS = ("postgresql", "sqlite")
 
 
@@ -141,7 +149,7 @@ def lease_table_ddl(
     name = _qualified(dialect, table, schema)
     pg = dialect == "postgresql"
     expires = "TIMESTAMPTZ NOT NULL" if pg else "REAL NOT NULL"
-    until = "TIMESTAMPTZ" if pg else "REAL"
+    shared = ",\n".join(f"    {column:<10} {kind}" for column, kind in _shared_columns(dialect))
     return (
         f"CREATE TABLE IF NOT EXISTS {name} (\n"
         "    resource   TEXT PRIMARY KEY,\n"
@@ -149,9 +157,7 @@ def lease_table_ddl(
         "    owner      TEXT,\n"
         "    holder     TEXT,\n"
         f"    expires_at {expires},\n"
-        "    readers    INTEGER NOT NULL DEFAULT 0,\n"
-        f"    read_until {until},\n"
-        "    wtoken     BIGINT NOT NULL DEFAULT 0\n"
+        f"{shared}\n"
         ")"
     )
 
@@ -218,20 +224,11 @@ def lease_upgrade_ddl(
     """
     name = _qualified(dialect, table, schema)
     shared = shared_table_ddl(dialect, table=table, schema=schema)
+    columns = _shared_columns(dialect)
     if dialect == "postgresql":
-        alter = (
-            f"ALTER TABLE {name}\n"
-            "    ADD COLUMN IF NOT EXISTS readers INTEGER NOT NULL DEFAULT 0,\n"
-            "    ADD COLUMN IF NOT EXISTS read_until TIMESTAMPTZ,\n"
-            "    ADD COLUMN IF NOT EXISTS wtoken BIGINT NOT NULL DEFAULT 0"
-        )
-        return [alter, shared]
-    return [
-        f"ALTER TABLE {name} ADD COLUMN readers INTEGER NOT NULL DEFAULT 0",
-        f"ALTER TABLE {name} ADD COLUMN read_until REAL",
-        f"ALTER TABLE {name} ADD COLUMN wtoken BIGINT NOT NULL DEFAULT 0",
-        shared,
-    ]
+        adds = ",\n".join(f"    ADD COLUMN IF NOT EXISTS {c} {kind}" for c, kind in columns)
+        return [f"ALTER TABLE {name}\n{adds}", shared]
+    return [*(f"ALTER TABLE {name} ADD COLUMN {c} {kind}" for c, kind in columns), shared]
 
 
 def lease_table(
