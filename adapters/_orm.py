@@ -541,10 +541,11 @@ def bind(
 
     With ``claim=True`` (the default) every transaction of the session starts by claiming
     ``scope`` in the fence register (its fence is raised to the token if it is not above
-    it, else the claim is refused) before its first statement runs. A stale holder is refused at its first read, and on
-    PostgreSQL the register row stays locked until commit, so a newer holder's claim waits
-    for a transaction already under way (C8). Without the claim a stale write that lands
-    between this session's read and its write is accepted, then overwritten.
+    it, else the claim is refused) before its first statement runs. A stale holder is
+    refused at its first read, and on PostgreSQL the register row stays locked until
+    commit, so a newer holder's claim waits for a transaction already under way (C8).
+    Without the claim a stale write that lands between this session's read and its write
+    is accepted, then overwritten.
 
     Bound to a read lease (C13: ``manager.read_lock``, or ``mode="read"``), the session is
     read-only: every write path above (flush, ORM and Core statements, raw SQL, bulk

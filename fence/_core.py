@@ -83,6 +83,8 @@ def validate_token(token: object, *, read: bool = False) -> int:
             ``1 .. 2**53 - 1``.
         ReadLeaseError: ``token`` is a read lease's and ``read`` is false (C13).
     """
+    if type(token) is int and 0 < token <= MAX_TOKEN:
+        return token  # the common case: a plain int in range (no subclass, no bool)
     if isinstance(token, ReadToken) and not read:
         raise ReadLeaseError(
             f"token {int.__repr__(token)} is a read lease's: a read lease is shared with "
