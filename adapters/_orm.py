@@ -1710,11 +1710,9 @@ def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
     first read: on PostgreSQL it takes the register row's lock first, and the read that
     follows sees what an older holder that held the lock committed (C8).
 
-    The claim is ``UPDATE register SET fence = $2 WHERE scope = $1 AND fence <= $2``, the
-    cheapest statement that takes the row's lock and raises its fence (the same lock as
-    the upsert's ``ON CONFLICT DO UPDATE``). It changes no row when the scope has no
-    register row yet, or when the token is stale: the caller then runs the register
-    guard's upsert, which inserts the row or judges the refusal.
+    The claim is the register guard's upsert (``INSERT ... ON CONFLICT (scope) DO UPDATE
+    SET fence = $2 WHERE fence <= $2``) without ``RETURNING``: its command tag carries the
+    row count, and a refusal (count 0) goes to the register guard, which judges it.
 
     It runs as a statement prepared once per connection (``PREPARE`` goes in the first
     transaction's message; the name is known from then on by the connection's pool
@@ -1725,7 +1723,8 @@ def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
     statement again when ``search_path`` changed.
 
     Returns:
-        The claim's row count: 1 if the fence was raised, 0 if not (no row, or refused).
+        The claim's row count: 1 if the fence was raised (or the row inserted), 0 if it
+        was refused.
     """
     pg = _psycopg()
     register = found.register
@@ -1818,7 +1817,10 @@ def _pg_claim(register: Table, raw: Any) -> tuple[bytes, bytes]:
         if register.schema
         else pg_sql.Identifier(register.name)
     )
-    text = pg_sql.SQL("UPDATE {t} SET fence = $2 WHERE scope = $1 AND fence <= $2").format(t=table)
+    text = pg_sql.SQL(
+        "INSERT INTO {t} AS cur (scope, fence) VALUES ($1, $2) ON CONFLICT (scope) DO UPDATE "
+        "SET fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence"
+    ).format(t=table)
     body = text.as_bytes(raw)
     name = b"iofence_claim_" + hashlib.sha1(body, usedforsecurity=False).hexdigest()[:16].encode()
     return name, b"PREPARE %s AS %s; " % (name, body)

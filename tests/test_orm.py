@@ -246,10 +246,10 @@ def test_the_claim_is_prepared_once_per_connection(postgres_url: str) -> None:
 
 
 @pytest.mark.postgres
-def test_a_repeated_claim_is_one_prepared_update(postgres_url: str) -> None:
-    """The first claim of a scope inserts its register row (the upsert, judged by the
-    register guard); every later claim is the prepared ``UPDATE`` alone, with no upsert
-    statement of its own, and a stale one still ends in ``StaleTokenError``."""
+def test_a_claim_is_one_prepared_statement_for_a_new_and_an_old_scope(postgres_url: str) -> None:
+    """The first claim of a scope (no register row yet) and every later one run as the
+    prepared statement alone, which SQLAlchemy never sees; only a refusal sends the
+    register guard's own claim, which judges it."""
     engine = _one_connection(postgres_url)
     seen: list[str] = []
 
@@ -259,19 +259,18 @@ def test_a_repeated_claim_is_one_prepared_update(postgres_url: str) -> None:
     try:
         env = Env(engine)
         event.listen(engine, "before_cursor_execute", record)
-        _unit(engine, env, 5, 50)
-        first = [s for s in seen if "ON CONFLICT" in s and env.register.name in s]
-        seen.clear()
-        _unit(engine, env, 6, 60)
-        later = [s for s in seen if env.register.name in s]
+        _unit(engine, env, 5, 50)  # inserts the register row
+        _unit(engine, env, 6, 60)  # raises its fence
+        granted = [s for s in seen if env.register.name in s]
         with pytest.raises(StaleTokenError):
             _unit(engine, env, 5, 55)
+        refused = [s for s in seen if env.register.name in s]
         with engine.connect() as conn:
             fence = conn.execute(
                 select(env.register.c.fence).where(env.register.c.scope == "item:1")
             ).scalar_one()
-        assert len(first) == 1  # the row was absent: the upsert created it
-        assert later == []  # the register row exists: the prepared UPDATE only
+        assert granted == []
+        assert any("ON CONFLICT" in s for s in refused)  # the register guard judges it
         assert fence == 6
         assert _value(engine, env) == 60
     finally:
@@ -289,7 +288,7 @@ def test_the_claim_sends_any_scope_as_its_literal(postgres_url: str, scope: str)
     engine = _one_connection(postgres_url)
     try:
         env = Env(engine)
-        for token in (5, 6):  # the first inserts the row, the second is the prepared UPDATE
+        for token in (5, 6):  # the first inserts the row, the second raises its fence
             with Session(engine) as s:
                 bind(s, token=token, scope=scope, register=env.register)
                 s.get(env.Item, 1).v = token
