@@ -86,7 +86,8 @@ class _Base:
         try:
             async with self.conn.cursor(row_factory=dict_row) as cur:
                 await cur.execute(query, params)
-                rows = await cur.fetchall() if cur.description is not None else []
+                # rownumber is None without a result set (cheaper than the description).
+                rows = await cur.fetchall() if cur.rownumber is not None else []
                 return cur.rowcount, rows
         except psycopg.Error as exc:
             raise translate_error(exc, action, str(scope)) from exc

@@ -88,7 +88,8 @@ class _Base:
         try:
             with self.conn.cursor(row_factory=dict_row) as cur:
                 cur.execute(query, params)
-                rows = cur.fetchall() if cur.description is not None else []
+                # rownumber is None without a result set (cheaper than the description).
+                rows = cur.fetchall() if cur.rownumber is not None else []
                 return cur.rowcount, rows
         except psycopg.Error as exc:
             raise translate_error(exc, action, str(scope)) from exc
