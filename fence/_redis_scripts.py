@@ -64,9 +64,12 @@ __all__ = [
 #: The key prefix shared with the Redis guard.
 DEFAULT_PREFIX = "fence:"
 
-# Shared Lua prelude: the token rule of fence._core.issue_token, the queue, the readers and
-# the wake-up step.
-_PRELUDE = """
+# Shared Lua prelude, in two parts: the token rule of fence._core.issue_token (small, so a
+# script's fast path can use it before the rest is defined), then the queue, the readers
+# and the wake-up step. Redis runs a script's whole text on every call: each function
+# defined costs the server a closure per call, so a fast path that returns before the
+# second part skips them.
+_TOKENS = """
 local MAX_TOKEN = 9007199254740991
 
 local function now_us()
@@ -99,7 +102,9 @@ local function last_token(token_key, fence_key)
   if fence > last then return fence end
   return last
 end
+"""
 
+_WAITING = """
 -- '<prefix>{R}:' from the lock key '<prefix>{R}:lock'.
 local function base_of(lock_key)
   return string.sub(lock_key, 1, -5)
@@ -231,8 +236,41 @@ local function release_reader(lock, queue, deadlines, secret, fifo)
 end
 """
 
+_PRELUDE = _TOKENS + _WAITING
+
 ACQUIRE = (
-    _PRELUDE
+    _TOKENS
+    + """
+-- Fast path for a writer, before the rest of the prelude is defined: taken only where the
+-- general path below would reach the same reply and the same writes. Nobody queued, no
+-- reader (live or expired) and no tombstone for the secret: grant. Held by another writer
+-- and nobody queued: refuse, without a place.
+local held = redis.call('HMGET', KEYS[1], 'secret', 'token')
+if held[1] == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return tonumber(held[2])
+end
+local fast = ARGV[7] == 'w'
+if fast and held[1] then
+  if redis.call('EXISTS', KEYS[4]) == 0 then
+    return {0, redis.call('PTTL', KEYS[1]), 0}
+  end
+elseif fast then
+  local base = string.sub(KEYS[1], 1, -5)
+  if redis.call('EXISTS', KEYS[4], base .. 'readers', base .. 'void:' .. ARGV[1]) == 0 then
+    local token = issue(last_token(KEYS[2], KEYS[3]), ARGV[4])
+    if not token then
+      return redis.error_reply('ERR fence: token space exhausted for ' .. KEYS[2])
+    end
+    local text = string.format('%d', token)
+    redis.call('SET', KEYS[2], text)
+    redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', ARGV[3])
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return token
+  end
+end
+"""
+    + _WAITING
     + """
 -- ACQUIRE: take the lock if free, issuing the next token in the same step; for a writer
 -- (exclusive) or a reader (shared, C13).
@@ -257,11 +295,7 @@ ACQUIRE = (
 -- fence register, for readers too. An attempt whose acquire was cancelled (CANCEL left
 -- its tombstone) is refused with wait_ms -1.
 -- Error 'token space exhausted' when the next token would pass 2**53-1.
-local held = redis.call('HMGET', KEYS[1], 'secret', 'token')
-if held[1] == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return tonumber(held[2])
-end
+-- (held: the HMGET of the fast path above; the caller's own lock returned there.)
 local base = base_of(KEYS[1])
 local reading = ARGV[7] == 'r'
 local now = now_ms()
@@ -354,16 +388,29 @@ return 1
 )
 
 RELEASE = (
-    _PRELUDE
-    + """
+    """
 -- RELEASE: end the caller's lease if it holds one (C11), as the writer or as a reader, and
 -- publish a wake-up (a reader: only the last one).
 -- KEYS[1] lock hash      KEYS[2] queue            KEYS[3] queue deadlines
 -- ARGV[1] owner secret   ARGV[2] '1' with FIFO, else '0'
 -- Returns 1 if released, 0 if the lock is not held by this secret (nothing changed).
+-- Fast path, before the prelude is defined: the writer leaves and nobody is queued, so the
+-- wake-up is the one wake() would publish without a queue.
 local fifo = ARGV[2] == '1'
-if redis.call('HGET', KEYS[1], 'secret') == ARGV[1] then
+local writer = redis.call('HGET', KEYS[1], 'secret') == ARGV[1]
+if writer then
   redis.call('DEL', KEYS[1])
+  if not KEYS[3] or redis.call('EXISTS', KEYS[2]) == 0 then
+    if not fifo then
+      redis.call('PUBLISH', string.sub(KEYS[1], 1, -5) .. 'signal', '')
+    end
+    return 1
+  end
+end
+"""
+    + _PRELUDE
+    + """
+if writer then
   wake(base_of(KEYS[1]) .. 'signal', KEYS[2], KEYS[3], fifo)
   return 1
 end

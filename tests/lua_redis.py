@@ -177,7 +177,10 @@ class LuaRedis:
         if name == "GET":
             return entry[0] if entry else False
         if name == "EXISTS":
-            return 1 if entry else 0
+            # Redis drops a hash or sorted set with its last member.
+            return sum(1 for k in args if (e := data.get(k)) and (e[0] or isinstance(e[0], str)))
+        if name == "MGET":
+            return self._to_lua([(e[0] if (e := data.get(k)) else None) for k in args])
         if name == "SET":
             expire = None
             if len(args) == 4 and args[2].upper() == "PX":

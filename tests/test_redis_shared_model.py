@@ -19,9 +19,15 @@ as on the server. It checks, at every grant and after every step:
   leaving, a waiter giving up, a revoke) publishes that waiter's id; one that lets an
   unqueued waiter in (without FIFO) publishes the empty wake-up.
 
+ACQUIRE and RELEASE have a fast path for a writer, run before the rest of the prelude is
+defined (nobody queued, no reader). A second search runs every ACQUIRE and RELEASE twice,
+as written and with the fast path turned off, and fails where the two differ in reply,
+writes or wake-ups: the fast path is an optimisation of the general path, never a rule of
+its own. A last test runs both paths on a real redis-server and on the emulation.
+
 Mutants of the scripts show that the checker can fail: a reader that ignores queued
-writers, a writer that ignores readers, and a wake-up that names only the head of a batch
-of readers.
+writers, a writer that ignores readers, a wake-up that names only the head of a batch of
+readers, a fast grant that ignores readers and a fast release that ignores the queue.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
+import redis
 
 from fence._redis_scripts import (
     ABANDON,
@@ -43,7 +50,7 @@ from fence._redis_scripts import (
     resource_keys,
     waiter_id,
 )
-from tests.lua_redis import EMPTY, LuaRedis, Store
+from tests.lua_redis import EMPTY, LuaRedis, Store, ZSet
 
 TICK = 1000  # ms
 TTL = 2 * TICK
@@ -323,10 +330,57 @@ def _hash(store: Store, key: str) -> tuple[tuple[str, str], ...]:
     return tuple(_entry(store, key))
 
 
-def explore(bounds: Bounds, scripts: dict[str, str] | None = None) -> int:
+#: Where ACQUIRE and RELEASE take their fast path (before the prelude), and the text that
+#: turns it off: what is left is the general path, the reference the fast path must match.
+FAST_PATHS = {
+    "acquire": ("local fast = ARGV[7] == 'w'", "local fast = false"),
+    "release": (
+        "if not KEYS[3] or redis.call('EXISTS', KEYS[2]) == 0 then",
+        "if false then",
+    ),
+}
+
+
+def general_paths(scripts: dict[str, str]) -> dict[str, str]:
+    """``scripts`` with the fast paths turned off."""
+    out = dict(scripts)
+    for name, (fast, off) in FAST_PATHS.items():
+        assert out[name].count(fast) == 1, fast
+        out[name] = out[name].replace(fast, off)
+    return out
+
+
+class Twin(Model):
+    """A model that runs every ACQUIRE and RELEASE on the reference scripts as well, and
+    fails where the two differ in reply, writes or wake-ups."""
+
+    def __init__(self, bounds: Bounds, lua: LuaRedis, reference: LuaRedis) -> None:
+        super().__init__(bounds, lua)
+        self.reference = reference
+
+    def run(self, name: str, keys: list[str], args: list[str], state: State) -> Any:
+        got = super().run(name, keys, args, state)
+        if name in FAST_PATHS:
+            want = self.reference.run_published(
+                name, tuple(keys), tuple(args), state.store, state.now
+            )
+            if tuple(got) != tuple(want):
+                raise Violation(
+                    f"the fast path of {name} {args} differs from the general path: {got} != {want}"
+                )
+        return got
+
+
+def explore(
+    bounds: Bounds,
+    scripts: dict[str, str] | None = None,
+    reference: dict[str, str] | None = None,
+) -> int:
     """Visit every reachable state; raise :class:`Violation` on the first bad one. Returns
-    how many states there are."""
-    model = Model(bounds, LuaRedis(scripts or SCRIPTS))
+    how many states there are. With ``reference`` scripts, every ACQUIRE and RELEASE must
+    also match them (:class:`Twin`)."""
+    lua = LuaRedis(scripts or SCRIPTS)
+    model = Model(bounds, lua) if reference is None else Twin(bounds, lua, LuaRedis(reference))
     start = State(EMPTY, START, tuple(Contender(mode) for mode in bounds.modes))
     seen = {start}
     stack: list[tuple[State, tuple[str, ...]]] = [(start, ())]
@@ -389,3 +443,98 @@ def test_checker_catches_a_wake_up_that_misses_readers_of_the_batch() -> None:
     assert scripts != SCRIPTS
     with pytest.raises(Violation, match="not woken"):
         explore(Bounds(modes=("w", "r", "r")), scripts)
+
+
+TWIN_CONFIGS = [
+    pytest.param(Bounds(modes=("w", "w", "r")), id="w-w-r"),
+    pytest.param(Bounds(modes=("w", "w", "w"), fifo=True, renews=0), id="fifo-w-w-w"),
+]
+
+
+@pytest.mark.parametrize("bounds", TWIN_CONFIGS)
+def test_fast_paths_match_the_general_paths_in_every_interleaving(bounds: Bounds) -> None:
+    states = explore(bounds, reference=general_paths(SCRIPTS))
+    assert states > 5_000
+
+
+def test_checker_catches_a_fast_grant_that_ignores_readers() -> None:
+    scripts = _mutant(
+        "acquire",
+        "redis.call('EXISTS', KEYS[4], base .. 'readers', base .. 'void:' .. ARGV[1])",
+        "redis.call('EXISTS', KEYS[4], base .. 'void:' .. ARGV[1])",
+    )
+    with pytest.raises(Violation, match="fast path of acquire"):
+        explore(Bounds(modes=("r", "w", "w")), scripts, reference=general_paths(SCRIPTS))
+
+
+def test_checker_catches_a_fast_release_that_ignores_the_queue() -> None:
+    scripts = _mutant(
+        "release",
+        "if not KEYS[3] or redis.call('EXISTS', KEYS[2]) == 0 then",
+        "if true then",
+    )
+    with pytest.raises(Violation, match="fast path of release"):
+        explore(Bounds(modes=("w", "w", "r")), scripts, reference=general_paths(SCRIPTS))
+
+
+def test_the_emulation_runs_the_manager_scripts_as_redis_does(redis_url: str) -> None:
+    """The fast and the general paths of ACQUIRE and RELEASE, on a real redis-server and
+    on the emulation the search runs: the same replies (waits aside: they depend on the
+    clock), the same keys, the same holders and queue order."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    keys = resource_keys("model-diff:", "r")
+    lua = LuaRedis(SCRIPTS)
+    store = EMPTY
+    acquire_keys = [keys.lock, keys.token, keys.fence, keys.queue, keys.deadlines]
+
+    def acquire(name: str, mode: str) -> list[Any]:
+        return [acquire_keys, [name, "60000", "h", "counter", waiter_id(name), "60000", mode, "0"]]
+
+    def release(name: str) -> list[Any]:
+        return [[keys.lock, keys.queue, keys.deadlines], [name, "0"]]
+
+    calls = [
+        ("acquire", *acquire("a", "w")),  # fast: granted
+        ("acquire", *acquire("b", "w")),  # fast: refused, no place
+        ("release", *release("b")),  # not the holder
+        ("release", *release("a")),  # fast: nobody queued
+        ("acquire", *acquire("c", "r")),  # a reader: the general path
+        ("acquire", *acquire("d", "w")),  # refused beside a reader: queued
+        ("acquire", *acquire("e", "w")),  # a queue: the general path
+        ("release", *release("c")),  # the last reader wakes the queue's head
+        ("acquire", *acquire("d", "w")),
+        ("acquire", *acquire("a", "w")),  # refused, queued behind e
+        ("release", *release("d")),  # a queue: the general path
+        ("acquire", *acquire("e", "w")),
+        ("acquire", *acquire("a", "w")),
+        ("release", *release("e")),
+        ("acquire", *acquire("a", "w")),  # the queue is empty again: fast
+        ("release", *release("a")),
+    ]
+    for key in client.scan_iter("model-diff:*"):
+        client.delete(key)
+    try:
+        for name, script_keys, args in calls:
+            real = client.register_script(SCRIPTS[name])(keys=script_keys, args=args)
+            store, emulated, _ = lua.run_published(
+                name, tuple(script_keys), tuple(args), store, START
+            )
+            if isinstance(real, list):  # {0, wait_ms, queued}: the wait is the clock's
+                assert isinstance(emulated, list), (name, args, emulated)
+                real, emulated = [real[0], real[2]], [emulated[0], emulated[2]]
+            assert real == emulated, (name, args)
+            assert set(client.scan_iter("model-diff:*")) == {k for k, _, _ in store}, name
+            for key, value, _ in store:
+                if isinstance(value, str):
+                    assert client.get(key) == value, key
+                elif isinstance(value, ZSet):  # scores of readers and deadlines: clock times
+                    by_score = sorted(value, key=lambda item: (item[1], item[0]))
+                    assert client.zrange(key, 0, -1) == [m for m, _ in by_score], key
+                elif key == keys.deadlines:  # deadlines: clock times
+                    assert set(client.hkeys(key)) == set(dict(value)), key
+                else:
+                    assert client.hgetall(key) == dict(value), key
+    finally:
+        for key in client.scan_iter("model-diff:*"):
+            client.delete(key)
+        client.close()
