@@ -363,16 +363,19 @@ return token
 )
 
 RENEW = (
-    _PRELUDE
-    + """
+    """
 -- RENEW: reset the ttl if the caller holds the lock (C11), as the writer or as a reader.
 -- KEYS[1] lock hash
 -- ARGV[1] owner secret   ARGV[2] ttl in ms
 -- Returns 1 if renewed, 0 if the lock is not held by this secret.
+-- The writer's renewal returns before the prelude is defined.
 if redis.call('HGET', KEYS[1], 'secret') == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
 end
+"""
+    + _PRELUDE
+    + """
 local base = base_of(KEYS[1])
 local ends = redis.call('ZSCORE', base .. 'readers', ARGV[1])
 if not ends then
