@@ -446,7 +446,8 @@ def test_checker_catches_a_wake_up_that_misses_readers_of_the_batch() -> None:
 
 
 TWIN_CONFIGS = [
-    pytest.param(Bounds(modes=("w", "w", "r")), id="w-w-r"),
+    # Two ticks: leases expire; queue places (three ticks) expire in the FIFO search.
+    pytest.param(Bounds(modes=("w", "w", "r"), ticks=2), id="w-w-r"),
     pytest.param(Bounds(modes=("w", "w", "w"), fifo=True, renews=0), id="fifo-w-w-w"),
 ]
 
