@@ -71,6 +71,7 @@ from sqlalchemy.orm import (
 )
 from sqlalchemy.orm import exc as orm_exc
 from sqlalchemy.orm.attributes import flag_modified, instance_state
+from sqlalchemy.pool import Pool
 from sqlalchemy.sql import operators
 from sqlalchemy.sql.dml import UpdateBase
 from sqlalchemy.sql.elements import BooleanClauseList
@@ -435,6 +436,9 @@ class SessionBinding:
         unfenced: the tables the session may write without a fence (``bind(unfenced=)``).
         read_only: bound to a read lease (C13): every write is refused, and the claim is a
             check that does not raise the fence.
+        eager: on psycopg, read the claim's reply as the transaction begins instead of just
+            before its first statement (the unit of work sets it, so that a stale holder is
+            refused before the block runs at all).
     """
 
     token: int
@@ -446,6 +450,7 @@ class SessionBinding:
     events: EventBus
     unfenced: frozenset[Table] = frozenset()
     read_only: bool = False
+    eager: bool = False
 
     def refusal(self, path: str, scope: str | None = None) -> ReadLeaseError:
         """The error for a write of a session bound to a read lease."""
@@ -1677,16 +1682,23 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         session.info[_READ_CHECK_KEY] = connection
         return
     if connection.dialect.driver == "psycopg":
-        claimed = _claim_with_begin(connection, found)
-    else:
-        stmt = _claim_statement(found.register, connection.dialect.name)
-        try:
-            result = connection.execute(stmt, {"_scope": found.scope, _TOKEN: found.token})
-        except SQLAlchemyError as exc:
-            if missing_table(exc):
-                raise missing_register_error(found.register.name) from exc
-            raise translate_error(exc, "fence claim", found.scope) from exc
-        claimed = result.rowcount
+        claim = _send_claim(connection, found)  # its reply is read before the first statement
+        if found.eager:
+            del _IN_FLIGHT[claim.raw]
+            _judge_claim(connection, found, _read_claim(claim))
+        return
+    stmt = _claim_statement(found.register, connection.dialect.name)
+    try:
+        result = connection.execute(stmt, {"_scope": found.scope, _TOKEN: found.token})
+    except SQLAlchemyError as exc:
+        if missing_table(exc):
+            raise missing_register_error(found.register.name) from exc
+        raise translate_error(exc, "fence claim", found.scope) from exc
+    _judge_claim(connection, found, result.rowcount)
+
+
+def _judge_claim(connection: Connection, found: SessionBinding, claimed: int) -> None:
+    """Accept a claim that raised the fence; hand any other to the register guard."""
     if claimed == 1:
         if found.events.active:
             found.events.emit(EventKind.WRITE_ACCEPTED, SOURCE, found.scope, found.token)
@@ -1700,15 +1712,39 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         raise StaleTokenError.from_guard(err, None, None) from None
 
 
-def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
-    """The claim, sent with the transaction's ``BEGIN`` in one round trip (psycopg 3).
+@dataclass(eq=False, slots=True)
+class _ClaimInFlight:
+    """A claim sent with its transaction's ``BEGIN`` whose reply is not read yet."""
+
+    found: SessionBinding
+    raw: Any
+    name: bytes
+    prepare: bytes
+    execute: bytes
+    fresh: bool
+    prepared: set[bytes]
+
+
+# The claims sent and not read yet, by psycopg connection (at most one each).
+_IN_FLIGHT: weakref.WeakKeyDictionary[Any, _ClaimInFlight] = weakref.WeakKeyDictionary()
+
+
+def _send_claim(connection: Connection, found: SessionBinding) -> _ClaimInFlight:
+    """Send the claim with the transaction's ``BEGIN`` and return before its reply (psycopg 3).
 
     psycopg starts a transaction with a ``BEGIN`` of its own, a round trip before the first
     statement. Here ``BEGIN`` (with the connection's isolation level, as psycopg builds it)
-    and the claim go as one simple-protocol message, so a bound transaction costs the
-    round trips of an unbound one. The claim is still its own statement, run before the
-    first read: on PostgreSQL it takes the register row's lock first, and the read that
-    follows sees what an older holder that held the lock committed (C8).
+    and the claim go as one simple-protocol message, and the reply is read only when the
+    transaction's first statement is about to be sent (or at its commit or rollback,
+    whichever comes first): :func:`_claim_before_statement`. The server runs the claim
+    while the application composes that statement, so a bound transaction waits on one
+    round trip fewer than an unbound one.
+
+    Nothing else is sent before the reply is read and judged: a stale holder is refused
+    before its first statement leaves, and that statement runs after the claim took the
+    register row's lock, so it sees what an older holder that held the lock committed
+    (C8). A path that reaches the driver around SQLAlchemy while the reply is pending is
+    refused by libpq itself ("another command is already in progress") and sends nothing.
 
     The claim is the register guard's upsert (``INSERT ... ON CONFLICT (scope) DO UPDATE
     SET fence = $2 WHERE fence <= $2``) without ``RETURNING``: its command tag carries the
@@ -1721,14 +1757,13 @@ def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
     answers ``26000``: the transaction is rolled back and the message sent again with the
     ``PREPARE``. A search path changed since is honoured: PostgreSQL parses a prepared
     statement again when ``search_path`` changed.
-
-    Returns:
-        The claim's row count: 1 if the fence was raised (or the row inserted), 0 if it
-        was refused.
     """
     pg = _psycopg()
     register = found.register
     raw: Any = connection.connection.driver_connection
+    left = _IN_FLIGHT.pop(raw, None)
+    if left is not None:  # a claim whose transaction ended without any event (defensive)
+        _read_claim(left)
     claim = _PG_CLAIMS.get(register)
     if claim is None:
         claim = _PG_CLAIMS[register] = _pg_claim(register, raw)
@@ -1740,23 +1775,91 @@ def _claim_with_begin(connection: Connection, found: SessionBinding) -> int:
         found.token,
     )
     prepared: set[bytes] = connection.connection.info.setdefault(_PREPARED_KEY, set())
+    fresh = name not in prepared
+    pgconn = raw.pgconn
+    try:
+        pgconn.send_query(prepare + execute if fresh else execute)
+        pgconn.flush()  # what does not leave now leaves when the reply is read
+    except pg.errors.Error as exc:
+        raise translate_error(exc, "fence claim", found.scope) from exc
+    sent = _IN_FLIGHT[raw] = _ClaimInFlight(found, raw, name, prepare, execute, fresh, prepared)
+    return sent
+
+
+def _read_claim(claim: _ClaimInFlight) -> int:
+    """Read a claim's reply, sending it again if the server session lost the statement.
+
+    Returns:
+        The claim's row count: 1 if the fence was raised (or the row inserted), 0 if it
+        was refused.
+    """
+    pg = _psycopg()
+    raw, name, found = claim.raw, claim.name, claim.found
+    fresh = claim.fresh
+    results = _pg_read(raw, found)
     for _attempt in range(3):
-        fresh = name not in prepared
-        results = _pg_send(raw, prepare + execute if fresh else execute, found)
         last = results[-1]
         if last.status == pg.COMMAND_OK:
-            prepared.add(name)
+            claim.prepared.add(name)
             return int(last.command_tuples or 0)
         state = last.error_field(pg.SQLSTATE)
         if state == b"26000" and not fresh:  # the session lost the statement
-            prepared.discard(name)
+            claim.prepared.discard(name)
             _pg_send(raw, b"ROLLBACK", found)
-            continue
-        if state == b"42P05" and fresh:  # the session has it already (a pooler's)
-            prepared.add(name)
-            continue
-        break
+            fresh = True
+        elif state == b"42P05" and fresh:  # the session has it already (a pooler's)
+            claim.prepared.add(name)
+            fresh = False
+        else:
+            break
+        results = _pg_send(raw, claim.prepare + claim.execute if fresh else claim.execute, found)
     raise _pg_error(raw, results, found)
+
+
+def _take_claim(conn: Connection) -> _ClaimInFlight | None:
+    """The claim in flight on ``conn``'s DBAPI connection, taken off the list."""
+    if not _IN_FLIGHT or conn.closed or conn.invalidated:
+        return None  # an invalidated connection's claim went with it
+    return _IN_FLIGHT.pop(conn.connection.driver_connection, None)
+
+
+def _claim_before_statement(
+    conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
+) -> None:
+    """Judge the claim in flight on this connection before its first statement is sent."""
+    if _IN_FLIGHT:
+        claim = _take_claim(conn)
+        if claim is not None:
+            _judge_claim(conn, claim.found, _read_claim(claim))
+
+
+def _claim_before_commit(conn: Connection, *_xid: Any) -> None:
+    """Judge the claim in flight before a transaction that sent nothing else commits (or
+    prepares, for a two-phase commit)."""
+    _claim_before_statement(conn, None, "", None, None, False)
+
+
+def _claim_before_rollback(conn: Connection, *_twophase: Any) -> None:
+    """Read the claim in flight before a rollback; the rollback undoes it either way."""
+    if _IN_FLIGHT:
+        claim = _take_claim(conn)
+        if claim is not None:
+            try:
+                _read_claim(claim)
+            except FenceError:
+                pass  # refused or failed: the transaction ends here anyway
+
+
+def _claim_before_reset(dbapi_connection: Any, record: Any, reset_state: Any) -> None:
+    """Read a claim still in flight on a connection the pool takes back (a session that
+    was dropped without being closed), so the pool's rollback can be sent."""
+    if _IN_FLIGHT:
+        claim = _IN_FLIGHT.pop(record.driver_connection, None)
+        if claim is not None and reset_state.asyncio_safe:
+            try:
+                _read_claim(claim)
+            except FenceError:
+                pass  # the pool's rollback follows, or the connection is discarded
 
 
 class _Psycopg:
@@ -1839,19 +1942,27 @@ def _pg_literal(value: str, raw: Any) -> bytes:
     return pg_sql.Literal(value).as_bytes(raw)
 
 
-def _pg_send(raw: Any, query: bytes, found: SessionBinding) -> list[Any]:
-    """Send one simple-protocol message on psycopg's connection and return its results."""
+def _pg_read(raw: Any, found: SessionBinding) -> list[Any]:
+    """Finish sending what is queued on psycopg's connection and read its results."""
     pg = _psycopg()
-    pgconn = raw.pgconn
     try:
-        pgconn.send_query(query)
         if isinstance(raw, pg.AsyncConnection):
-            results: list[Any] = await_only(raw.wait(pg.execute(pgconn)))
+            results: list[Any] = await_only(raw.wait(pg.execute(raw.pgconn)))
         else:
-            results = raw.wait(pg.execute(pgconn))
+            results = raw.wait(pg.execute(raw.pgconn))
     except pg.errors.Error as exc:
         raise translate_error(exc, "fence claim", found.scope) from exc
     return results
+
+
+def _pg_send(raw: Any, query: bytes, found: SessionBinding) -> list[Any]:
+    """Send one simple-protocol message on psycopg's connection and return its results."""
+    pg = _psycopg()
+    try:
+        raw.pgconn.send_query(query)
+    except pg.errors.Error as exc:
+        raise translate_error(exc, "fence claim", found.scope) from exc
+    return _pg_read(raw, found)
 
 
 def _pg_error(raw: Any, results: list[Any], found: SessionBinding) -> FenceError:
@@ -1931,9 +2042,10 @@ def install() -> None:
     """Install the listeners (once per process; importing ``fence.adapters.orm`` does it).
 
     They are class-level listeners on :class:`~sqlalchemy.orm.Session` (and so on every
-    ``AsyncSession.sync_session``), on :class:`~sqlalchemy.orm.Mapper` and, through the
-    gate (``_sql_gate``), on :class:`~sqlalchemy.Engine`. Writes to tables without a
-    fence, outside a session bound to a lease, pass untouched.
+    ``AsyncSession.sync_session``), on :class:`~sqlalchemy.orm.Mapper`, on
+    :class:`~sqlalchemy.Engine` (also through the gate, ``_sql_gate``) and on
+    :class:`~sqlalchemy.pool.Pool` (a claim still in flight when a connection returns).
+    Writes to tables without a fence, outside a session bound to a lease, pass untouched.
     """
     global _INSTALLED
     if _INSTALLED:
@@ -1953,6 +2065,12 @@ def install() -> None:
     event.listen(Mapper, "after_mapper_constructed", _mapper_constructed)
     event.listen(Engine, "after_cursor_execute", _after_cursor_execute)
     event.listen(Engine, "after_execute", _after_execute)
+    event.listen(Engine, "before_cursor_execute", _claim_before_statement)
+    event.listen(Engine, "commit", _claim_before_commit)
+    event.listen(Engine, "prepare_twophase", _claim_before_commit)
+    event.listen(Engine, "rollback", _claim_before_rollback)
+    event.listen(Engine, "rollback_twophase", _claim_before_rollback)
+    event.listen(Pool, "reset", _claim_before_reset)
     for mapper in _all_mappers():
         _mapper_constructed(mapper, mapper.class_)
 

@@ -11,9 +11,11 @@ machine:
   row count checked by the hook. Both are one round trip; the difference is the hook's
   Python work.
 - ``unit``: a whole unit of work per operation, as an application runs it: a new session,
-  ``get()``, change, ``commit()``. Plain: BEGIN, SELECT, UPDATE, COMMIT. The hook with its
-  default ``claim=True`` sends the register claim with the BEGIN (one message, a statement
-  prepared once per connection): the same four round trips. ``claim=False`` shows the hook
+  ``get()``, change, ``commit()``. Plain: BEGIN, SELECT, UPDATE, COMMIT, four waits. The
+  hook with its default ``claim=True`` sends the register claim with the BEGIN (one
+  message, a statement prepared once per connection) and reads its reply just before the
+  SELECT leaves: the server claims while the ORM composes the SELECT, and the unit waits
+  on three round trips. ``claim=False`` shows the hook
   without the claim; ``fenced_version()`` is the drop-in for ``version_id_col`` in a bound
   session (claim included).
 
@@ -200,7 +202,8 @@ def collect(ctx: Context) -> list[Row]:
         },
         notes={
             "unit of work with the hook, claim": "new session, get(), change, commit(); the "
-            "claim (C8) goes with the BEGIN: the same four round trips",
+            "claim (C8) leaves with the BEGIN and is read before the SELECT: three waits "
+            "where the plain unit has four",
             "unit of work, fenced_version() drop-in": "the version_id_col model with "
             "fenced_version(), in a session bound with the default claim",
         },

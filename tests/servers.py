@@ -383,7 +383,7 @@ class PostgresServer:
         options = (
             f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 "
             "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
-            "-c max_connections=100"
+            "-c max_connections=100 -c max_prepared_transactions=8"
         )
         self._run(
             str(self.bindir / "pg_ctl"),

@@ -4,14 +4,17 @@ Core statements left alone, events, the claim's lock on PostgreSQL (C8), savepoi
 
 from __future__ import annotations
 
+import gc
 import secrets
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
-from sqlalchemy import Engine, Integer, create_engine, event, select
+from sqlalchemy import Engine, Integer, create_engine, event, select, text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from fence import EventBus, EventKind, Reason, TokenRequiredError
@@ -384,3 +387,251 @@ def test_the_prepared_claim_follows_the_search_path(postgres_url: str) -> None:
         assert fences == [5, 6]  # [6, None] if the claim still went to the first tenant
     finally:
         engine.dispose()
+
+
+# -- the claim in flight (PostgreSQL) ------------------------------------------------------
+# On psycopg the claim leaves with the transaction's BEGIN, and its reply is read just
+# before the transaction's first statement, at its commit or rollback, or when the pool
+# takes the connection back. Every way to the server session meets the reply first.
+
+
+def _fence(engine: Engine, env: Env, scope: str = "item:1") -> int | None:
+    with engine.connect() as conn:
+        register = env.register.c
+        found = conn.execute(select(register.fence).where(register.scope == scope))
+        return found.scalar_one_or_none()
+
+
+@pytest.mark.postgres
+def test_the_claim_does_not_wait_at_begin_and_the_first_statement_does(postgres_url: str) -> None:
+    """A newer holder's transaction begins without waiting for the register row that an
+    older holder's open transaction holds; its first statement waits for the claim, and
+    then reads what the older holder committed (C8)."""
+    engine = create_engine(postgres_url)
+    try:
+        env = Env(engine)
+        a = Session(engine)
+        bind(a, token=10, scope="item:1", register=env.register)
+        a.get(env.Item, 1).v = 100
+        a.flush()  # A's claim holds the register row until A ends
+        b = Session(engine)
+        bind(b, token=11, scope="item:1", register=env.register)
+        began = threading.Thread(target=b.connection)  # begins: the claim is sent
+        began.start()
+        began.join(5)
+        assert not began.is_alive()  # nothing waited for the claim's reply
+        seen: list[int] = []
+        first = threading.Thread(target=lambda: seen.append(b.get(env.Item, 1).v))
+        first.start()
+        first.join(0.3)
+        assert first.is_alive()  # the first statement waits for the claim's reply
+        assert seen == []
+        a.commit()
+        a.close()
+        first.join(10)
+        assert seen == [100]
+        b.commit()
+        b.close()
+        assert _fence(engine, env) == 11
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_stale_holders_first_statement_never_reaches_the_server(postgres_url: str) -> None:
+    """``nextval()`` is not undone by a rollback: had the stale holder's first statement
+    run, the sequence would have moved."""
+    engine = _one_connection(postgres_url)
+    seq = f"ormx_probe_{secrets.token_hex(4)}"
+    try:
+        env = Env(engine)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"CREATE SEQUENCE {seq}")
+        _unit(engine, env, 6, 60)
+
+        def probe(token: int) -> None:
+            with Session(engine) as s:
+                bind(s, token=token, scope="item:1", register=env.register)
+                s.execute(text(f"SELECT nextval('{seq}')"))
+                s.commit()
+
+        def sequence() -> tuple[int, bool]:
+            with engine.connect() as conn:
+                found = conn.exec_driver_sql(f"SELECT last_value, is_called FROM {seq}").one()
+                return int(found[0]), bool(found[1])
+
+        with pytest.raises(StaleTokenError):
+            probe(5)
+        assert sequence() == (1, False)
+        probe(6)
+        assert sequence() == (1, True)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_transaction_with_no_statement_is_judged_at_its_end(postgres_url: str) -> None:
+    engine = _one_connection(postgres_url)
+    try:
+        env = Env(engine)
+        _unit(engine, env, 6, 60)
+
+        def begun(token: int) -> Session:
+            s = Session(engine)
+            bind(s, token=token, scope="item:1", register=env.register)
+            s.connection()  # begins: the claim is in flight
+            return s
+
+        with begun(5) as s:  # stale: refused before COMMIT leaves
+            with pytest.raises(StaleTokenError) as caught:
+                s.commit()
+            assert (caught.value.token, caught.value.fence) == (5, 6)
+            s.rollback()
+        with begun(7) as s:  # current: the claim is the transaction's one statement
+            s.commit()
+        assert _fence(engine, env) == 7
+        with begun(8) as s:  # rolled back: the reply is read, and the claim undone
+            s.rollback()
+        with begun(9):  # closed without a commit: the same
+            pass
+        with begun(5):  # stale and closed: nothing to refuse, nothing written
+            pass
+        assert _fence(engine, env) == 7
+        _unit(engine, env, 7, 70)  # the one connection is in a clean state
+        assert _value(engine, env) == 70
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_savepoint_as_the_first_statement_meets_the_claim(postgres_url: str) -> None:
+    engine = _one_connection(postgres_url)
+    try:
+        env = Env(engine)
+        _unit(engine, env, 6, 60)
+        with Session(engine) as s:
+            bind(s, token=5, scope="item:1", register=env.register)
+            s.begin_nested()
+            with pytest.raises(StaleTokenError):
+                s.connection()  # BEGIN and the claim, then SAVEPOINT: its first statement
+            s.rollback()
+        with Session(engine) as s:
+            bind(s, token=6, scope="item:1", register=env.register)
+            with s.begin_nested():
+                s.get(env.Item, 1).v = 61
+            s.commit()
+        assert _value(engine, env) == 61
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_two_phase_transaction_meets_the_claim_before_it_prepares(postgres_url: str) -> None:
+    engine = _one_connection(postgres_url)
+    try:
+        env = Env(engine)
+        _unit(engine, env, 6, 60)
+        with Session(engine, twophase=True) as s:
+            bind(s, token=5, scope="item:1", register=env.register)
+            s.connection()
+            with pytest.raises(StaleTokenError):
+                s.commit()  # PREPARE TRANSACTION is the first statement after the claim
+            s.rollback()
+        with Session(engine, twophase=True) as s:
+            bind(s, token=8, scope="item:1", register=env.register)
+            s.connection()
+            s.rollback()  # the reply is read before the rollback
+        with Session(engine, twophase=True) as s:
+            bind(s, token=7, scope="item:1", register=env.register)
+            s.get(env.Item, 1).v = 70
+            s.commit()
+        assert (_fence(engine, env), _value(engine, env)) == (7, 70)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_the_driver_reached_around_sqlalchemy_sends_nothing_while_the_claim_is_in_flight(
+    postgres_url: str,
+) -> None:
+    engine = _one_connection(postgres_url)
+    try:
+        env = Env(engine)
+        _unit(engine, env, 6, 60)
+        with Session(engine) as s:
+            bind(s, token=5, scope="item:1", register=env.register)
+            raw = s.connection().connection.driver_connection
+            assert raw is not None
+            table = env.Item.__table__.name
+            with pytest.raises(psycopg.OperationalError, match="another command"):
+                raw.execute(f"UPDATE {table} SET v = 99 WHERE id = 1")  # libpq refuses
+            with pytest.raises(StaleTokenError):
+                s.get(env.Item, 1)  # the claim is still judged before the first statement
+            s.rollback()
+        assert (_fence(engine, env), _value(engine, env)) == (6, 60)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_session_dropped_with_its_claim_in_flight_leaves_the_connection_usable(
+    postgres_url: str,
+) -> None:
+    """The pool reads the reply before it rolls the connection back, so the connection is
+    kept (the same server process serves the next unit), not thrown away."""
+    engine = _one_connection(postgres_url)
+
+    def backend() -> int:
+        with engine.connect() as conn:
+            return int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+
+    try:
+        env = Env(engine)
+        before = backend()
+        s = Session(engine)
+        bind(s, token=5, scope="item:1", register=env.register)
+        s.connection()
+        del s
+        gc.collect()
+        assert backend() == before
+        _unit(engine, env, 6, 60)
+        assert (_fence(engine, env), _value(engine, env)) == (6, 60)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+async def test_an_async_transaction_meets_its_claim_at_each_end(postgres_url: str) -> None:
+    """asyncio (psycopg's ``AsyncConnection``): the reply is awaited before the first
+    statement, the commit and the rollback, as on a sync connection."""
+    setup = create_engine(postgres_url)
+    env = Env(setup)
+    engine = create_async_engine(postgres_url, pool_size=1, max_overflow=0)
+    try:
+        async with AsyncSession(engine) as s:
+            bind(s, token=6, scope="item:1", register=env.register)
+            (await s.get(env.Item, 1)).v = 60
+            await s.commit()
+        async with AsyncSession(engine) as s:
+            bind(s, token=5, scope="item:1", register=env.register)
+            await s.connection()
+            with pytest.raises(StaleTokenError):
+                await s.commit()
+            await s.rollback()
+        async with AsyncSession(engine) as s:
+            bind(s, token=5, scope="item:1", register=env.register)
+            with pytest.raises(StaleTokenError):
+                await s.get(env.Item, 1)
+            await s.rollback()
+        async with AsyncSession(engine) as s:
+            bind(s, token=8, scope="item:1", register=env.register)
+            await s.connection()
+            await s.rollback()
+        async with AsyncSession(engine) as s:
+            bind(s, token=7, scope="item:1", register=env.register)
+            await s.connection()
+            await s.commit()
+        assert (_fence(setup, env), _value(setup, env)) == (7, 60)
+    finally:
+        await engine.dispose()
+        setup.dispose()

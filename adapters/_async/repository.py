@@ -136,7 +136,7 @@ class AsyncUnitOfWork:
         try:
             session = self.sessions()
             try:
-                bind(
+                found = bind(
                     session,
                     lease,
                     claim=self.claim,
@@ -145,6 +145,7 @@ class AsyncUnitOfWork:
                     unfenced=self.unfenced,
                     mode=mode,
                 )
+                found.eager = True  # refused before the block runs, not at its first read
                 await session.connection()  # begins the transaction: the claim runs here
                 yield session
                 await watch.stop()  # unasync: remove

@@ -133,7 +133,7 @@ class UnitOfWork:
         try:
             session = self.sessions()
             try:
-                bind(
+                found = bind(
                     session,
                     lease,
                     claim=self.claim,
@@ -142,6 +142,7 @@ class UnitOfWork:
                     unfenced=self.unfenced,
                     mode=mode,
                 )
+                found.eager = True  # refused before the block runs, not at its first read
                 session.connection()  # begins the transaction: the claim runs here
                 yield session
                 check_lease(lease)
