@@ -492,8 +492,13 @@ class SQLDriver:
                 return verdict.kept, True, None, False
             if not verdict.granted:
                 if verdict.queued:
-                    # Arrival order: kept by a waiter that has a place, else the clock.
-                    seq = next((e[4] for e in entries if e[0] == secret), int(now * 1_000_000))
+                    # Arrival order: kept by a waiter that has a place; a newcomer goes
+                    # after every place there is, as the clock (whole milliseconds on
+                    # SQLite) may not have moved since the last one came.
+                    seq = next((e[4] for e in entries if e[0] == secret), None)
+                    if seq is None:
+                        last_seq = max((int(e[4] or 0) for e in entries), default=0)
+                        seq = max(int(now * 1_000_000), last_seq + 1)
                     kind = "R" if reading else "W"
                     run(
                         "put", {**params, "kind": kind, "token": None, "ttl": QUEUE_TTL, "seq": seq}
