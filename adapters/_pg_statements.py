@@ -148,6 +148,9 @@ class PgRowStatements:
         self.key_cols = _names(self.key_names)
         self.regclass = _text(self.t)
         self._cache: dict[Any, Query] = {}
+        #: (columns, returning) -> the update of columns that passed :meth:`check_values`
+        #: once (the check depends on the names only): the hot path skips it.
+        self.checked_updates: dict[tuple[tuple[str, ...], bool], Query] = {}
         self.probe = _text(
             sql.SQL("SELECT {f}, {dead} FROM {t} WHERE {key}").format(
                 f=self.f, dead=self.dead, t=self.t, key=self.key_eq

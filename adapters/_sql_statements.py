@@ -191,6 +191,10 @@ def fence_register_table(
     )
 
 
+#: A checked update: the statement and the names of its value parameters.
+_Checked = tuple[Update, tuple[str, ...]]
+
+
 def _counted(stmt: _DML) -> _DML:
     """Keep ``cursor.rowcount`` for the row-count fallback: SQLAlchemy drops it for INSERT."""
     return stmt.execution_options(preserve_rowcount=True)
@@ -279,6 +283,10 @@ class RowStatements:
             )
         )
         self._cache: dict[Any, Any] = {}
+        #: (columns, returning) -> the update of columns that passed :meth:`check_values`
+        #: once (the check depends on the names only) and its value parameters' names:
+        #: the hot path skips the check.
+        self.checked_updates: dict[tuple[tuple[str, ...], bool], _Checked] = {}
 
     def _need(self, name: str, what: str) -> Column[Any]:
         if name not in self.table.c:
@@ -353,6 +361,15 @@ class RowStatements:
     ) -> dict[str, Any]:
         """The bind parameters of the cached statements: key, token and values."""
         params = {f"_v_{name}": v for name, v in values.items()}
+        params.update(zip(self._key_params, keyvals, strict=True))
+        params["_token"] = token
+        return params
+
+    def update_params(
+        self, names: Sequence[str], keyvals: Sequence[Any], token: int, values: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """:meth:`params` with the value parameters' names known (``checked_updates``)."""
+        params = dict(zip(names, values.values(), strict=True))
         params.update(zip(self._key_params, keyvals, strict=True))
         params["_token"] = token
         return params

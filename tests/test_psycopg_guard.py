@@ -299,3 +299,26 @@ def test_lost_connection_is_a_backend_error(
     assert isinstance(caught.value.__cause__, psycopg.OperationalError)
     with psycopg.connect(postgres_server.conninfo) as fresh:
         assert _row(fresh, accounts, 1) == (10, 0, False)  # nothing was committed
+
+
+@pytest.mark.parametrize("returning", [False, True])
+def test_each_new_set_of_columns_is_checked_and_a_refused_one_every_time(
+    conn: psycopg.Connection[Any], accounts: str, returning: bool
+) -> None:
+    """The guard remembers the sets of columns that passed its check (the hot path skips
+    it then); a set it refused is never remembered, so it is refused again."""
+    guard = _guard(conn, accounts, returning=returning)
+    guard.update(1, 5, {"balance": 11})
+    for _ in range(2):
+        with pytest.raises(ConfigurationError, match="set by the guard"):
+            guard.update(1, 5, {"balance": 12, "fence": 99})
+        with pytest.raises(ConfigurationError, match="set by the guard"):
+            guard.update(1, 5, {"deleted": True})
+        with pytest.raises(ConfigurationError, match="key"):
+            guard.update(1, 5, {"id": 3})
+        with pytest.raises(ConfigurationError, match="needs values"):
+            guard.update(1, 5, {})
+    guard.update(1, 6, {"owner": "b", "balance": 13})
+    guard.update(1, 6, {"balance": 14, "owner": "c"})  # the same columns, in another order
+    assert _row(conn, accounts, 1) == (14, 6, False)
+    assert _row(conn, accounts, 3) is None

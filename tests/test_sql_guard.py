@@ -258,6 +258,29 @@ def test_bad_values_are_refused_before_io(engine: Engine, accounts: Table) -> No
     assert _row(engine, accounts, 1).fence == 0
 
 
+@pytest.mark.parametrize("returning", [False, True])
+def test_each_new_set_of_columns_is_checked_and_a_refused_one_every_time(
+    engine: Engine, accounts: Table, returning: bool
+) -> None:
+    """The guard remembers the sets of columns that passed its check (the hot path skips
+    it then); a set it refused is never remembered, so it is refused again."""
+    with engine.begin() as conn:
+        guard = RowGuard(conn, accounts, returning=returning)
+        guard.update(1, 5, {"balance": 11})
+        for _ in range(2):
+            with pytest.raises(ConfigurationError, match="set by the guard"):
+                guard.update(1, 5, {"balance": 12, "fence": 99})
+            with pytest.raises(ConfigurationError, match="no columns"):
+                guard.update(1, 5, {"balance": 12, "nope": 1})
+            with pytest.raises(ConfigurationError, match="key"):
+                guard.update(1, 5, {"id": 3})
+            with pytest.raises(ConfigurationError, match="needs values"):
+                guard.update(1, 5, {})
+        guard.update(1, 6, {"balance": 14})
+    row = _row(engine, accounts, 1)
+    assert (row.balance, row.fence) == (14, 6)
+
+
 def test_guard_runs_inside_the_callers_transaction(
     engine: Engine, accounts: Table, register_table: Table
 ) -> None:

@@ -262,12 +262,15 @@ class AsyncRowGuard(_Base):
         token = validate_token(token)
         s = self.statements
         keyvals = s.key_values(key)
-        data = s.check_values(values, upsert=False)
-        if not data:
-            raise ConfigurationError("a fenced update needs values; use claim() to only fence")
+        shape = (tuple(values), self.returning)
+        query = s.checked_updates.get(shape)
+        if query is None:  # columns not seen before: check them, then remember them
+            data = s.check_values(values, upsert=False)
+            if not data:
+                raise ConfigurationError("a fenced update needs values; use claim() to only fence")
+            query = s.checked_updates[shape] = s.update(shape[0], self.returning)
         scope = RowScope(s.name, keyvals)
-        params = (*data.values(), token, *keyvals, token)
-        query = s.update(tuple(data), self.returning)
+        params = (*values.values(), token, *keyvals, token)
         if self.returning:
             count, rows = await self._run(query, params, "fenced update", scope)
         else:

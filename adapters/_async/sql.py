@@ -327,14 +327,20 @@ class AsyncRowGuard(_Base):
         token = validate_token(token)
         s = self.statements
         keyvals = s.key_values(key)
-        data = s.check_values(values, upsert=False)
-        if not data:
-            raise ConfigurationError("a fenced update needs values; use claim() to only fence")
-        scope = RowScope(s.name, keyvals)
         returning = self.write_update_returning
+        shape = (tuple(values), returning)
+        hot = s.checked_updates.get(shape)
+        if hot is None:  # columns not seen before: check them, then remember them
+            data = s.check_values(values, upsert=False)
+            if not data:
+                raise ConfigurationError("a fenced update needs values; use claim() to only fence")
+            names = tuple(f"_v_{name}" for name in shape[0])
+            hot = s.checked_updates[shape] = (s.update(shape[0], returning), names)
+        scope = RowScope(s.name, keyvals)
         self._check_rowcount(returning, scope, token)
+        stmt, names = hot
         result = await self._execute(
-            s.update(tuple(data), returning), s.params(keyvals, token, data), "fenced update", scope
+            stmt, s.update_params(names, keyvals, token, values), "fenced update", scope
         )
         count, rows = _changed(result, returning)
         if count == 1:
