@@ -145,6 +145,9 @@ BINDING_KEY = "iofence.binding"
 #: ``Session.info`` key of the connection whose transaction a read binding checked at its
 #: begin: its commit checks the fence again on it.
 _READ_CHECK_KEY = "iofence.read_check"
+#: ``Session.info`` key of the connections of a session's transaction whose claim was sent
+#: without waiting for its reply: its commit judges any reply still unread.
+_CLAIMED_KEY = "iofence.claimed"
 
 _TOKEN = "_token"  # noqa: S105 - the bind parameter of the token, as in the row guard's statements
 
@@ -766,6 +769,7 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
         _CURRENT.set(None)
     if transaction.parent is None:
         session.info.pop(_READ_CHECK_KEY, None)
+        session.info.pop(_CLAIMED_KEY, None)
 
 
 def _before_flush(session: Session, flush_context: Any, instances: Any) -> None:
@@ -1686,6 +1690,8 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         if found.eager:
             del _IN_FLIGHT[claim.raw]
             _judge_claim(connection, found, _read_claim(claim))
+        else:  # or, at the latest, as the session commits (_before_commit)
+            session.info.setdefault(_CLAIMED_KEY, []).append(connection)
         return
     stmt = _claim_statement(found.register, connection.dialect.name)
     try:
@@ -2002,6 +2008,11 @@ def _before_commit(session: Session) -> None:
     found: SessionBinding | None = session.info.get(BINDING_KEY)
     if found is None:
         return
+    # A claim whose transaction sent nothing else is judged here, before the flush and the
+    # commit: SQLAlchemy 2.0.28 loses a refusal raised inside a two-phase prepare in a
+    # rollback of its own there (IllegalStateChangeError).
+    for connection in session.info.pop(_CLAIMED_KEY, ()):
+        _claim_before_statement(connection, None, "", None, None, False)
     if found.read_only:
         # Read again at the end: what the transaction read was written under a token no
         # newer than the lease (a newer writer's claim commits with its writes).
