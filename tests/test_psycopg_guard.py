@@ -8,6 +8,8 @@ transaction, closed connections and the register.
 from __future__ import annotations
 
 import secrets
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -322,3 +324,49 @@ def test_each_new_set_of_columns_is_checked_and_a_refused_one_every_time(
     guard.update(1, 6, {"balance": 14, "owner": "c"})  # the same columns, in another order
     assert _row(conn, accounts, 1) == (14, 6, False)
     assert _row(conn, accounts, 3) is None
+
+
+class _SlowCursor(psycopg.Cursor[Any]):
+    """A cursor that yields to other threads between its statement and its row count."""
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        done = super().execute(*args, **kwargs)
+        time.sleep(0.0005)
+        return done
+
+
+@pytest.mark.parametrize("returning", [False, True])
+def test_threads_sharing_a_guard_each_get_the_verdict_of_their_own_write(
+    postgres_server: PostgresServer, accounts: str, returning: bool
+) -> None:
+    """The guard reuses its cursors, one per statement under way: threads writing through
+    one guard never read each other's row count, even when each thread pauses between its
+    statement and its row count. Half the writes are stale; each must be refused, and
+    each current one accepted."""
+    with psycopg.connect(
+        postgres_server.conninfo, autocommit=True, cursor_factory=_SlowCursor
+    ) as c:
+        guard = _guard(c, accounts, returning=returning)
+        for key in (1, 2):
+            guard.update(key, 10, {"balance": 0})
+        wrong: list[tuple[str, int, int]] = []
+
+        def work(n: int) -> None:
+            for i in range(60):
+                stale = (i + n) % 2 == 0
+                try:
+                    guard.update(1 + i % 2, 5 if stale else 10, {"balance": i})
+                except StaleTokenError:
+                    if not stale:
+                        wrong.append(("refused", n, i))
+                else:
+                    if stale:
+                        wrong.append(("accepted", n, i))
+
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert wrong == []
+        assert [_row(c, accounts, key)[1] for key in (1, 2)] == [10, 10]

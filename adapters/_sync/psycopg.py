@@ -78,6 +78,13 @@ class _Base:
     def __init__(self, conn: psycopg.Connection[Any], events: EventBus | None) -> None:
         self.conn = conn
         self.events = events or default_bus
+        # Cursors of the connection that :meth:`_count` and :meth:`_run` reuse, one per
+        # statement under way: a new psycopg cursor (its adapters and transformer) costs
+        # about as much as the guard's own checks. Each is taken off its list for one
+        # statement and put back after it (never after an error), so two statements under
+        # way at once (threads, tasks) never share one.
+        self._cursors: list[psycopg.Cursor[Any]] = []
+        self._dict_cursors: list[psycopg.Cursor[dict[str, Any]]] = []
 
     def _run(
         self, query: Query, params: Params, action: str, scope: str | RowScope
@@ -85,24 +92,31 @@ class _Base:
         """Run one statement; return its row count and the rows it returned (as dicts)."""
         if self.conn.closed:
             raise closed_connection_error()
+        free = self._dict_cursors
+        cur = free.pop() if free else self.conn.cursor(row_factory=dict_row)
         try:
-            with self.conn.cursor(row_factory=dict_row) as cur:
-                cur.execute(query, params)
-                # rownumber is None without a result set (cheaper than the description).
-                rows = cur.fetchall() if cur.rownumber is not None else []
-                return cur.rowcount, rows
+            cur.execute(query, params)
+            # rownumber is None without a result set (cheaper than the description).
+            rows = cur.fetchall() if cur.rownumber is not None else []
         except psycopg.Error as exc:
             raise translate_error(exc, action, str(scope)) from exc
+        count = cur.rowcount
+        free.append(cur)
+        return count, rows
 
     def _count(self, query: Query, params: Params, action: str, scope: str | RowScope) -> int:
         """Run one statement that returns no rows; return its row count."""
         if self.conn.closed:
             raise closed_connection_error()
+        free = self._cursors
+        cur = free.pop() if free else self.conn.cursor()
         try:
-            cur = self.conn.execute(query, params)
-            return cur.rowcount
+            cur.execute(query, params)
         except psycopg.Error as exc:
             raise translate_error(exc, action, str(scope)) from exc
+        count = cur.rowcount
+        free.append(cur)
+        return count
 
     def _many(self, query: Query, params: Sequence[Sequence[Any]], action: str, scope: str) -> int:
         """Send one statement with ``executemany``; return the rows it changed in all."""
