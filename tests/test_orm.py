@@ -437,140 +437,130 @@ def test_the_claim_does_not_wait_at_begin_and_the_first_statement_does(postgres_
         engine.dispose()
 
 
+Claimed = tuple[Engine, Env]
+
+
+@pytest.fixture
+def claimed(postgres_url: str) -> Iterator[Claimed]:
+    """One connection, and the scope ``item:1`` claimed and written at token 6 (value 60)."""
+    engine = _one_connection(postgres_url)
+    try:
+        env = Env(engine)
+        _unit(engine, env, 6, 60)
+        yield engine, env
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.postgres
-def test_a_stale_holders_first_statement_never_reaches_the_server(postgres_url: str) -> None:
+def test_a_stale_holders_first_statement_never_reaches_the_server(claimed: Claimed) -> None:
     """``nextval()`` is not undone by a rollback: had the stale holder's first statement
     run, the sequence would have moved."""
-    engine = _one_connection(postgres_url)
+    engine, env = claimed
     seq = f"ormx_probe_{secrets.token_hex(4)}"
-    try:
-        env = Env(engine)
-        with engine.begin() as conn:
-            conn.exec_driver_sql(f"CREATE SEQUENCE {seq}")
-        _unit(engine, env, 6, 60)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SEQUENCE {seq}")
 
-        def probe(token: int) -> None:
-            with Session(engine) as s:
-                bind(s, token=token, scope="item:1", register=env.register)
-                s.execute(text(f"SELECT nextval('{seq}')"))
-                s.commit()
-
-        def sequence() -> tuple[int, bool]:
-            with engine.connect() as conn:
-                found = conn.exec_driver_sql(f"SELECT last_value, is_called FROM {seq}").one()
-                return int(found[0]), bool(found[1])
-
-        with pytest.raises(StaleTokenError):
-            probe(5)
-        assert sequence() == (1, False)
-        probe(6)
-        assert sequence() == (1, True)
-    finally:
-        engine.dispose()
-
-
-@pytest.mark.postgres
-def test_a_transaction_with_no_statement_is_judged_at_its_end(postgres_url: str) -> None:
-    engine = _one_connection(postgres_url)
-    try:
-        env = Env(engine)
-        _unit(engine, env, 6, 60)
-
-        def begun(token: int) -> Session:
-            s = Session(engine)
+    def probe(token: int) -> None:
+        with Session(engine) as s:
             bind(s, token=token, scope="item:1", register=env.register)
-            s.connection()  # begins: the claim is in flight
-            return s
-
-        with begun(5) as s:  # stale: refused before COMMIT leaves
-            with pytest.raises(StaleTokenError) as caught:
-                s.commit()
-            assert (caught.value.token, caught.value.fence) == (5, 6)
-            s.rollback()
-        with begun(7) as s:  # current: the claim is the transaction's one statement
+            s.execute(text(f"SELECT nextval('{seq}')"))
             s.commit()
-        assert _fence(engine, env) == 7
-        with begun(8) as s:  # rolled back: the reply is read, and the claim undone
-            s.rollback()
-        with begun(9):  # closed without a commit: the same
-            pass
-        with begun(5):  # stale and closed: nothing to refuse, nothing written
-            pass
-        assert _fence(engine, env) == 7
-        _unit(engine, env, 7, 70)  # the one connection is in a clean state
-        assert _value(engine, env) == 70
-    finally:
-        engine.dispose()
+
+    def sequence() -> tuple[int, bool]:
+        with engine.connect() as conn:
+            found = conn.exec_driver_sql(f"SELECT last_value, is_called FROM {seq}").one()
+            return int(found[0]), bool(found[1])
+
+    with pytest.raises(StaleTokenError):
+        probe(5)
+    assert sequence() == (1, False)
+    probe(6)
+    assert sequence() == (1, True)
 
 
 @pytest.mark.postgres
-def test_a_savepoint_as_the_first_statement_meets_the_claim(postgres_url: str) -> None:
-    engine = _one_connection(postgres_url)
-    try:
-        env = Env(engine)
-        _unit(engine, env, 6, 60)
-        with Session(engine) as s:
-            bind(s, token=5, scope="item:1", register=env.register)
-            s.begin_nested()
-            with pytest.raises(StaleTokenError):
-                s.connection()  # BEGIN and the claim, then SAVEPOINT: its first statement
-            s.rollback()
-        with Session(engine) as s:
-            bind(s, token=6, scope="item:1", register=env.register)
-            with s.begin_nested():
-                s.get(env.Item, 1).v = 61
+def test_a_transaction_with_no_statement_is_judged_at_its_end(claimed: Claimed) -> None:
+    engine, env = claimed
+
+    def begun(token: int) -> Session:
+        s = Session(engine)
+        bind(s, token=token, scope="item:1", register=env.register)
+        s.connection()  # begins: the claim is in flight
+        return s
+
+    with begun(5) as s:  # stale: refused before COMMIT leaves
+        with pytest.raises(StaleTokenError) as caught:
             s.commit()
-        assert _value(engine, env) == 61
-    finally:
-        engine.dispose()
+        assert (caught.value.token, caught.value.fence) == (5, 6)
+        s.rollback()
+    with begun(7) as s:  # current: the claim is the transaction's one statement
+        s.commit()
+    assert _fence(engine, env) == 7
+    with begun(8) as s:  # rolled back: the reply is read, and the claim undone
+        s.rollback()
+    with begun(9):  # closed without a commit: the same
+        pass
+    with begun(5):  # stale and closed: nothing to refuse, nothing written
+        pass
+    assert _fence(engine, env) == 7
+    _unit(engine, env, 7, 70)  # the one connection is in a clean state
+    assert _value(engine, env) == 70
 
 
 @pytest.mark.postgres
-def test_a_two_phase_transaction_meets_the_claim_before_it_prepares(postgres_url: str) -> None:
-    engine = _one_connection(postgres_url)
-    try:
-        env = Env(engine)
-        _unit(engine, env, 6, 60)
-        with Session(engine, twophase=True) as s:
-            bind(s, token=5, scope="item:1", register=env.register)
-            s.connection()
-            with pytest.raises(StaleTokenError):
-                s.commit()  # PREPARE TRANSACTION is the first statement after the claim
-            s.rollback()
-        with Session(engine, twophase=True) as s:
-            bind(s, token=8, scope="item:1", register=env.register)
-            s.connection()
-            s.rollback()  # the reply is read before the rollback
-        with Session(engine, twophase=True) as s:
-            bind(s, token=7, scope="item:1", register=env.register)
-            s.get(env.Item, 1).v = 70
-            s.commit()
-        assert (_fence(engine, env), _value(engine, env)) == (7, 70)
-    finally:
-        engine.dispose()
+def test_a_savepoint_as_the_first_statement_meets_the_claim(claimed: Claimed) -> None:
+    engine, env = claimed
+    with Session(engine) as s:
+        bind(s, token=5, scope="item:1", register=env.register)
+        s.begin_nested()
+        with pytest.raises(StaleTokenError):
+            s.connection()  # BEGIN and the claim, then SAVEPOINT: its first statement
+        s.rollback()
+    with Session(engine) as s:
+        bind(s, token=6, scope="item:1", register=env.register)
+        with s.begin_nested():
+            s.get(env.Item, 1).v = 61
+        s.commit()
+    assert _value(engine, env) == 61
+
+
+@pytest.mark.postgres
+def test_a_two_phase_transaction_meets_the_claim_before_it_prepares(claimed: Claimed) -> None:
+    engine, env = claimed
+    with Session(engine, twophase=True) as s:
+        bind(s, token=5, scope="item:1", register=env.register)
+        s.connection()
+        with pytest.raises(StaleTokenError):
+            s.commit()  # judged as the commit begins, before the two-phase prepare
+        s.rollback()
+    with Session(engine, twophase=True) as s:
+        bind(s, token=8, scope="item:1", register=env.register)
+        s.connection()
+        s.rollback()  # the reply is read before the rollback
+    with Session(engine, twophase=True) as s:
+        bind(s, token=7, scope="item:1", register=env.register)
+        s.get(env.Item, 1).v = 70
+        s.commit()
+    assert (_fence(engine, env), _value(engine, env)) == (7, 70)
 
 
 @pytest.mark.postgres
 def test_the_driver_reached_around_sqlalchemy_sends_nothing_while_the_claim_is_in_flight(
-    postgres_url: str,
+    claimed: Claimed,
 ) -> None:
-    engine = _one_connection(postgres_url)
-    try:
-        env = Env(engine)
-        _unit(engine, env, 6, 60)
-        with Session(engine) as s:
-            bind(s, token=5, scope="item:1", register=env.register)
-            raw = s.connection().connection.driver_connection
-            assert raw is not None
-            table = env.Item.__table__.name
-            with pytest.raises(psycopg.OperationalError, match="another command"):
-                raw.execute(f"UPDATE {table} SET v = 99 WHERE id = 1")  # libpq refuses
-            with pytest.raises(StaleTokenError):
-                s.get(env.Item, 1)  # the claim is still judged before the first statement
-            s.rollback()
-        assert (_fence(engine, env), _value(engine, env)) == (6, 60)
-    finally:
-        engine.dispose()
+    engine, env = claimed
+    with Session(engine) as s:
+        bind(s, token=5, scope="item:1", register=env.register)
+        raw = s.connection().connection.driver_connection
+        assert raw is not None
+        table = env.Item.__table__.name
+        with pytest.raises(psycopg.OperationalError, match="another command"):
+            raw.execute(f"UPDATE {table} SET v = 99 WHERE id = 1")  # libpq refuses
+        with pytest.raises(StaleTokenError):
+            s.get(env.Item, 1)  # the claim is still judged before the first statement
+        s.rollback()
+    assert (_fence(engine, env), _value(engine, env)) == (6, 60)
 
 
 @pytest.mark.postgres
