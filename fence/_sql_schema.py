@@ -590,7 +590,11 @@ _PG_US = "CAST(floor(extract(epoch FROM c.now) * 1000000) AS BIGINT)"
 # SQLite: the database's clock in Unix seconds. SQLite reads the clock once per statement
 # step, so every use in one statement sees the same instant (millisecond resolution).
 _SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
-_SQLITE_FLOOR = f"CAST({_SQLITE_NOW} * 1000000 AS INTEGER)"
+# The hybrid token floor on SQLite: the same system clock in microseconds, read by the
+# driver as it sends the statement (``:clock_us``; SQLite's own reading moves in whole
+# milliseconds, and two tokens issued within one would be equal after a restore), and never
+# below SQLite's own reading, which is later when the statement waited for the write lock.
+_SQLITE_FLOOR = f"max(:clock_us, CAST({_SQLITE_NOW} * 1000000 AS INTEGER))"
 
 # SQLite has no data-modifying CTE, so the upsert always takes the conflict branch and keeps
 # the holder's values when the lock is not free: one statement and one row back, granted or

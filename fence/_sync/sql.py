@@ -317,6 +317,9 @@ class SQLDriver:
             self._raw_sql["acquire_read"] = self.statements.acquire_read
             self._sql["acquire_read"] = text(self.statements.acquire_read)
         self._steps = {name: text(sql) for name, sql in self.statements.sqlite.items()}
+        # SQLite's hybrid token floor takes the driver's reading of the clock, in
+        # microseconds (see fence._sql_schema).
+        self._clock = dialect == "sqlite" and self.token_mode is TokenMode.HYBRID
         # The leases this driver granted to readers, and the waiters it put in the queue:
         # their calls take the shared table's statements.
         self._reading: set[tuple[str, str]] = set()
@@ -755,6 +758,8 @@ class SQLDriver:
         """Run statement ``name``: its first row, or ``None`` (with ``every``: all rows)."""
         if self._create_pending:
             self.create_table()
+        if self._clock:
+            params = {**params, "clock_us": time.time_ns() // 1000}
         if not _IS_ASYNC and self._raw:
             return self._execute_raw(name, resource, params, deadline(), every)
         statement = self._sql[name]
@@ -783,7 +788,8 @@ class SQLDriver:
             try:
                 if self._pg:
                     conn.execute(self._lock_row, {"resource": resource})
-                rows = [(conn.execute(self._sql[n], p)).first() for n, p in steps]
+                clock = {"clock_us": time.time_ns() // 1000} if self._clock else {}
+                rows = [(conn.execute(self._sql[n], {**p, **clock})).first() for n, p in steps]
                 conn.exec_driver_sql("COMMIT")
             except BaseException:
                 try:
@@ -807,6 +813,8 @@ class SQLDriver:
                 statement = self._steps.get(step)
                 if statement is None:
                     statement = self._sql[step]
+                if self._clock:
+                    params = {**params, "clock_us": time.time_ns() // 1000}
                 result = settle(conn.execute(statement, params))
                 return list(result.fetchall()) if result.returns_rows else []
 

@@ -1,9 +1,12 @@
-"""The SQL manager's queue on SQLite keeps arrival order when arrivals share a clock tick.
+"""The SQL manager on SQLite when many things happen within one tick of its clock.
 
-SQLite's clock (``julianday('now')``) moves in whole milliseconds, so two waiters that
-queue within one millisecond read the same time. Here the clock is frozen for the whole
-test (the connection's ``julianday`` replaced), which makes every arrival share one tick:
-the queue must still serve them in the order they arrived.
+SQLite's clock (``julianday('now')``) moves in whole milliseconds. Here the clock is frozen
+for the whole test (the connection's ``julianday`` replaced), which puts every call in one
+tick:
+
+- waiters that queue in one tick are served in the order they arrived;
+- hybrid tokens issued in one tick after the table went back in time (a restored backup)
+  still rise (C3).
 
 The first waiter is a reader: on SQLite and PostgreSQL a writer takes a place in the
 queue only beside readers (held or queued), as ``fence._rwlock.decide`` rules.
@@ -78,3 +81,18 @@ def test_waiters_queued_in_one_clock_tick_are_served_in_arrival_order(
             thread.join(30)
         # Each reader alone (a writer queued behind each one), each writer alone.
         assert order == names
+
+
+def test_hybrid_tokens_issued_in_one_clock_tick_after_a_restore_still_rise(
+    frozen_engine: Engine,
+) -> None:
+    with SQLLockManager(frozen_engine, ttl=30) as manager:
+        manager.create_table()
+        tokens = []
+        for _ in range(3):
+            lease = manager.acquire("r", timeout=5)
+            tokens.append(lease.token)
+            lease.release()
+            with frozen_engine.begin() as conn:  # the backup from long ago
+                conn.exec_driver_sql("UPDATE fence_leases SET token = 1")
+        assert tokens == sorted(set(tokens)), tokens
