@@ -546,6 +546,25 @@ def test_a_two_phase_transaction_meets_the_claim_before_it_prepares(claimed: Cla
 
 
 @pytest.mark.postgres
+def test_a_commit_or_prepare_on_the_sessions_connection_meets_the_claim(
+    claimed: Claimed,
+) -> None:
+    """``Connection.commit()`` and a two-phase ``prepare()`` called on the session's own
+    connection, not through the session, also judge the claim first."""
+    engine, env = claimed
+    for twophase in (False, True):
+        with Session(engine, twophase=twophase) as s:
+            bind(s, token=5, scope="item:1", register=env.register)
+            conn = s.connection()
+            transaction: Any = conn.get_transaction()
+            end = transaction.prepare if twophase else conn.commit
+            with pytest.raises(StaleTokenError):
+                end()
+            s.rollback()
+    assert (_fence(engine, env), _value(engine, env)) == (6, 60)
+
+
+@pytest.mark.postgres
 def test_the_driver_reached_around_sqlalchemy_sends_nothing_while_the_claim_is_in_flight(
     claimed: Claimed,
 ) -> None:
