@@ -2012,7 +2012,7 @@ def _before_commit(session: Session) -> None:
     # commit: SQLAlchemy 2.0.28 loses a refusal raised inside a two-phase prepare in a
     # rollback of its own there (IllegalStateChangeError).
     for connection in session.info.pop(_CLAIMED_KEY, ()):
-        _claim_before_statement(connection, None, "", None, None, False)
+        _claim_before_commit(connection)
     if found.read_only:
         # Read again at the end: what the transaction read was written under a token no
         # newer than the lease (a newer writer's claim commits with its writes).

@@ -179,6 +179,11 @@ class PgRowStatements:
                 changed by an update, key columns missing from an upsert, or a column
                 name that is not a ``str``.
         """
+        if not isinstance(values, Mapping):
+            raise ConfigurationError(
+                f"the values of a write to {self.name} must be a mapping of column name to "
+                f"value, got {type(values).__name__}"
+            )
         data = dict(values)
         keys_ok = self.key_set.issubset(data) if upsert else self.key_set.isdisjoint(data)
         if keys_ok and self.guarded.isdisjoint(data):

@@ -325,6 +325,11 @@ class RowStatements:
                 hand, key columns changed by an update, or key columns missing from an
                 upsert.
         """
+        if not isinstance(values, Mapping):
+            raise ConfigurationError(
+                f"the values of a write to {self.name} must be a mapping of column name to "
+                f"value, got {type(values).__name__}"
+            )
         data = dict(values)
         keys_ok = self.key_set.issubset(data) if upsert else self.key_set.isdisjoint(data)
         if keys_ok and self.guarded.isdisjoint(data) and self.columns.issuperset(data):

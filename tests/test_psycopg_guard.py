@@ -320,6 +320,9 @@ def test_each_new_set_of_columns_is_checked_and_a_refused_one_every_time(
             guard.update(1, 5, {"id": 3})
         with pytest.raises(ConfigurationError, match="needs values"):
             guard.update(1, 5, {})
+        for bad in ([("balance", 12)], "balance", 5, None):  # not a mapping
+            with pytest.raises(ConfigurationError, match="mapping"):
+                guard.update(1, 5, bad)  # type: ignore[arg-type]
     guard.update(1, 6, {"owner": "b", "balance": 13})
     guard.update(1, 6, {"balance": 14, "owner": "c"})  # the same columns, in another order
     assert _row(conn, accounts, 1) == (14, 6, False)

@@ -328,12 +328,13 @@ class AsyncRowGuard(_Base):
         s = self.statements
         keyvals = s.key_values(key)
         returning = self.write_update_returning
-        shape = (tuple(values), returning)
-        hot = s.checked_updates.get(shape)
-        if hot is None:  # columns not seen before: check them, then remember them
-            data = s.check_values(values, upsert=False)
-            if not data:
+        # The columns of a dict seen before need no check (other mappings take the check).
+        hot = s.checked_updates.get((tuple(values), returning)) if type(values) is dict else None
+        if hot is None:
+            values = s.check_values(values, upsert=False)
+            if not values:
                 raise ConfigurationError("a fenced update needs values; use claim() to only fence")
+            shape = (tuple(values), returning)
             names = tuple(f"_v_{name}" for name in shape[0])
             hot = s.checked_updates[shape] = (s.update(shape[0], returning), names)
         scope = RowScope(s.name, keyvals)

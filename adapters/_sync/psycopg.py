@@ -274,16 +274,18 @@ class RowGuard(_Base):
         token = validate_token(token)
         s = self.statements
         keyvals = s.key_values(key)
-        shape = (tuple(values), self.returning)
-        query = s.checked_updates.get(shape)
-        if query is None:  # columns not seen before: check them, then remember them
-            data = s.check_values(values, upsert=False)
-            if not data:
+        # The columns of a dict seen before need no check (other mappings take the check).
+        returning = self.returning
+        query = s.checked_updates.get((tuple(values), returning)) if type(values) is dict else None
+        if query is None:
+            values = s.check_values(values, upsert=False)
+            if not values:
                 raise ConfigurationError("a fenced update needs values; use claim() to only fence")
-            query = s.checked_updates[shape] = s.update(shape[0], self.returning)
+            shape = (tuple(values), returning)
+            query = s.checked_updates[shape] = s.update(shape[0], returning)
         scope = RowScope(s.name, keyvals)
         params = (*values.values(), token, *keyvals, token)
-        if self.returning:
+        if returning:
             count, rows = self._run(query, params, "fenced update", scope)
         else:
             count, rows = self._count(query, params, "fenced update", scope), []
