@@ -13,7 +13,6 @@ With ``--unfenced`` the same story uses a plain ``UPDATE`` and B's deposit is si
 from __future__ import annotations
 
 import argparse
-import importlib
 import multiprocessing as mp
 import os
 import signal
@@ -23,9 +22,10 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any
 
 from fence._interrupt import sigint_ignored
+from fence._optional import fence_column, row_guard
 
 __all__ = ["main"]
 
@@ -35,14 +35,9 @@ PAUSE = 2.0
 START_BALANCE = 100
 
 
-class _RowGuard(Protocol):
-    def update(self, key: Any, token: int, values: dict[str, Any]) -> Any: ...
-
-
 def _tables(metadata: Any) -> Any:
     import sqlalchemy as sa
 
-    fence_column = importlib.import_module("fence.adapters.sql").fence_column
     return sa.Table(
         "accounts",
         metadata,
@@ -86,10 +81,7 @@ def _worker(
             control.recv()  # A is frozen here by SIGSTOP, between its check and its write
         with engine.begin() as conn:
             if fenced:
-                guard = cast(
-                    _RowGuard,
-                    importlib.import_module("fence.adapters.sql").RowGuard(conn, accounts),
-                )
+                guard = row_guard(conn, accounts)
                 try:
                     guard.update(42, lease.token, {"balance": after})
                 except StaleTokenError as err:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import logging
 import math
@@ -37,6 +36,7 @@ from urllib.parse import urlsplit
 import fence
 from fence._core import TokenMode, validate_resource
 from fence._errors import BackendError, ConfigurationError, FenceError
+from fence._optional import install_hint, sql_ddl
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -62,16 +62,6 @@ _KINDS = {
     "etcds": "etcd",
     "zookeeper": "zookeeper",
     "zk": "zookeeper",
-}
-
-# The extra that installs each driver package.
-_EXTRAS = {
-    "redis": "redis",
-    "sqlalchemy": "sql",
-    "greenlet": "sql",
-    "psycopg": "postgres",
-    "httpx": "etcd",
-    "kazoo": "zookeeper",
 }
 
 
@@ -290,10 +280,10 @@ def _backend(url: str) -> tuple[str, str]:
 
 def _missing_package(exc: ModuleNotFoundError) -> _Failed:
     top = (exc.name or "").split(".")[0]
-    extra = _EXTRAS.get(top)
-    if extra is None:
+    hint = install_hint(top)
+    if hint is None:
         return _Failed(f"a module is missing: {exc}")
-    return _Failed(f"{top} is not installed: pip install 'iofence[{extra}]'")
+    return _Failed(f"{top} is not installed: {hint}")
 
 
 def _where(url: str) -> str:
@@ -597,13 +587,8 @@ def _ddl_script(
     """
     from fence._sql_schema import _dialect, lease_schema_ddl
 
-    # fence.adapters ships from adapters/: imported by name, as the rest of fence does.
-    common = importlib.import_module("fence.adapters._sql_common")
-    fence_column_ddl: str = common.FENCE_COLUMN_DDL
-    register_ddl: str = common.REGISTER_TABLE_DDL
-    tombstone_ddl: str = common.TOMBSTONE_COLUMN_DDL
-
     quote = _dialect(dialect).identifier_preparer.quote
+    fence_column_ddl, tombstone_ddl, register_ddl = sql_ddl()
 
     def qualified(name: str, in_schema: str | None = None) -> str:
         parts = [*([in_schema] if in_schema else []), *name.split(".")]
