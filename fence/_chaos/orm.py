@@ -10,18 +10,13 @@ a stale holder's write is stopped by the fence and not by a lock held across its
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from fence._chaos.pairings import (
-    Endpoints,
-    counter_table,
-    needs_token,
-    sql_engine,
-    sql_failed,
-)
+from fence._chaos.base import Endpoints, needs_token
+from fence._chaos.sql import counter_table, sql_engine, sql_failed
 from fence._errors import BackendError, StaleTokenError
+from fence._optional import bind_session, fence_register_table
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -35,10 +30,9 @@ def _mapped(namespace: str) -> tuple[Any, sa.Table, sa.Table]:
     import sqlalchemy as sa
     from sqlalchemy.orm import registry
 
-    orm = importlib.import_module("fence.adapters.orm")
     metadata = sa.MetaData()
     table = counter_table(metadata, namespace)
-    register = orm.fence_register_table(metadata)
+    register = fence_register_table(metadata)
     cls = type(f"ChaosCounter_{namespace}", (), {})
     registry(metadata=metadata).map_imperatively(cls, table)
     return cls, table, register
@@ -50,14 +44,13 @@ class OrmStore:
 
     def __init__(self, endpoints: Endpoints, namespace: str) -> None:
         self._engine = sql_engine(endpoints)
-        self._bind = importlib.import_module("fence.adapters.orm").bind
         self._counter = _mapped(namespace)[0]
 
     def _session(self, record: str, token: int) -> Any:
         from sqlalchemy.orm import Session
 
         session = Session(self._engine, expire_on_commit=False)
-        self._bind(session, token=token, scope=record)
+        bind_session(session, token=token, scope=record)
         return session
 
     def read(self, record: str, token: int | None) -> int:

@@ -2,39 +2,48 @@
 
 A pairing names a *locker* kind and a *store* kind. Every worker of the run opens one of each:
 
-- a :class:`Locker` hands out leases on records, with a token (``None`` for the unfenced
-  baseline);
-- a :class:`Store` keeps one integer counter per record and offers the two halves of a
-  read-modify-write cycle: a *registering read* (the read raises the fence to the token,
-  C8) and a fenced write of the new value.
+- a :class:`~fence._chaos.base.Locker` hands out leases on records, with a token (``None``
+  for the unfenced baseline);
+- a :class:`~fence._chaos.base.Store` keeps one integer counter per record and offers the
+  two halves of a read-modify-write cycle: a *registering read* (the read raises the fence
+  to the token, C8) and a fenced write of the new value.
 
 Adding a pairing means adding a :class:`StoreKind` or :class:`LockerKind` (a few factory
 functions) and one :class:`Pairing` line.
 
 A pairing with readers (:attr:`Pairing.readers`, C13) mixes read cycles into the writers'
-cycles: a reader takes a read lease and makes checked reads (:meth:`Store.checked_read`:
-the value, the token it was written under, and the fence, in one atomic step), accepted
-iff the fence is not above its token. The ORM pairing is built that way in
-:mod:`fence._chaos.orm`; it runs when ``fence.adapters.orm`` is installed, and otherwise
-:data:`PLANNED` says what is missing and the summary of every run repeats it.
+cycles: a reader takes a read lease and makes checked reads
+(:meth:`~fence._chaos.base.SharedStore.checked_read`: the value, the token it was written
+under, and the fence, in one atomic step), accepted iff the fence is not above its token.
 
-The guards live in ``fence.adapters``, which ships from another source folder; they are
-loaded with :mod:`importlib` and typed by the small protocols below.
+The Redis stores are here; the SQL row guard's store is in :mod:`fence._chaos.sql`, the ORM
+session hook's in :mod:`fence._chaos.orm`. The guards themselves come from
+``fence.adapters`` through :mod:`fence._optional`. A pairing whose server or client this
+machine lacks is left out, and :data:`PLANNED` says what is missing; the summary of every
+run repeats it.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any
 
-from fence._errors import BackendError, ConfigurationError, NotOwnerError
+from fence._chaos import orm, sql
+from fence._chaos.base import (
+    SOCKET_TIMEOUT,
+    CheckedRead,
+    Endpoints,
+    Held,
+    Locker,
+    Store,
+    needs_token,
+)
+from fence._errors import BackendError, NotOwnerError
+from fence._optional import redis_guard
 
 if TYPE_CHECKING:
-    import sqlalchemy as sa
-
     from fence._sync.manager import BaseLockManager, Lease
 
 __all__ = [
@@ -42,141 +51,10 @@ __all__ = [
     "PAIRINGS",
     "PLANNED",
     "STORES",
-    "CheckedRead",
-    "Endpoints",
-    "Held",
-    "Locker",
     "LockerKind",
     "Pairing",
-    "SharedStore",
-    "Store",
     "StoreKind",
 ]
-
-#: Client-side timeouts of the harness's own connections, in seconds: a request to a
-#: killed server fails fast instead of hanging a worker past its pause schedule.
-SOCKET_TIMEOUT = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoints:
-    """Where the servers of a run listen.
-
-    Attributes:
-        redis: a ``redis://`` URL, if the run has a Redis server.
-        postgres: a SQLAlchemy ``postgresql+psycopg://`` URL, if it has PostgreSQL.
-        etcd: an ``etcd://`` URL of the run's 3-member cluster, if it has one.
-        zookeeper: a ``zookeeper://`` URL of the run's 3-server ensemble, if it has one.
-    """
-
-    redis: str | None = None
-    postgres: str | None = None
-    etcd: str | None = None
-    zookeeper: str | None = None
-
-    def url(self, server: str) -> str:
-        """The URL of ``server`` (``"redis"``, ``"postgres"``, ``"etcd"``, ``"zookeeper"``).
-
-        Raises:
-            ConfigurationError: the run has no such server.
-        """
-        found = getattr(self, server, None) if server in _SERVERS else None
-        if found is None:
-            raise ConfigurationError(f"this chaos run has no {server} server")
-        return str(found)
-
-
-_SERVERS = ("redis", "postgres", "etcd", "zookeeper")
-
-
-class Held(Protocol):
-    """A lease (or a plain lock) a worker holds on one record."""
-
-    @property
-    def token(self) -> int | None:
-        """The fencing token; ``None`` for an unfenced lock."""
-        ...
-
-    def release(self) -> None:
-        """Release it.
-
-        Raises:
-            NotOwnerError: the lease ended before (it expired while the holder was stopped).
-            BackendError: the server failed; the lease will expire by itself.
-        """
-        ...
-
-
-class Locker(Protocol):
-    """Hands out :class:`Held` locks on records."""
-
-    def acquire(self, record: str, timeout: float, mode: str = "write") -> Held | None:
-        """Wait up to ``timeout`` seconds for the lock on ``record`` (a read lease with
-        ``mode="read"``); ``None`` if it stayed taken.
-
-        Raises:
-            BackendError: the server failed.
-        """
-        ...
-
-    def close(self) -> None:
-        """Close the connections."""
-        ...
-
-
-class Store(Protocol):
-    """One integer counter per record, read and written under a lock."""
-
-    def read(self, record: str, token: int | None) -> int:
-        """Read the counter; with a token, as a registering read that raises the fence.
-
-        Raises:
-            StaleTokenError: a newer token claimed the record; nothing was read.
-            BackendError: the server failed.
-        """
-        ...
-
-    def write(self, record: str, token: int | None, value: int) -> None:
-        """Write the counter; with a token, fenced.
-
-        Raises:
-            StaleTokenError: a newer token claimed the record; nothing was written.
-            BackendError: the server failed; the write may or may not have happened.
-        """
-        ...
-
-    def close(self) -> None:
-        """Close the connections."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class CheckedRead:
-    """What a reader saw, in one atomic step.
-
-    Attributes:
-        value: the counter.
-        written: the token it was written under (``None``: the initial value).
-        fence: the fence read with it.
-    """
-
-    value: int
-    written: int | None
-    fence: int | None
-
-
-class SharedStore(Store, Protocol):
-    """A store whose values carry the token they were written under (pairings with
-    readers)."""
-
-    def checked_read(self, record: str) -> CheckedRead:
-        """The counter, its writer's token and the fence, in one atomic step; raises the
-        fence of nothing.
-
-        Raises:
-            BackendError: the server failed.
-        """
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +111,7 @@ class Pairing:
             updates, a fenced pairing never.
         description: one line for people.
         readers: the share of cycles that are read cycles under a read lease (C13); the
-            store must be a :class:`SharedStore`.
+            store must be a :class:`~fence._chaos.base.SharedStore`.
     """
 
     name: str
@@ -439,33 +317,12 @@ def _zookeeper_overhang(ttl: float) -> float:
 # -- Redis stores -------------------------------------------------------------------------
 
 
-class _RedisGuard(Protocol):
-    def read_for_update(self, key: str, *, token: int) -> Any: ...
-
-    def set(
-        self,
-        key: str,
-        value: Any,
-        *,
-        token: int,
-        ttl: float | None = None,
-        must_exist: bool = False,
-    ) -> None: ...
-
-
-def needs_token(token: int | None) -> int:
-    if token is None:
-        raise ConfigurationError("a fenced store needs a token")
-    return token
-
-
 class _RedisGuardStore:
     """Counters in Redis strings, behind ``fence.adapters.redis.RedisGuard``."""
 
     def __init__(self, url: str) -> None:
         self._client = _redis_client(url)
-        module = importlib.import_module("fence.adapters.redis")
-        self._guard = cast(_RedisGuard, module.RedisGuard(self._client))
+        self._guard = redis_guard(self._client)
 
     def read(self, record: str, token: int | None) -> int:
         value = self._guard.read_for_update(_counter_key(record), token=needs_token(token))
@@ -484,8 +341,7 @@ class _RedisGuardSharedStore:
 
     def __init__(self, url: str) -> None:
         self._client = _redis_client(url)
-        module = importlib.import_module("fence.adapters.redis")
-        self._guard = module.RedisGuard(self._client)
+        self._guard = redis_guard(self._client)
 
     def read(self, record: str, token: int | None) -> int:
         raw = self._guard.read_for_update(_counter_key(record), token=needs_token(token))
@@ -567,122 +423,6 @@ def _final_redis_counters(
     return {record: int(value or 0) for record, value in zip(records, values, strict=True)}
 
 
-# -- SQL store ----------------------------------------------------------------------------
-
-
-class _RowGuard(Protocol):
-    def read_for_update(self, key: Any, token: int) -> Any: ...
-
-    def update(self, key: Any, token: int, values: dict[str, Any]) -> Any: ...
-
-
-def counter_table(metadata: sa.MetaData, namespace: str) -> sa.Table:
-    import sqlalchemy as sa
-
-    fence_column = importlib.import_module("fence.adapters.sql").fence_column
-    return sa.Table(
-        f"chaos_{namespace}",
-        metadata,
-        sa.Column("id", sa.String(64), primary_key=True),
-        sa.Column("value", sa.BigInteger, nullable=False),
-        fence_column(),
-    )
-
-
-def sql_engine(endpoints: Endpoints) -> sa.Engine:
-    import sqlalchemy as sa
-
-    return sa.create_engine(
-        endpoints.url("postgres"),
-        pool_pre_ping=True,
-        pool_size=2,
-        connect_args={"connect_timeout": 2},
-    )
-
-
-def sql_failed(what: str, err: Exception) -> BackendError:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return BackendError(f"PostgreSQL failed the {what}: {first}", code="SQL", retryable=True)
-
-
-class _RowGuardStore:
-    """Counters in PostgreSQL rows with a fence column, behind
-    ``fence.adapters.sql.RowGuard``.
-
-    The registering read and the write are two transactions, as a service would run them
-    around some work: only the fence, not a row lock held across the work, keeps a stale
-    holder out.
-    """
-
-    def __init__(self, endpoints: Endpoints, namespace: str) -> None:
-        import sqlalchemy as sa
-
-        self._engine = sql_engine(endpoints)
-        self._table = counter_table(sa.MetaData(), namespace)
-        self._guard_class = importlib.import_module("fence.adapters.sql").RowGuard
-
-    def _guard(self, conn: sa.Connection) -> _RowGuard:
-        return cast(_RowGuard, self._guard_class(conn, self._table))
-
-    def read(self, record: str, token: int | None) -> int:
-        from sqlalchemy.exc import SQLAlchemyError
-
-        token = needs_token(token)
-        try:
-            with self._engine.begin() as conn:
-                row = self._guard(conn).read_for_update(record, token)
-        except SQLAlchemyError as err:
-            raise sql_failed("registering read", err) from err
-        if row is None:
-            raise BackendError(f"chaos record {record!r} has no row", code="MISSING")
-        return int(row.value)
-
-    def write(self, record: str, token: int | None, value: int) -> None:
-        from sqlalchemy.exc import SQLAlchemyError
-
-        token = needs_token(token)
-        try:
-            with self._engine.begin() as conn:
-                self._guard(conn).update(record, token, {"value": value})
-        except SQLAlchemyError as err:
-            raise sql_failed("fenced update", err) from err
-
-    def close(self) -> None:
-        self._engine.dispose()
-
-
-def _setup_sql_counters(endpoints: Endpoints, namespace: str, records: Sequence[str]) -> None:
-    import sqlalchemy as sa
-
-    engine = sql_engine(endpoints)
-    metadata = sa.MetaData()
-    table = counter_table(metadata, namespace)
-    try:
-        metadata.drop_all(engine)
-        metadata.create_all(engine)
-        with engine.begin() as conn:
-            seed = sa.insert(table).execution_options(unfenced=True)  # before any holder
-            conn.execute(seed, [{"id": record, "value": 0} for record in records])
-    finally:
-        engine.dispose()
-
-
-def _final_sql_counters(
-    endpoints: Endpoints, namespace: str, records: Sequence[str]
-) -> dict[str, int]:
-    import sqlalchemy as sa
-
-    engine = sql_engine(endpoints)
-    table = counter_table(sa.MetaData(), namespace)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(sa.select(table.c.id, table.c.value)).all()
-    finally:
-        engine.dispose()
-    found = {str(row.id): int(row.value) for row in rows}
-    return {record: found.get(record, 0) for record in records}
-
-
 # -- the tables ---------------------------------------------------------------------------
 
 #: Lock kinds, by name.
@@ -707,7 +447,7 @@ LOCKERS: dict[str, LockerKind] = {
 #: Store kinds, by name.
 STORES: dict[str, StoreKind] = {
     "redis-guard": StoreKind(
-        "fence.adapters.redis.RedisGuard",
+        "fence.adapters.redis.RedisGuard (Redis)",
         "redis",
         lambda endpoints, namespace: _RedisGuardStore(endpoints.url("redis")),
         _setup_redis_counters,
@@ -716,9 +456,9 @@ STORES: dict[str, StoreKind] = {
     "sql-guard": StoreKind(
         "fence.adapters.sql.RowGuard (PostgreSQL)",
         "postgres",
-        _RowGuardStore,
-        _setup_sql_counters,
-        _final_sql_counters,
+        sql.RowGuardStore,
+        sql.setup_counters,
+        sql.final_counters,
     ),
     "redis-guard-shared": StoreKind(
         "fence.adapters.redis.RedisGuard, values tagged with their writer's token",
@@ -734,27 +474,14 @@ STORES: dict[str, StoreKind] = {
         _setup_redis_counters,
         _final_redis_counters,
     ),
+    "orm-hook": StoreKind(
+        "fence.adapters.orm session hook (PostgreSQL)",
+        "postgres",
+        orm.OrmStore,
+        orm.setup,
+        sql.final_counters,
+    ),
 }
-
-
-def _orm_hook_available() -> bool:
-    try:
-        return importlib.util.find_spec("fence.adapters.orm") is not None
-    except ImportError:
-        return False
-
-
-def _open_orm_store(endpoints: Endpoints, namespace: str) -> Store:
-    from fence._chaos.orm import OrmStore
-
-    return OrmStore(endpoints, namespace)
-
-
-def _setup_orm_counters(endpoints: Endpoints, namespace: str, records: Sequence[str]) -> None:
-    from fence._chaos.orm import setup as setup_orm
-
-    setup_orm(endpoints, namespace, records)
-
 
 _FENCED = [
     Pairing(
@@ -791,35 +518,18 @@ _FENCED = [
         "and fenced SETs, readers checked reads under read leases",
         readers=0.5,
     ),
+    Pairing(
+        "sql+orm",
+        "so",
+        "sql-manager",
+        "orm-hook",
+        True,
+        "SQL lock manager, SQLAlchemy ORM sessions bound to the token, on PostgreSQL",
+    ),
 ]
 
-#: Pairings the issue asks for whose pieces are not in this tree: name -> what is missing.
+#: Pairings that this machine cannot run: name -> what is missing.
 PLANNED: dict[str, str] = {}
-
-
-if _orm_hook_available():
-    STORES["orm-hook"] = StoreKind(
-        "fence.adapters.orm session hook (PostgreSQL)",
-        "postgres",
-        _open_orm_store,
-        _setup_orm_counters,
-        _final_sql_counters,
-    )
-    _FENCED.append(
-        Pairing(
-            "sql+orm",
-            "so",
-            "sql-manager",
-            "orm-hook",
-            True,
-            "SQL lock manager, SQLAlchemy ORM sessions bound to the token, on PostgreSQL",
-        )
-    )
-else:
-    PLANNED["sql+orm"] = (
-        "the SQLAlchemy ORM session hook (fence.adapters.orm) is not installed; the "
-        "pairing runs once it is"
-    )
 
 
 def _missing_for(server: str) -> str | None:

@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from fence._chaos import pairings as _pairings
+from fence._chaos.base import Endpoints
 from fence._chaos.checker import Record, check
 from fence._chaos.clusters import EtcdCluster, ZooKeeperEnsemble
 from fence._chaos.controller import FaultInjector, Pauser, fault_plan
-from fence._chaos.pairings import PAIRINGS, PLANNED, Endpoints, Pairing
+from fence._chaos.pairings import PAIRINGS, PLANNED, Pairing
 from fence._chaos.servers import PostgresServer, RedisServer
 from fence._chaos.timeline import render_svg
 from fence._chaos.worker import Board, Phase, WorkerConfig

@@ -24,17 +24,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import IO, Any, cast
 
+from fence._chaos.base import Endpoints, Held, Locker, SharedStore, Store
 from fence._chaos.checker import Record
-from fence._chaos.pairings import (
-    PAIRINGS,
-    Endpoints,
-    Held,
-    Locker,
-    SharedStore,
-    Store,
-    open_locker,
-    open_store,
-)
+from fence._chaos.pairings import PAIRINGS, open_locker, open_store
 from fence._errors import BackendError, NotOwnerError, StaleTokenError
 
 __all__ = ["Board", "Phase", "WorkerConfig", "main"]
