@@ -33,7 +33,7 @@ from fence.adapters.sql import (
     FenceRegister,
     fence_register_table,
 )
-from tests.cluster import RedisClusterServers
+from tests.servers import RedisClusterServers
 
 
 def run(

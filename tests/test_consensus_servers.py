@@ -7,8 +7,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from fence._chaos.clusters import OWNER_FILE
-from tests.servers import EtcdCluster, ZooKeeperEnsemble, reap_orphans
+from tests.servers import OWNER_FILE, EtcdCluster, ZooKeeperEnsemble, reap_orphans
 
 
 def _uid(pid: int) -> int:

@@ -24,8 +24,7 @@ from fence._errors import FenceWarning
 from fence._redis_scripts import resource_keys
 from fence._sync.redis import RedisLockManager
 from fence.testing import EventRecorder
-from tests.cluster import RedisClusterServers
-from tests.servers import RedisServer
+from tests.servers import RedisClusterServers, RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

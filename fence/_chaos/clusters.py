@@ -34,16 +34,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from fence._chaos.servers import free_port, wait_for_port
+from fence._chaos.servers import claim_dir, free_port, wait_for_port
 
-__all__ = ["EtcdCluster", "ZooKeeperEnsemble", "zookeeper_jar"]
+__all__ = ["PID_FILE", "EtcdCluster", "ZooKeeperEnsemble", "zookeeper_jar"]
 
-OWNER_FILE = "owner.pid"
+#: The file of a member's folder that holds the member's pid.
 PID_FILE = "server.pid"
-
-
-def _claim(path: Path) -> None:
-    (path / OWNER_FILE).write_text(str(os.getpid()))
 
 
 def _signal(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
@@ -149,7 +145,7 @@ class _Cluster:
 
     def start(self) -> Any:
         """Start every member and wait until the cluster serves clients."""
-        _claim(self.dir)
+        claim_dir(self.dir)
         try:
             for member in self.members:
                 self.start_member(member.index)

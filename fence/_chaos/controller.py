@@ -260,7 +260,7 @@ def _drop_postgres(server: Any) -> Callable[[], str]:
 
 def _kill_postgres(server: Any, down: float) -> Callable[[], str]:
     def kill() -> str:
-        server.crash()
+        server.stop("immediate")
         time.sleep(down)
         server.start()
         return "pg_ctl stop -m immediate, start (crash recovery)"

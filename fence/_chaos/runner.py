@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from fence._chaos.checker import Record, check
 from fence._chaos.clusters import EtcdCluster, ZooKeeperEnsemble
 from fence._chaos.controller import FaultInjector, Pauser, fault_plan
 from fence._chaos.pairings import PAIRINGS, PLANNED, Pairing
-from fence._chaos.servers import PostgresServer, RedisServer
+from fence._chaos.servers import POSTGRES_DURABLE, REDIS_AOF, PostgresServer, RedisServer
 from fence._chaos.timeline import render_svg
 from fence._chaos.worker import Board, Phase, WorkerConfig
 from fence._chaos.worker import main as worker_main
@@ -294,9 +294,10 @@ def run(settings: Settings, workdir: Path, timeline: Path | None = None) -> dict
     wanted = {server for pairing in chosen for server in pairing.servers}
     servers: dict[str, Any] = {}
     results: list[dict[str, Any]] = []
-    kinds = (
-        ("redis", RedisServer),
-        ("postgres", PostgresServer),
+    # The checker assumes that a killed server process loses nothing it acknowledged.
+    kinds: tuple[tuple[str, Callable[[], Any]], ...] = (
+        ("redis", lambda: RedisServer(*REDIS_AOF)),
+        ("postgres", lambda: PostgresServer(POSTGRES_DURABLE)),
         ("etcd", EtcdCluster),
         ("zookeeper", ZooKeeperEnsemble),
     )
@@ -332,7 +333,8 @@ def run(settings: Settings, workdir: Path, timeline: Path | None = None) -> dict
                 path.write_text(render_svg(log, title), encoding="utf-8")
     finally:
         for server in servers.values():
-            server.stop()
+            # PostgreSQL's stop() keeps the cluster's files for a restart; destroy() does not.
+            (server.destroy if isinstance(server, PostgresServer) else server.stop)()
 
     fenced = [r for r in results if r["fenced"]]
     baseline = [r for r in results if not r["fenced"]]
