@@ -7,7 +7,7 @@ test waits for a leader. Tests do not share keys: every test gets a prefix (etcd
 root node (ZooKeeper) of its own, so nothing needs wiping.
 
 The marker of each cluster (``etcd``, ``zookeeper``) is added to every test that uses its
-fixtures.
+fixtures, by ``tests/fix_servers.py``.
 """
 
 from __future__ import annotations
@@ -18,22 +18,6 @@ from collections.abc import Iterator
 import pytest
 
 from tests.servers import EtcdCluster, ZooKeeperEnsemble
-
-_MARKS = {
-    "etcd_cluster": "etcd",
-    "etcd_url": "etcd",
-    "zookeeper_ensemble": "zookeeper",
-    "zookeeper_url": "zookeeper",
-}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test by the clusters its fixtures start."""
-    for item in items:
-        for fixture in getattr(item, "fixturenames", ()):
-            mark = _MARKS.get(fixture)
-            if mark is not None:
-                item.add_marker(getattr(pytest.mark, mark))
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,8 @@ import signal
 from collections.abc import Iterator
 
 import pytest
-import redis
 
-from tests.servers import RedisServer
+from tests.servers import RedisServer, flush_redis
 
 NODES = 3
 
@@ -58,16 +57,6 @@ def revive(server: RedisServer) -> None:
         server.proc.send_signal(signal.SIGCONT)
 
 
-def flush(server: RedisServer) -> None:
-    """Delete every key and cached script on ``server``."""
-    client = redis.Redis.from_url(server.url)
-    try:
-        client.flushall()
-        client.script_flush()
-    finally:
-        client.close()
-
-
 @pytest.fixture(scope="session")
 def quorum_nodes() -> Iterator[list[RedisServer]]:
     """Three independent redis-servers for the whole session."""
@@ -82,6 +71,6 @@ def quorum_urls(quorum_nodes: list[RedisServer]) -> list[str]:
     set up (as a quorum in service is)."""
     for server in quorum_nodes:
         revive(server)
-        flush(server)
+        flush_redis(server.url)
     set_up(quorum_nodes)
     return [server.url for server in quorum_nodes]

@@ -1,7 +1,8 @@
 """Pytest fixtures for the real servers: one of each per test session, started on demand.
 
-Tests that need a server carry the marker of that server (``redis``, ``postgres``); the
-marker is added automatically to any test that uses the server's fixtures.
+Tests that need a server carry the marker of that server (``redis``, ``postgres``,
+``sentinel``, and ``etcd``, ``zookeeper`` for the clusters of ``tests/fix_consensus.py``);
+the marker is added automatically to any test that uses the server's fixtures.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.servers import PostgresServer, RedisServer, SentinelSetup, reap_orphans
+from tests.servers import PostgresServer, RedisServer, SentinelSetup, flush_redis, reap_orphans
 
 _MARKS = {
     "redis_server": "redis",
@@ -19,6 +20,10 @@ _MARKS = {
     "postgres_url": "postgres",
     "sentinel_setup": "sentinel",
     "sentinel_url": "sentinel",
+    "etcd_cluster": "etcd",
+    "etcd_url": "etcd",
+    "zookeeper_ensemble": "zookeeper",
+    "zookeeper_url": "zookeeper",
 }
 
 
@@ -47,16 +52,9 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     """The URL of the session's redis-server, flushed before the test."""
-    import redis
-
     if redis_server.proc is None:  # a fault test left it down
         redis_server.start()
-    client = redis.Redis.from_url(redis_server.url)
-    try:
-        client.flushall()
-        client.script_flush()
-    finally:
-        client.close()
+    flush_redis(redis_server.url)
     return redis_server.url
 
 
@@ -89,14 +87,10 @@ def sentinel_setup() -> Iterator[SentinelSetup]:
 @pytest.fixture
 def sentinel_url(sentinel_setup: SentinelSetup) -> str:
     """The ``redis+sentinel://`` URL of the session's Sentinel, its primary flushed."""
-    import redis
-
     primary = (
         sentinel_setup.primary
         if sentinel_setup.master_port() == sentinel_setup.primary.port
         else sentinel_setup.replica
     )
-    with redis.Redis.from_url(primary.url) as client:
-        client.flushall()
-        client.script_flush()
+    flush_redis(primary.url)
     return sentinel_setup.url

@@ -40,6 +40,7 @@ __all__ = [
     "SentinelSetup",
     "ZooKeeperEnsemble",
     "claim_dir",
+    "flush_redis",
     "free_port",
     "reap_orphans",
     "wait_for_port",
@@ -86,3 +87,12 @@ def reap_orphans() -> list[str]:
         shutil.rmtree(path, ignore_errors=True)
         reaped.append(str(path))
     return reaped
+
+
+def flush_redis(url: str) -> None:
+    """Delete every key and cached script of the redis-server at ``url``."""
+    import redis
+
+    with redis.Redis.from_url(url) as client:
+        client.flushall()
+        client.script_flush()
