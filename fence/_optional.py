@@ -10,8 +10,10 @@ module's name in ``name``.
 ``fence.adapters`` ships from the repository's ``adapters/`` folder (setuptools
 ``package-dir``). mypy run over the source tree knows that folder as ``adapters`` and cannot
 resolve ``fence.adapters`` from here, so these imports carry an ``import-not-found`` ignore
-and the guards' own types count as ``Any`` in that run; a check of the installed layout
-resolves them (``unused-ignore`` keeps it quiet about the ignore).
+and the guards' own types count as ``Any`` in that run. Laid out as installed (``adapters``
+inside ``fence``), they resolve, and ``tests/test_optional.py`` type-checks every user of
+this module against the guards' own types (``unused-ignore`` keeps that run quiet about the
+ignores).
 """
 
 from __future__ import annotations
