@@ -15,7 +15,6 @@ number is ever formatted with ``%g`` on the server.
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -36,6 +35,7 @@ from fence import (
     validate_ttl,
 )
 from fence._core import batch_rejection
+from fence._lua import Script
 
 __all__ = [
     "HSET",
@@ -52,7 +52,6 @@ __all__ = [
     "Op",
     "PartialWriteError",
     "RefusedWrite",
-    "Script",
     "UnissuedTokenError",
     "WriteRefusedError",
     "command",
@@ -429,28 +428,6 @@ if ARGV[1] == 'hgetall' then
 end
 return {fence, redis.call('GET', KEYS[2])}
 """
-
-
-@dataclass(frozen=True, slots=True)
-class Script:
-    """A Lua script and its SHA1, for ``EVALSHA`` with a reload on ``NOSCRIPT``.
-
-    Attributes:
-        name: a short name for messages.
-        text: the Lua source.
-        sha: the SHA1 hex digest ``EVALSHA`` names it by.
-    """
-
-    name: str
-    text: str
-    sha: str
-
-    @classmethod
-    def of(cls, name: str, text: str) -> Script:
-        """Build a script and compute its SHA1."""
-        # Redis names scripts by their SHA1; it is an identifier here, not a security measure.
-        digest = hashlib.sha1(text.encode("utf-8"), usedforsecurity=False)
-        return cls(name, text, digest.hexdigest())
 
 
 #: The hottest path on its own: one fenced SET, no must-exist, no issuer check. Fewer

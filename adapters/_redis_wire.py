@@ -29,7 +29,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from ._redis_lua import Script
+from fence._lua import Script
 
 __all__ = ["RAISE_UNLISTED", "Wire", "pack_calls", "takes_command_name"]
 

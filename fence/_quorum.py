@@ -81,6 +81,7 @@ from typing import Any, NamedTuple
 
 from fence._core import MAX_TOKEN, backoff_delay, validate_token
 from fence._errors import ConfigurationError
+from fence._lua import Script
 from fence._redis_scripts import _PRELUDE, RELEASE, resource_keys
 from fence.abc import LockInfo
 
@@ -89,6 +90,7 @@ __all__ = [
     "COMMIT",
     "FAILED",
     "GENESIS",
+    "NODE_SCRIPTS",
     "QUORUM_RELEASE",
     "REPAIR",
     "REVOKE",
@@ -331,6 +333,11 @@ SCRIPTS: dict[str, str] = {
 # The single-node RELEASE is what an undo sends on the nodes where the attempt may hold the
 # lock: it does not need the marker.
 SCRIPTS["undo"] = RELEASE
+
+#: The scripts as the driver sends them, by name: each built once, with its SHA1.
+NODE_SCRIPTS: dict[str, Script] = {
+    name: Script.of(f"quorum {name}", source) for name, source in SCRIPTS.items()
+}
 
 
 class QuorumKeys(NamedTuple):

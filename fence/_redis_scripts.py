@@ -42,12 +42,14 @@ from typing import NamedTuple
 
 from fence._core import TokenMode, validate_resource
 from fence._errors import ConfigurationError, InvalidResourceError
+from fence._lua import Script
 
 __all__ = [
     "ABANDON",
     "ACQUIRE",
     "CANCEL",
     "DEFAULT_PREFIX",
+    "DRIVER_SCRIPTS",
     "ENQUEUE",
     "INSPECT",
     "RELEASE",
@@ -546,6 +548,22 @@ wake(base .. 'signal', KEYS[4], KEYS[5], ARGV[2] == '1')
 return token
 """
 )
+
+
+#: The scripts as the driver sends them, by name: each built once, with its SHA1.
+DRIVER_SCRIPTS: dict[str, Script] = {
+    name: Script.of(name, source)
+    for name, source in (
+        ("acquire", ACQUIRE),
+        ("renew", RENEW),
+        ("release", RELEASE),
+        ("enqueue", ENQUEUE),
+        ("abandon", ABANDON),
+        ("cancel", CANCEL),
+        ("inspect", INSPECT),
+        ("revoke", REVOKE),
+    )
+}
 
 
 class ResourceKeys(NamedTuple):

@@ -24,7 +24,8 @@ from redis.exceptions import DataError
 from redis.retry import Retry
 
 from fence import FenceError, RetryableError
-from fence.adapters._redis_lua import HSET, MANY, SET, WRITE, Script
+from fence._lua import Script
+from fence.adapters._redis_lua import HSET, MANY, SET, WRITE
 from fence.adapters._redis_wire import Wire, pack_calls
 from fence.adapters.redis import AsyncRedisGuard, RedisGuard
 from tests.clients_redis import counting_client

@@ -43,6 +43,7 @@ from fence import (
     validate_token,
 )
 from fence._async.sentinel import SentinelClients, sentinel_clients
+from fence._lua import Script
 from fence._redis_conn import closed_connection
 from fence._sentinel import is_sentinel_url, parse_sentinel_url
 
@@ -55,7 +56,6 @@ from .._redis_lua import (
     FenceScope,
     KeyLayout,
     Op,
-    Script,
     command,
     decode,
     encode,
@@ -598,7 +598,7 @@ class AsyncRedisGuard:
                             " retry",
                             code="NOSCRIPT",
                         ) from err
-                    await self.client.script_load(script.text)
+                    await self.client.script_load(script.source)
                     loaded = True
                 elif not resent and repeat and closed_connection(err):
                     resent, loaded = True, False
@@ -903,7 +903,7 @@ class AsyncFencedPipeline:
             # A restart or SCRIPT FLUSH: those writes did not run. Load and send them again.
             try:
                 for script in {queued[i][2] for i in missing}:
-                    await guard.client.script_load(script.text)
+                    await guard.client.script_load(script.source)
             except RedisError as err:
                 raise _translate(err, "fenced pipeline") from err
             again = await self._send([queued[i] for i in missing])

@@ -44,6 +44,7 @@ from fence import (
     default_bus,
     validate_token,
 )
+from fence._lua import Script
 from fence._redis_conn import closed_connection
 from fence._sentinel import is_sentinel_url, parse_sentinel_url
 from fence._sync.sentinel import SentinelClients, sentinel_clients
@@ -57,7 +58,6 @@ from .._redis_lua import (
     FenceScope,
     KeyLayout,
     Op,
-    Script,
     command,
     decode,
     encode,
@@ -600,7 +600,7 @@ class RedisGuard:
                             " retry",
                             code="NOSCRIPT",
                         ) from err
-                    self.client.script_load(script.text)
+                    self.client.script_load(script.source)
                     loaded = True
                 elif not resent and repeat and closed_connection(err):
                     resent, loaded = True, False
@@ -901,7 +901,7 @@ class FencedPipeline:
             # A restart or SCRIPT FLUSH: those writes did not run. Load and send them again.
             try:
                 for script in {queued[i][2] for i in missing}:
-                    guard.client.script_load(script.text)
+                    guard.client.script_load(script.source)
             except RedisError as err:
                 raise _translate(err, "fenced pipeline") from err
             again = self._send([queued[i] for i in missing])

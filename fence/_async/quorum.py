@@ -26,9 +26,10 @@ from fence._clock import Clock, system_clock
 from fence._core import TokenMode, client_deadline, validate_ttl
 from fence._errors import BackendError, ConfigurationError, FenceWarning
 from fence._events import EventBus, EventKind, default_bus
+from fence._lua import Script
 from fence._quorum import (
     FAILED,
-    SCRIPTS,
+    NODE_SCRIPTS,
     Answer,
     Op,
     Outcome,
@@ -156,10 +157,6 @@ class AsyncQuorumDriver:
         ]
         self._unchecked = set(range(len(nodes))) if check_config else set()
         self.prefix = self.nodes[0].prefix
-        self._scripts = [
-            {name: node.client.register_script(text) for name, text in SCRIPTS.items()}
-            for node in self.nodes
-        ]
         self._fan = FanOut(2 * len(self.nodes))
         self._down: set[int] = set()
         self._lost: dict[int, str] = {}
@@ -224,7 +221,7 @@ class AsyncQuorumDriver:
                 nonce=f"{self._rng.getrandbits(64):016x}",
             )
             calls[index] = functools.partial(
-                self._call, index, self._scripts[index][name], keys, args, request.op.value
+                self._call, index, NODE_SCRIPTS[name], keys, args, request.op.value
             )
         what = "acquire" if request.op is Op.ACQUIRE else request.op.value
         outcomes = await self._each(what, resource, calls)
@@ -235,7 +232,7 @@ class AsyncQuorumDriver:
         return answers, outcomes
 
     async def _call(
-        self, index: int, script: Any, keys: list[str], args: list[str], what: str
+        self, index: int, script: Script, keys: list[str], args: list[str], what: str
     ) -> Any:
         if index in self._unchecked:
             await self._check_config(index)

@@ -53,17 +53,11 @@ from fence._core import LeaseMode, TokenMode, client_deadline, validate_ttl
 from fence._deadline import time_left
 from fence._errors import BackendError, ConfigurationError, FenceWarning, InvalidTokenError
 from fence._events import EventBus
+from fence._lua import Script
 from fence._redis_conn import closed_connection
 from fence._redis_scripts import (
-    ABANDON,
-    ACQUIRE,
-    CANCEL,
     DEFAULT_PREFIX,
-    ENQUEUE,
-    INSPECT,
-    RELEASE,
-    RENEW,
-    REVOKE,
+    DRIVER_SCRIPTS,
     ResourceKeys,
     config_warnings,
     milliseconds,
@@ -628,15 +622,15 @@ class RedisDriver:
         self._mode_bytes = self._mode.encode()
         self._fifo_flag = b"1" if self.fifo else b"0"
         self._queue_ms = milliseconds(self.queue_ttl)
-        client_ = self.client
-        self._acquire = client_.register_script(ACQUIRE)
-        self._renew = client_.register_script(RENEW)
-        self._release = client_.register_script(RELEASE)
-        self._enqueue = client_.register_script(ENQUEUE)
-        self._abandon = client_.register_script(ABANDON)
-        self._cancel = client_.register_script(CANCEL)
-        self._inspect = client_.register_script(INSPECT)
-        self._revoke = client_.register_script(REVOKE)
+        scripts = DRIVER_SCRIPTS
+        self._acquire = scripts["acquire"]
+        self._renew = scripts["renew"]
+        self._release = scripts["release"]
+        self._enqueue = scripts["enqueue"]
+        self._abandon = scripts["abandon"]
+        self._cancel = scripts["cancel"]
+        self._inspect = scripts["inspect"]
+        self._revoke = scripts["revoke"]
         self.board = WakeBoard()
         self._listener = _Listener(self)
         self._closed = False
@@ -767,7 +761,7 @@ class RedisDriver:
 
     def _run(
         self,
-        script: Any,
+        script: Script,
         keys: list[str],
         args: list[Any],
         what: str,
@@ -788,7 +782,7 @@ class RedisDriver:
             try:
                 reply = pool.request(command, deadline, urgent=urgent, resend=repeat)
                 if isinstance(reply, RespError) and reply.kind == "NOSCRIPT":
-                    load = pack("SCRIPT", "LOAD", script.script)
+                    load = pack("SCRIPT", "LOAD", script.source)
                     loaded = pool.request(load, deadline, resend=repeat)
                     if isinstance(loaded, RespError):
                         raise loaded
@@ -816,12 +810,12 @@ class RedisDriver:
         except (RedisError, OSError, TimeoutError) as exc:
             raise self._error(exc, what, resource) from exc
 
-    def _evalsha(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+    def _evalsha(self, script: Script, keys: list[str], args: list[Any]) -> Any:
         client = self.client
         try:
             return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
-            client.script_load(script.script)
+            client.script_load(script.source)
             return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     # -- the driver protocol -------------------------------------------------------------
@@ -878,7 +872,7 @@ class RedisDriver:
         # WAIT counts the writes of its own connection: a pipeline sends both on one.
         timeout_ms = milliseconds(self.replica_timeout)
         commands: list[tuple[Any, ...]] = [
-            ("EVAL", ACQUIRE, len(script_keys), *script_keys, *args),
+            ("EVAL", self._acquire.source, len(script_keys), *script_keys, *args),
             ("WAIT", self.min_replicas, timeout_ms),
         ]
         if self.wait_aof:

@@ -11,11 +11,10 @@ renewals first, until their deadline. The protocol is in :mod:`fence._resp`.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any
 
 from fence._compat import Stream, Waiter, open_stream
 from fence._deadline import time_left
@@ -34,20 +33,7 @@ __all__ = [
     "RespConnection",
     "RespPool",
     "RespSubscriber",
-    "Script",
 ]
-
-
-class Script(NamedTuple):
-    """A Lua script and its SHA1, as ``EVALSHA`` needs (the shape of redis-py's ``Script``).
-
-    Attributes:
-        script: the Lua text.
-        sha: its SHA1 in hex.
-    """
-
-    script: str
-    sha: str
 
 
 def _failure(address: Address, exc: BaseException, *, sent: bool) -> ConnectionFailure:
@@ -419,8 +405,8 @@ class RespClient:
     """The few commands the Redis lock manager sends, over :class:`RespPool`.
 
     It offers the part of redis-py's client interface that the drivers use besides the
-    scripts (``register_script``, ``script_load``, ``config_get``, ``execute_command``),
-    so they work with either.
+    scripts (``script_load``, ``config_get``, ``execute_command``), so they work with
+    either.
 
     Args:
         address: the server.
@@ -436,12 +422,6 @@ class RespClient:
     def __repr__(self) -> str:
         limit = self.pool.max_connections
         return f"<{type(self).__name__} {self.address} max_connections={limit}>"
-
-    @staticmethod
-    def register_script(script: str) -> Script:
-        """The script and its SHA1, for ``EVALSHA``."""
-        sha = hashlib.sha1(script.encode(), usedforsecurity=False).hexdigest()
-        return Script(script, sha)
 
     def execute_command(self, *args: object) -> Any:
         """Run one command within ``socket_timeout`` (or the caller's deadline, if nearer:
