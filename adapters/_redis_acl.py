@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from fence import ConfigurationError
+from fence._redis_keys import validate_prefix
 
 __all__ = ["AclRules", "acl_rules", "common_match"]
 
@@ -78,8 +79,9 @@ def acl_rules(
         The rules of the guard's user and of an application user.
 
     Raises:
-        ConfigurationError: no data key pattern, an empty or unclosed pattern, or a pattern
-            that reaches where it must not.
+        ConfigurationError: no data key pattern, an empty or unclosed pattern, a pattern
+            that reaches where it must not, or a prefix the guard refuses (empty, or with
+            braces).
 
     Example::
 
@@ -88,8 +90,7 @@ def acl_rules(
         admin.execute_command("ACL", "SETUSER", "order-app", *rules.app, ">an0ther")
         guard = RedisGuard(redis.Redis(username="order-guard", password="s3cret"))
     """
-    if not isinstance(prefix, str) or not prefix:
-        raise ConfigurationError(f"prefix must be a non-empty str, got {prefix!r}")
+    validate_prefix(prefix, reserved=True)
     data_keys, app_keys = _patterns(data_keys, "data_keys"), _patterns(app_keys, "app_keys")
     if not data_keys:
         raise ConfigurationError("acl_rules needs at least one pattern of fenced data keys")

@@ -24,26 +24,19 @@ write path, the ACL recipe, the issuer check and the write-only fencing hole.
 
 from __future__ import annotations
 
+from fence._redis_keys import FenceScope, KeyLayout, hash_tag, resource_of, slot_of
+
 from ._async.redis import AsyncFencedPipeline, AsyncRedisBatch, AsyncRedisGuard
 from ._redis_acl import AclRules, acl_rules
-from ._redis_lua import (
-    MAX_TTL_MS,
-    MAX_XADD_FIELDS,
-    READ_LUA,
-    SET_LUA,
-    WRITE_LUA,
+from ._redis_errors import (
     CrossSlotError,
-    FenceScope,
-    KeyLayout,
     PartialWriteError,
     RefusedWrite,
     UnissuedTokenError,
     WriteRefusedError,
-    hash_tag,
-    resource_of,
-    slot_of,
-    stream_id,
 )
+from ._redis_lua import READ_LUA, SET_LUA, WRITE_LUA
+from ._redis_ops import MAX_TTL_MS, MAX_XADD_FIELDS, stream_id
 from ._sync.redis import FencedPipeline, RedisBatch, RedisGuard
 
 __all__ = [

@@ -73,7 +73,8 @@ TEN_PAIRS = [("fenced pipeline x10", "pipelined SET x10")]
 def client_pack_usec(client: redis.Redis, guard: RedisGuard, calls: int) -> dict[str, Any]:
     """The client's own microseconds to turn each command into bytes (no I/O): redis-py's
     packer for the plain ``SET``, the guard's for its ``EVALSHA``."""
-    from fence.adapters._redis_lua import SET, command, op_set
+    from fence.adapters._redis_lua import SET
+    from fence.adapters._redis_ops import command, op_set
     from fence.adapters._redis_wire import pack_calls
 
     script, keys, argv = command(

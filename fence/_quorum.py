@@ -82,7 +82,8 @@ from typing import Any, NamedTuple
 from fence._core import MAX_TOKEN, backoff_delay, validate_token
 from fence._errors import ConfigurationError
 from fence._lua import Script
-from fence._redis_scripts import _PRELUDE, RELEASE, resource_keys
+from fence._redis_keys import quorum_keys
+from fence._redis_scripts import _PRELUDE, RELEASE
 from fence.abc import LockInfo
 
 __all__ = [
@@ -100,7 +101,6 @@ __all__ = [
     "Op",
     "Outcome",
     "QuorumAcquire",
-    "QuorumKeys",
     "Request",
     "Verdict",
     "backoff_delay",
@@ -112,7 +112,6 @@ __all__ = [
     "node_call",
     "node_config_warnings",
     "parse_answer",
-    "quorum_keys",
     "release_verdict",
     "time_until_free",
     "validity",
@@ -338,51 +337,6 @@ SCRIPTS["undo"] = RELEASE
 NODE_SCRIPTS: dict[str, Script] = {
     name: Script.of(f"quorum {name}", source) for name, source in SCRIPTS.items()
 }
-
-
-class QuorumKeys(NamedTuple):
-    """The keys one quorum call touches on a node.
-
-    Attributes:
-        lock: the holder hash (ttl: the lease).
-        token: the last token issued (no ttl).
-        fence: the guards' fence register (no ttl).
-        signal: the channel a release publishes on, to wake a waiter.
-        repaired: the incarnation id under which the resource was repaired (no ttl).
-        node: the node's marker, shared by every resource (no ttl).
-        void: the prefix of the tombstone a cancelled acquire leaves (add the secret).
-    """
-
-    lock: str
-    token: str
-    fence: str
-    signal: str
-    repaired: str
-    node: str
-    void: str
-
-
-def quorum_keys(prefix: str, resource: str) -> QuorumKeys:
-    """The keys of ``resource`` on a quorum node (see :func:`fence._redis_scripts.resource_keys`).
-
-    The node marker ``<prefix>quorum:node`` has no hash tag: the quorum's nodes are
-    standalone servers, never Redis Cluster.
-
-    Example::
-
-        >>> quorum_keys("fence:", "order:42").repaired
-        'fence:{order:42}:repaired'
-    """
-    keys = resource_keys(prefix, resource)
-    return QuorumKeys(
-        lock=keys.lock,
-        token=keys.token,
-        fence=keys.fence,
-        signal=keys.signal,
-        repaired=keys.token[: -len("token")] + "repaired",
-        node=prefix + "quorum:node",
-        void=keys.void_prefix,
-    )
 
 
 # -- rounds and answers --------------------------------------------------------------------

@@ -1,70 +1,38 @@
-"""The Redis lock manager's Lua scripts and key naming, without I/O.
+"""The Redis lock manager's Lua scripts, without I/O.
 
-Every key of resource ``R`` shares the hash tag ``{R}`` (C12), so one script touches one
-Redis Cluster slot. With the default prefix ``fence:``:
-
-- ``fence:{R}:lock``: the holder, a hash ``secret``/``token``/``holder`` with a ``PX`` ttl.
-- ``fence:{R}:token``: the last token issued for ``R``; an integer string with no ttl.
-- ``fence:{R}:fence``: the storage guards' fence register. :data:`REVOKE` raises it, and
-  no new token is ever issued at or below it.
-- ``fence:{R}:readers`` and ``fence:{R}:reader-tokens``: the readers of a shared lock
-  (C13): a sorted set of reader secrets by the end of their lease (server milliseconds),
-  and a hash of each reader's ``"<token> <holder label>"``.
-- ``fence:{R}:queue``, ``fence:{R}:queue-deadlines`` and ``fence:{R}:queue-writers``: the
-  wait queue (a sorted set of waiter ids by arrival, a hash of each waiter's heartbeat
-  deadline in server milliseconds, and the writers among the waiters). FIFO managers queue
-  every waiter; the others queue readers, and writers that wait while readers hold or
-  queue, so that a waiting writer keeps new readers out.
-- ``fence:{R}:void:<secret>``: left by :data:`CANCEL` for an acquire that gave up without
-  knowing its outcome; an attempt with that secret that arrives later is refused.
-
-and the pub/sub channel ``fence:{R}:signal``, on which a release (or revoke, or a waiter
-that gives up while the lock is free) publishes a wake-up: the ids of the waiters whose
-turn it is (the queue's head, and with a reader at the head every reader behind it up to
-the first writer), or, when nobody is queued and without FIFO, an empty message (wake one
-waiter per listening manager).
-
-The scripts name the readers, ``queue-writers`` and void keys from the lock key (they
-share its hash tag, so one script still touches one Redis Cluster slot). Only the lock,
-readers, queue and void keys carry a ttl. Counters and fences never do.
+The keys they touch are those of :mod:`fence._redis_keys`: every key of resource ``R``
+shares the hash tag ``{R}`` (C12), so one script touches one Redis Cluster slot. The
+scripts are given the lock, counter, fence and queue keys, and name the readers,
+``queue-writers`` and void keys and the ``signal`` channel from the lock key, whose hash
+tag they share.
 
 Tokens in Lua are doubles; every token is below ``2**53`` (C1), so they are exact. They are
 written with ``string.format('%d', t)``: passing a number to ``redis.call`` would format it
 as ``%.14g`` and lose digits.
+
+The drivers send each script as a :class:`fence._lua.Script` (:data:`DRIVER_SCRIPTS`).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
-from typing import NamedTuple
 
-from fence._core import TokenMode, validate_resource
-from fence._errors import ConfigurationError, InvalidResourceError
+from fence._core import TokenMode
 from fence._lua import Script
 
 __all__ = [
     "ABANDON",
     "ACQUIRE",
     "CANCEL",
-    "DEFAULT_PREFIX",
     "DRIVER_SCRIPTS",
     "ENQUEUE",
     "INSPECT",
     "RELEASE",
     "RENEW",
     "REVOKE",
-    "ResourceKeys",
     "config_warnings",
     "milliseconds",
-    "resource_keys",
-    "validate_prefix",
-    "waiter_id",
 ]
-
-#: The key prefix shared with the Redis guard.
-DEFAULT_PREFIX = "fence:"
 
 # Shared Lua prelude, in two parts: the token rule of fence._core.issue_token (small, so a
 # script's fast path can use it before the rest is defined), then the queue, the readers
@@ -564,95 +532,6 @@ DRIVER_SCRIPTS: dict[str, Script] = {
         ("revoke", REVOKE),
     )
 }
-
-
-class ResourceKeys(NamedTuple):
-    """The Redis keys of one resource; they all share the hash tag ``{resource}``.
-
-    Attributes:
-        lock: the holder hash (ttl: the lease).
-        token: the last token issued (no ttl).
-        fence: the guards' fence register (no ttl).
-        signal: the pub/sub channel a release publishes its wake-up on (not a key).
-        queue: the wait queue (sorted set of waiter ids).
-        deadlines: the waiters' heartbeat deadlines (hash).
-        void_prefix: prepend to a secret for the tombstone of a cancelled acquire.
-        readers: the readers of a shared lock, by the end of their lease (sorted set).
-        reader_tokens: each reader's token and holder label (hash).
-        queue_writers: the writers among the waiters (sorted set).
-    """
-
-    lock: str
-    token: str
-    fence: str
-    signal: str
-    queue: str
-    deadlines: str
-    void_prefix: str
-    readers: str
-    reader_tokens: str
-    queue_writers: str
-
-
-def validate_prefix(prefix: object) -> str:
-    """Return ``prefix`` if it can start the keys of every resource, else raise.
-
-    Raises:
-        ConfigurationError: not a ``str``, or it contains ``{`` or ``}``, which would
-            move the hash tag off the resource name.
-    """
-    if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
-        raise ConfigurationError(f"a Redis key prefix must be a str without braces, got {prefix!r}")
-    return prefix
-
-
-@functools.lru_cache(maxsize=4096)
-def resource_keys(prefix: str, resource: str) -> ResourceKeys:
-    """The keys of ``resource`` under ``prefix`` (C12).
-
-    Args:
-        prefix: a key prefix without braces (default :data:`DEFAULT_PREFIX`).
-        resource: the resource name.
-
-    Raises:
-        InvalidResourceError: not a valid resource name, or it starts with ``}``: the hash
-            tag ``{}`` would be empty and Redis Cluster would hash each key on its own,
-            scattering one resource's keys over several slots.
-
-    Example::
-
-        >>> resource_keys("fence:", "order:42").token
-        'fence:{order:42}:token'
-    """
-    resource = validate_resource(resource)
-    if resource.startswith("}"):
-        raise InvalidResourceError(
-            f"a Redis resource name must not start with '}}': the hash tag of {resource!r} "
-            "would be empty and its keys would land in different cluster slots",
-            value=resource,
-        )
-    base = f"{prefix}{{{resource}}}:"
-    return ResourceKeys(
-        lock=base + "lock",
-        token=base + "token",
-        fence=base + "fence",
-        signal=base + "signal",
-        queue=base + "queue",
-        deadlines=base + "queue-deadlines",
-        void_prefix=base + "void:",
-        readers=base + "readers",
-        reader_tokens=base + "reader-tokens",
-        queue_writers=base + "queue-writers",
-    )
-
-
-def waiter_id(secret: str) -> str:
-    """A short public id for a waiter, derived from its owner secret.
-
-    Queue members and wake keys are visible to anyone who can list keys, so they carry a
-    digest of the secret, never the secret itself.
-    """
-    return hashlib.blake2b(secret.encode(), digest_size=10).hexdigest()
 
 
 def milliseconds(seconds: float) -> int:

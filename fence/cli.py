@@ -467,7 +467,7 @@ def _redis_kept(args: argparse.Namespace, cluster: bool, resource: str) -> dict[
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from fence._redis_scripts import DEFAULT_PREFIX, resource_keys
+    from fence._redis_keys import DEFAULT_PREFIX, resource_keys
 
     keys = resource_keys(args.prefix if args.prefix is not None else DEFAULT_PREFIX, resource)
     options: dict[str, Any] = {
@@ -541,7 +541,7 @@ def _revoke(args: argparse.Namespace) -> int:
                 manager.close()
     print(token)
     if kind == "redis":
-        from fence._redis_scripts import DEFAULT_PREFIX, resource_keys
+        from fence._redis_keys import DEFAULT_PREFIX, resource_keys
 
         prefix = args.prefix if args.prefix is not None else DEFAULT_PREFIX
         after = (

@@ -24,7 +24,7 @@ from fence import MemoryBackend
 from fence._async.memory import AsyncMemoryLockManager
 from fence._async.redis import AsyncRedisLockManager
 from fence._async.sql import AsyncSQLLockManager
-from fence._redis_scripts import resource_keys
+from fence._redis_keys import resource_keys
 from tests.servers import PostgresServer, RedisServer
 
 pytestmark = pytest.mark.slow

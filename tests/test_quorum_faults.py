@@ -38,7 +38,7 @@ from fence._quorum import (
     time_until_free,
     validity,
 )
-from fence._redis_scripts import resource_keys
+from fence._redis_keys import resource_keys
 from fence._sync.quorum import QuorumLockManager
 from fence.testing import EventRecorder
 from tests.fix_quorum import set_up, start_nodes, stop_nodes

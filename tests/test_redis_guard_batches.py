@@ -19,7 +19,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fence import BackendError, ConfigurationError, FenceError, Reason, StaleTokenError
-from fence.adapters._redis_lua import Op
+from fence.adapters._redis_ops import Op
 from fence.adapters.redis import (
     PartialWriteError,
     RedisGuard,

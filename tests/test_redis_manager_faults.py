@@ -21,7 +21,7 @@ from redis.retry import Retry
 from fence import EventBus, EventKind, LeaseLostError, TokenMode
 from fence._async.redis import AsyncRedisLockManager
 from fence._errors import FenceWarning
-from fence._redis_scripts import resource_keys
+from fence._redis_keys import resource_keys
 from fence._sync.redis import RedisLockManager
 from fence.testing import EventRecorder
 from tests.servers import RedisClusterServers, RedisServer

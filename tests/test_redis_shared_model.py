@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 import redis
 
+from fence._redis_keys import resource_keys, waiter_id
 from fence._redis_scripts import (
     ABANDON,
     ACQUIRE,
@@ -47,8 +48,6 @@ from fence._redis_scripts import (
     RELEASE,
     RENEW,
     REVOKE,
-    resource_keys,
-    waiter_id,
 )
 from tests.lua_redis import EMPTY, LuaRedis, Store, ZSet
 

@@ -11,25 +11,7 @@ from typing import Any
 
 import redis.asyncio
 import redis.asyncio.cluster
-from redis.exceptions import (
-    BusyLoadingError,
-    ClusterCrossSlotError,
-    ClusterDownError,
-    NoPermissionError,
-    NoScriptError,
-    OutOfMemoryError,
-    ReadOnlyError,
-    RedisClusterException,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
-from redis.exceptions import (
-    ConnectionError as RedisConnectionError,
-)
-from redis.exceptions import (
-    TimeoutError as RedisTimeoutError,
-)
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from fence import (
     BackendError,
@@ -45,19 +27,15 @@ from fence import (
 from fence._async.sentinel import SentinelClients, sentinel_clients
 from fence._lua import Script
 from fence._redis_conn import closed_connection
+from fence._redis_keys import FenceScope, KeyLayout
 from fence._sentinel import is_sentinel_url, parse_sentinel_url
 
-from .._redis_lua import (
-    MANY,
-    READ,
-    SERVER_STATES,
-    WRITE,
-    CrossSlotError,
-    FenceScope,
-    KeyLayout,
+from .._redis_lua import MANY, READ, WRITE
+from .._redis_ops import (
+    REPEATABLE,
     Op,
+    Queued,
     command,
-    decode,
     encode,
     many_part,
     op_claim,
@@ -68,9 +46,10 @@ from .._redis_lua import (
     op_rpush,
     op_set,
     op_xadd,
-    parse_fence,
-    server_state,
+    pipeline_calls,
+    pipeline_replies,
 )
+from .._redis_replies import decode, pairs, parse_fence, pipeline_outcome, translate
 from .._redis_wire import RAISE_UNLISTED, Wire, takes_command_name
 
 __all__ = ["AsyncFencedPipeline", "AsyncRedisBatch", "AsyncRedisGuard"]
@@ -78,71 +57,6 @@ __all__ = ["AsyncFencedPipeline", "AsyncRedisBatch", "AsyncRedisGuard"]
 AsyncRedisClient = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
 
 _SOURCE = "redis-guard"
-
-#: A write queued in a fenced pipeline: token, operation, script, keys, argv.
-_Queued = tuple[int, Op, Script, list[Any], list[Any]]
-
-#: The operations that leave the same state when sent twice with the same token, so a
-#: call made only of them is sent once more after the server closed its connection under
-#: it (:func:`fence._redis_conn.closed_connection`). ``incrby``, ``rpush`` and ``xadd``
-#: would apply twice if the first send had run: their caller gets the error instead.
-_REPEATABLE = frozenset({"set", "hset", "del", "claim", "get", "hgetall"})
-
-#: redis-py parses these error codes into classes and drops the code from the message.
-_STATE_ERRORS: tuple[tuple[type[RedisError], str], ...] = (
-    (OutOfMemoryError, "OOM"),
-    (ReadOnlyError, "READONLY"),
-    (NoPermissionError, "NOPERM"),
-    (BusyLoadingError, "LOADING"),
-    (ClusterDownError, "CLUSTERDOWN"),
-    (TryAgainError, "TRYAGAIN"),
-)
-
-
-def _translate(err: RedisError, what: str) -> FenceError:
-    """Wrap a redis-py error in the FenceError family (the caller chains it with ``from``)."""
-    if isinstance(err, RedisTimeoutError):
-        return RetryableError(
-            f"{what}: Redis did not answer in time; the write may or may not have been"
-            " applied. Retrying with the same token is safe for set, hset, delete and claim;"
-            " incr, rpush and xadd would apply twice.",
-            code="TIMEOUT",
-        )
-    if isinstance(err, RedisConnectionError):
-        return BackendError(
-            f"{what}: lost the connection to Redis ({err}); the write may or may not have been"
-            " applied. Retry once Redis is reachable (set, hset, delete and claim are safe to"
-            " repeat with the same token).",
-            code="CONNECTION",
-            retryable=True,
-        )
-    text = str(err)
-    if (
-        isinstance(err, ClusterCrossSlotError)
-        or (isinstance(err, RedisClusterException) and "same key slot" in text)
-        # redis-py before 6.0 leaves the server's CROSSSLOT reply a plain ResponseError.
-        or (isinstance(err, ResponseError) and text.startswith("CROSSSLOT"))
-    ):
-        return CrossSlotError(
-            f"{what}: the keys of one fenced call hash to several cluster slots (the server"
-            f" answered CROSSSLOT: {text})."
-            " Give every key of a resource the same hash tag, e.g. '{order:42}:status'."
-        )
-    if isinstance(err, ResponseError):
-        state = next((word for cls, word in _STATE_ERRORS if isinstance(err, cls)), None)
-        state = state or server_state(text)
-        if state is not None:
-            # Redis refuses for its state only a script's first write (a script that wrote
-            # may finish), and the scripts' error replies come from reads before it: a
-            # state error reply means nothing was written.
-            code, retryable, advice = SERVER_STATES[state]
-            return BackendError(
-                f"{what}: Redis refused the call, nothing was written: {text} ({advice})",
-                code=code,
-                retryable=retryable,
-            )
-        return BackendError(f"{what}: Redis refused the command: {text}", code="RESPONSE")
-    return BackendError(f"{what}: Redis failed: {text}", code="BACKEND")
 
 
 class AsyncRedisGuard:
@@ -428,11 +342,11 @@ class AsyncRedisGuard:
             raw = await self.client.get(fence_key)
         except RedisError as err:
             if not closed_connection(err):  # a read is always safe to send again
-                raise _translate(err, f"fence of {scope!r}") from err
+                raise translate(err, f"fence of {scope!r}") from err
             try:
                 raw = await self.client.get(fence_key)
             except RedisError as again:
-                raise _translate(again, f"fence of {scope!r}") from again
+                raise translate(again, f"fence of {scope!r}") from again
         return parse_fence(scope, raw)
 
     async def read_for_update(self, key: str, *, token: int) -> Any:
@@ -457,7 +371,7 @@ class AsyncRedisGuard:
         It raises what :meth:`read_for_update` raises.
         """
         results = await self._write(token, (op_read(key, "hgetall"),))
-        return _pairs(results[0])
+        return pairs(results[0])
 
     async def get(self, key: str) -> tuple[Any, int | None]:
         """Read the string at ``key`` together with its fence, in one atomic step.
@@ -478,7 +392,7 @@ class AsyncRedisGuard:
             ``(fields, fence)``; ``fields`` is empty if the hash does not exist.
         """
         fence, value = await self._read(key, "hgetall")
-        return _pairs(value), fence
+        return pairs(value), fence
 
     # -- batches and pipelines -----------------------------------------------------------
 
@@ -522,7 +436,7 @@ class AsyncRedisGuard:
         try:  # _eval, inlined: one coroutine less on the path of every write
             reply = await self._call(script, keys, argv)
         except RedisError as err:
-            reply = await self._recover(err, script, keys, argv, op.key, op.code in _REPEATABLE)
+            reply = await self._recover(err, script, keys, argv, op.key, op.code in REPEATABLE)
         if isinstance(reply, int):  # the bare number of a write that landed
             result: Any = reply
         else:
@@ -541,7 +455,7 @@ class AsyncRedisGuard:
     async def _write(self, token: int, ops: Sequence[Op], *, one_slot: bool = False) -> list[Any]:
         token = validate_token(token)
         keys, argv = encode(self.layout, token, ops, issuer=self.check_issuer, one_slot=one_slot)
-        repeat = all(op.code in _REPEATABLE for op in ops)
+        repeat = all(op.code in REPEATABLE for op in ops)
         reply = await self._eval(WRITE, keys, argv, ops[0].key, repeat=repeat)
         outcome = decode(token, ops, reply)
         bus = self.events
@@ -603,7 +517,7 @@ class AsyncRedisGuard:
                 elif not resent and repeat and closed_connection(err):
                     resent, loaded = True, False
                 else:
-                    raise _translate(err, what) from err
+                    raise translate(err, what) from err
                 return await self._call(script, keys, argv)
             except RedisError as again:
                 err = again
@@ -676,13 +590,6 @@ async def _round_trip(pool: Any, packed: list[Any], count: int | None) -> Any:
         return await conn.retry.call_with_retry(attempt, failed)
     finally:
         await pool.release(conn)
-
-
-def _pairs(flat: Any) -> dict[Any, Any]:
-    if isinstance(flat, dict):  # RESP3 replies are already maps
-        return flat
-    items = list(flat or ())
-    return dict(zip(items[0::2], items[1::2], strict=True))
 
 
 class AsyncRedisBatch:
@@ -816,7 +723,7 @@ class AsyncFencedPipeline:
         self.guard = guard
         # Per write: its token, its operation, and the script, keys and argv that send it
         # (for MANY, the write's own part of a call).
-        self._queued: list[_Queued] = []
+        self._queued: list[Queued] = []
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -871,7 +778,7 @@ class AsyncFencedPipeline:
         """Queue a claim; see :meth:`AsyncRedisGuard.claim`."""
         return self._add(token, op_claim(key))
 
-    async def _send_repeatable(self, queued: list[_Queued]) -> list[Any]:
+    async def _send_repeatable(self, queued: list[Queued]) -> list[Any]:
         """:meth:`_send`, once more if the server closed the connection under it and every
         write is safe to repeat (see :meth:`AsyncRedisGuard._eval`)."""
         try:
@@ -879,7 +786,7 @@ class AsyncFencedPipeline:
         except BackendError as err:
             if not closed_connection(err.__cause__ or err):
                 raise
-            if not all(entry[1].code in _REPEATABLE for entry in queued):
+            if not all(entry[1].code in REPEATABLE for entry in queued):
                 raise
         return await self._send(queued)
 
@@ -905,78 +812,33 @@ class AsyncFencedPipeline:
                 for script in {queued[i][2] for i in missing}:
                     await guard.client.script_load(script.source)
             except RedisError as err:
-                raise _translate(err, "fenced pipeline") from err
+                raise translate(err, "fenced pipeline") from err
             again = await self._send([queued[i] for i in missing])
             for i, reply in zip(missing, again, strict=True):
                 replies[i] = reply
         bus = guard.events
         out: list[Any] = []
         for (token, op, *_), reply in zip(queued, replies, strict=True):
-            if isinstance(reply, int):  # the bare number of a write that landed
-                if bus.active:
-                    bus.emit(EventKind.WRITE_ACCEPTED, _SOURCE, op.key, token, op=op.code)
-                out.append(reply)
-                continue
-            if isinstance(reply, NoScriptError):
-                vanished = RetryableError(
-                    f"{op.key}: the fenced-write script vanished twice; nothing was written",
-                    code="NOSCRIPT",
-                )
-                vanished.__cause__ = reply
-                out.append(vanished)
-                continue
-            if isinstance(reply, RedisError):
-                failure = _translate(reply, op.key)
-                failure.__cause__ = reply
-                out.append(failure)
-                continue
-            outcome = decode(token, (op,), reply)
+            # The bare number of a write that landed needs no reading.
+            outcome = reply if isinstance(reply, int) else pipeline_outcome(token, op, reply)
             if isinstance(outcome, FenceError):
                 if bus.active and isinstance(outcome, StaleTokenError):
                     bus.emit(
                         EventKind.WRITE_REJECTED, _SOURCE, op.key, token, reason=outcome.reason
                     )
-                out.append(outcome)
-            else:
-                if bus.active:
-                    bus.emit(EventKind.WRITE_ACCEPTED, _SOURCE, op.key, token, op=op.code)
-                out.append(outcome[0])
+            elif bus.active:
+                bus.emit(EventKind.WRITE_ACCEPTED, _SOURCE, op.key, token, op=op.code)
+            out.append(outcome)
         return out
 
-    async def _send(self, queued: list[_Queued]) -> list[Any]:
+    async def _send(self, queued: list[Queued]) -> list[Any]:
         """One round trip; a run of plain sets and hsets goes as one :data:`MANY` call.
 
         Returns one reply per queued write (an error object for a call that failed).
         """
-        calls: list[tuple[Script, list[Any], list[Any]]] = []
-        runs: list[int] = []  # per call: 0 for one write on its own, else the MANY's count
-        i, n = 0, len(queued)
-        while i < n:
-            _, _, script, keys, argv = queued[i]
-            if script is not MANY:
-                calls.append((script, keys, argv))
-                runs.append(0)
-                i += 1
-                continue
-            j = i
-            keys, argv = [], []
-            while j < n and queued[j][2] is MANY:
-                keys += queued[j][3]
-                argv += queued[j][4]
-                j += 1
-            calls.append((MANY, keys, argv))
-            runs.append(j - i)
-            i = j
+        calls, runs = pipeline_calls(queued)
         try:
             replies = await self.guard._call_all(calls)
         except RedisError as err:
-            raise _translate(err, "fenced pipeline") from err
-        out: list[Any] = []
-        for count, reply in zip(runs, replies, strict=True):
-            if not count:
-                out.append(reply)
-            elif isinstance(reply, list):
-                out += reply
-            else:  # the call failed as a whole (NOSCRIPT, a lost connection): each write did
-                out += [reply] * count
-        return out
+            raise translate(err, "fenced pipeline") from err
+        return pipeline_replies(runs, replies)

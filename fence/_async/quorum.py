@@ -46,7 +46,8 @@ from fence._quorum import (
     release_verdict,
     validity,
 )
-from fence._redis_scripts import DEFAULT_PREFIX, milliseconds
+from fence._redis_keys import DEFAULT_PREFIX
+from fence._redis_scripts import milliseconds
 from fence.abc import AcquireReply, LockInfo
 
 __all__ = ["AsyncQuorumDriver", "AsyncQuorumLockManager"]

@@ -1,7 +1,7 @@
 """The Redis lock manager for asyncio: one Lua script per call, waiters woken by pub/sub.
 
-The scripts and the key layout are in :mod:`fence._redis_scripts`; the deadlines,
-reentrancy, waiting loop and renewal watchdog in :mod:`fence._async.manager`.
+The scripts are in :mod:`fence._redis_scripts`, the key layout in :mod:`fence._redis_keys`;
+the deadlines, reentrancy, waiting loop and renewal watchdog in :mod:`fence._async.manager`.
 
 Connections. A manager built from a plain ``redis://`` or ``unix://`` URL uses connections
 of its own (:mod:`fence._async.resp`): a pool of at most ``max_connections`` for the
@@ -56,16 +56,14 @@ from fence._errors import BackendError, ConfigurationError, FenceWarning, Invali
 from fence._events import EventBus
 from fence._lua import Script
 from fence._redis_conn import closed_connection
-from fence._redis_scripts import (
+from fence._redis_keys import (
     DEFAULT_PREFIX,
-    DRIVER_SCRIPTS,
     ResourceKeys,
-    config_warnings,
-    milliseconds,
     resource_keys,
     validate_prefix,
     waiter_id,
 )
+from fence._redis_scripts import DRIVER_SCRIPTS, config_warnings, milliseconds
 from fence._resp import Address, ConnectionFailure, PoolExhausted, RespError, pack, parse_url
 from fence._sentinel import is_sentinel_url, parse_sentinel_url
 from fence._signal import Signal
@@ -660,7 +658,7 @@ class AsyncRedisDriver:
             raise ConfigurationError(f"not a usable Redis URL: {url!r} ({exc})") from exc
 
     def keys(self, resource: str) -> ResourceKeys:
-        """The keys of ``resource`` (see :func:`fence._redis_scripts.resource_keys`)."""
+        """The keys of ``resource`` (see :func:`fence._redis_keys.resource_keys`)."""
         return resource_keys(self.prefix, resource)
 
     # -- errors --------------------------------------------------------------------------

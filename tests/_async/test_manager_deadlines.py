@@ -32,7 +32,7 @@ from fence._async.memory import AsyncMemoryLockManager
 from fence._async.quorum import AsyncQuorumLockManager
 from fence._async.redis import AsyncRedisLockManager
 from fence._async.sql import AsyncSQLLockManager
-from fence._redis_scripts import resource_keys
+from fence._redis_keys import resource_keys
 from fence._resp import ConnectionFailure
 from fence._sql_schema import lease_schema_ddl
 from tests._acompat import join, sleep, spawn

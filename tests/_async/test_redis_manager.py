@@ -27,7 +27,7 @@ from fence import (
 )
 from fence._async.redis import AsyncRedisLockManager
 from fence._errors import FenceWarning
-from fence._redis_scripts import resource_keys, waiter_id
+from fence._redis_keys import resource_keys, waiter_id
 from fence.abc import AcquireReply
 from fence.adapters.redis import AsyncRedisGuard
 from tests._acompat import join, sleep, spawn

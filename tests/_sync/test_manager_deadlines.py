@@ -29,7 +29,7 @@ import pytest
 import redis
 
 from fence import AcquireTimeout, BackendError, MemoryBackend
-from fence._redis_scripts import resource_keys
+from fence._redis_keys import resource_keys
 from fence._resp import ConnectionFailure
 from fence._sql_schema import lease_schema_ddl
 from fence._sync.manager import UNDO_LIMIT

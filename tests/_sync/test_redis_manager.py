@@ -28,7 +28,7 @@ from fence import (
     TokenMode,
 )
 from fence._errors import FenceWarning
-from fence._redis_scripts import resource_keys, waiter_id
+from fence._redis_keys import resource_keys, waiter_id
 from fence._sync.redis import RedisLockManager
 from fence.abc import AcquireReply
 from fence.adapters.redis import RedisGuard
