@@ -75,12 +75,12 @@ jump): the tokens of two overlapping holders still differ and follow their grant
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from fence._core import MAX_TOKEN, backoff_delay, validate_token
-from fence._errors import ConfigurationError
+from fence._errors import BackendError, ConfigurationError
 from fence._lua import Script
 from fence._redis_keys import quorum_keys
 from fence._redis_scripts import _PRELUDE, RELEASE
@@ -111,9 +111,11 @@ __all__ = [
     "merge_tokens",
     "node_call",
     "node_config_warnings",
+    "node_name",
     "parse_answer",
     "release_verdict",
     "time_until_free",
+    "unavailable_error",
     "validity",
 ]
 
@@ -996,3 +998,66 @@ def node_config_warnings(settings: dict[str, str]) -> list[str]:
 def describe_nodes(names: Sequence[str], indexes: Sequence[int]) -> str:
     """``names`` at ``indexes``, comma-separated, or ``"none"``."""
     return ", ".join(names[i] for i in indexes) or "none"
+
+
+def node_name(node: object) -> str:
+    """How messages name a node: its URL without the password, or the client's repr."""
+    if isinstance(node, str):
+        return node.rsplit("@", 1)[-1]  # never show a password
+    return repr(node)
+
+
+#: What a caller should know when a call reached fewer than a majority of nodes.
+_CONSEQUENCES = {
+    "acquire": "No lease was handed out; what the attempt took was released",
+    "release": "Whether the lock was held is unknown; the copies that were not released "
+    "expire with their ttl",
+    "renewal": "The lease is kept until its deadline while renewals are retried",
+    "revoke": "The lease may still be held on a majority; revoke again",
+}
+
+
+def unavailable_error(
+    what: str, outcomes: Mapping[int, Any], names: Sequence[str], outcome: Outcome | None = None
+) -> BackendError:
+    """The error of a call that fewer than a majority of nodes with intact data answered.
+
+    Args:
+        what: the call (``"acquire"``, ``"release"``, ``"renewal"``, ``"revoke"``, ...).
+        outcomes: node index -> what the node answered (a :class:`fence.BackendError` for
+            a node that failed).
+        names: every node's name (:func:`node_name`).
+        outcome: the attempt's outcome, for an acquire or revoke.
+
+    Returns:
+        ``code="DATA_LOST"`` when the outcome says a majority of intact nodes was missing,
+        else ``code="QUORUM"``; both retryable.
+    """
+    need = majority(len(names))
+    failed = {i: o for i, o in outcomes.items() if isinstance(o, BackendError)}
+    down = ", ".join(f"{names[i]} ({o.code})" for i, o in failed.items())
+    consequence = _CONSEQUENCES.get(what, "The outcome is unknown")
+    if outcome is not None and outcome.verdict is Verdict.DATA_LOST:
+        lost = describe_nodes(names, outcome.ineligible)
+        return BackendError(
+            f"the {what} was refused: fewer than {need} of the "
+            f"{len(names)} Redis nodes hold intact data for this resource and "
+            f"answered, so a grant could repeat a token. Lost their data and not yet "
+            f"repaired: {lost}; did not answer: {down or 'none'}. {consequence}. A node "
+            "is repaired by the next grant that a majority of intact nodes backs: bring "
+            "the nodes that did not answer back. If a majority lost its data, see "
+            "'Beyond the fault model' in docs/managers.md",
+            code="DATA_LOST",
+            retryable=True,
+        )
+    lost = ""
+    if outcome is not None and outcome.ineligible:
+        lost = " (lost their data and not yet repaired: "
+        lost += f"{describe_nodes(names, outcome.ineligible)})"
+    return BackendError(
+        f"the {what} reached {len(outcomes) - len(failed)} of {len(names)} Redis "
+        f"nodes, fewer than the majority of {need} with intact data{lost}; "
+        f"failed: {down or 'none'}. {consequence}. Retry when a majority answers",
+        code="QUORUM",
+        retryable=True,
+    )

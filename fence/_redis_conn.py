@@ -1,4 +1,5 @@
-"""Which redis-py connection errors a call may be sent again after. No I/O.
+"""The redis-py clients of the managers and guards: which server a client names, and which
+connection errors a call may be sent again after. No I/O.
 
 A pooled connection that the server closed while it sat idle (a restart, a failover, an
 idle ``timeout``, ``CLIENT KILL``) fails the next command sent on it. Whether redis-py then
@@ -14,9 +15,29 @@ whether the command reached a server that then died before replying.
 
 from __future__ import annotations
 
+from typing import Any
+
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-__all__ = ["closed_connection"]
+__all__ = ["closed_connection", "describe_client"]
+
+
+def describe_client(client: Any) -> str:
+    """``host:port/db`` of a redis-py client, without its password."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if isinstance(kwargs, dict):
+        if kwargs.get("path"):
+            return f"unix:{kwargs['path']}"
+        if kwargs.get("host"):
+            where = f"{kwargs['host']}:{kwargs.get('port', 6379)}"
+            db = kwargs.get("db") or 0
+            return where if not db else f"{where}/{db}"
+    get_nodes = getattr(client, "get_nodes", None)
+    if callable(get_nodes):
+        nodes = get_nodes()
+        if nodes:
+            return "cluster " + ",".join(f"{n.host}:{n.port}" for n in nodes[:3])
+    return type(client).__name__
 
 
 def closed_connection(err: BaseException) -> bool:

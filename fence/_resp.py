@@ -23,6 +23,8 @@ __all__ = [
     "PoolExhausted",
     "Reader",
     "RespError",
+    "failure",
+    "handshake",
     "pack",
     "parse_url",
 ]
@@ -67,6 +69,26 @@ class ConnectionFailure(RedisConnectionError):
         self.closed = closed
 
 
+def failure(address: Address, exc: BaseException, *, sent: bool) -> ConnectionFailure:
+    """What an error of a connection to ``address`` means, as a :class:`ConnectionFailure`.
+
+    Args:
+        address: the server.
+        exc: the error (``OSError``, ``TimeoutError``, ``ValueError`` for bytes that are not
+            RESP2, or a :class:`ConnectionFailure` already).
+        sent: whether the request's bytes may have reached the server.
+    """
+    if isinstance(exc, ConnectionFailure):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return ConnectionFailure(
+            f"no answer from {address} in the time allowed", sent=sent, timed_out=True
+        )
+    detail = str(exc) or type(exc).__name__
+    closed = isinstance(exc, ConnectionResetError | BrokenPipeError | ConnectionAbortedError)
+    return ConnectionFailure(f"{type(exc).__name__}: {detail}", sent=sent, closed=closed)
+
+
 class PoolExhausted(ConnectionFailure):
     """Every connection of the client's own pool stayed busy for the time allowed.
 
@@ -109,6 +131,19 @@ def pack(*args: object) -> bytes:
         data = _encode(arg)
         parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(parts)
+
+
+def handshake(address: Address) -> list[bytes]:
+    """The commands a new connection to ``address`` sends first: ``AUTH``, ``SELECT``."""
+    hello = []
+    if address.password is not None:
+        if address.username:
+            hello.append(pack("AUTH", address.username, address.password))
+        else:
+            hello.append(pack("AUTH", address.password))
+    if address.db:
+        hello.append(pack("SELECT", address.db))
+    return hello
 
 
 # -- replies --------------------------------------------------------------------------------

@@ -37,16 +37,18 @@ from fence._quorum import (
     Request,
     Verdict,
     backoff_delay,
-    describe_nodes,
     majority,
     merge_inspections,
     node_call,
     node_config_warnings,
+    node_name,
     parse_answer,
     release_verdict,
+    unavailable_error,
     validity,
 )
 from fence._redis_keys import DEFAULT_PREFIX
+from fence._redis_replies import settings_of
 from fence._redis_scripts import milliseconds
 from fence.abc import AcquireReply, LockInfo
 
@@ -57,26 +59,6 @@ _NO_REPLY = AcquireReply(None)
 
 #: Forget retry counts of this many waiters at once if waiters vanish without a trace.
 _MAX_TRACKED = 10_000
-
-
-#: What a caller should know when a call reached fewer than a majority of nodes.
-_CONSEQUENCES = {
-    "acquire": "No lease was handed out; what the attempt took was released",
-    "release": "Whether the lock was held is unknown; the copies that were not released "
-    "expire with their ttl",
-    "renewal": "The lease is kept until its deadline while renewals are retried",
-    "revoke": "The lease may still be held on a majority; revoke again",
-}
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _node_name(node: object) -> str:
-    if isinstance(node, str):
-        return node.rsplit("@", 1)[-1]  # never show a password
-    return repr(node)
 
 
 class AsyncQuorumDriver:
@@ -145,7 +127,7 @@ class AsyncQuorumDriver:
         self.retry_cap = validate_ttl(retry_cap, what="retry_cap")
         self.clock: Clock = clock or system_clock
         self.events = events or default_bus
-        self.names = [_node_name(node) for node in nodes]
+        self.names = [node_name(node) for node in nodes]
         self.nodes = [
             AsyncRedisDriver(
                 node,
@@ -255,7 +237,7 @@ class AsyncQuorumDriver:
                 return
             except (RedisError, OSError) as exc:
                 raise node._error(exc, "CONFIG GET") from exc
-            settings.update({_text(k): _text(v) for k, v in got.items()})
+            settings.update(settings_of(got))
         self._unchecked.discard(index)
         for message in node_config_warnings(settings):
             warnings.warn(f"quorum node {self.names[index]}: {message}", FenceWarning, stacklevel=2)
@@ -321,33 +303,7 @@ class AsyncQuorumDriver:
     def _unavailable(
         self, what: str, outcomes: dict[int, Any], outcome: Outcome | None = None
     ) -> BackendError:
-        failed = {i: o for i, o in outcomes.items() if isinstance(o, BackendError)}
-        names = ", ".join(f"{self.names[i]} ({o.code})" for i, o in failed.items())
-        consequence = _CONSEQUENCES.get(what, "The outcome is unknown")
-        if outcome is not None and outcome.verdict is Verdict.DATA_LOST:
-            lost = describe_nodes(self.names, outcome.ineligible)
-            return BackendError(
-                f"the {what} was refused: fewer than {self.majority} of the "
-                f"{len(self.nodes)} Redis nodes hold intact data for this resource and "
-                f"answered, so a grant could repeat a token. Lost their data and not yet "
-                f"repaired: {lost}; did not answer: {names or 'none'}. {consequence}. A node "
-                "is repaired by the next grant that a majority of intact nodes backs: bring "
-                "the nodes that did not answer back. If a majority lost its data, see "
-                "'Beyond the fault model' in docs/managers.md",
-                code="DATA_LOST",
-                retryable=True,
-            )
-        lost = ""
-        if outcome is not None and outcome.ineligible:
-            lost = " (lost their data and not yet repaired: "
-            lost += f"{describe_nodes(self.names, outcome.ineligible)})"
-        return BackendError(
-            f"the {what} reached {len(outcomes) - len(failed)} of {len(self.nodes)} Redis "
-            f"nodes, fewer than the majority of {self.majority} with intact data{lost}; "
-            f"failed: {names or 'none'}. {consequence}. Retry when a majority answers",
-            code="QUORUM",
-            retryable=True,
-        )
+        return unavailable_error(what, outcomes, self.names, outcome)
 
     @property
     def down(self) -> list[str]:

@@ -2,8 +2,9 @@
 # fence/_async/redis.py
 """The Redis lock manager for asyncio: one Lua script per call, waiters woken by pub/sub.
 
-The scripts are in :mod:`fence._redis_scripts`, the key layout in :mod:`fence._redis_keys`;
-the deadlines, reentrancy, waiting loop and renewal watchdog in :mod:`fence._sync.manager`.
+The scripts are in :mod:`fence._redis_scripts`, the key layout in :mod:`fence._redis_keys`,
+how replies and errors are read in :mod:`fence._redis_replies`; the deadlines,
+reentrancy, waiting loop and renewal watchdog in :mod:`fence._sync.manager`.
 
 Connections. A manager built from a plain ``redis://`` or ``unix://`` URL uses connections
 of its own (:mod:`fence._sync.resp`): a pool of at most ``max_connections`` for the
@@ -32,29 +33,19 @@ from typing import Any
 
 import redis
 import redis.asyncio
-import redis.sentinel
 from redis.backoff import NoBackoff
-from redis.exceptions import (
-    ClusterDownError,
-    NoPermissionError,
-    NoScriptError,
-    ReadOnlyError,
-    RedisError,
-    ResponseError,
-    TryAgainError,
-)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
 from fence._clock import Clock
 from fence._compat import Waiter, cancel_after
 from fence._core import LeaseMode, TokenMode, client_deadline, validate_ttl
 from fence._deadline import time_left
-from fence._errors import BackendError, ConfigurationError, FenceWarning, InvalidTokenError
+from fence._errors import ConfigurationError, FenceWarning
 from fence._events import EventBus
 from fence._lua import Script
-from fence._redis_conn import closed_connection
+from fence._redis_conn import closed_connection, describe_client
 from fence._redis_keys import (
     DEFAULT_PREFIX,
     ResourceKeys,
@@ -62,8 +53,15 @@ from fence._redis_keys import (
     validate_prefix,
     waiter_id,
 )
+from fence._redis_replies import (
+    driver_error,
+    lock_info,
+    replication_problem,
+    settings_of,
+    text,
+)
 from fence._redis_scripts import DRIVER_SCRIPTS, config_warnings, milliseconds
-from fence._resp import Address, ConnectionFailure, PoolExhausted, RespError, pack, parse_url
+from fence._resp import Address, ConnectionFailure, RespError, pack, parse_url
 from fence._sentinel import is_sentinel_url, parse_sentinel_url
 from fence._signal import Signal
 from fence._sync.manager import BaseLockManager
@@ -100,28 +98,6 @@ _PING_AFTER = 5.0
 #: ``max_wait`` hint): the listener does not lose wake-ups, and the holder's expiry
 #: shortens each wait anyway.
 _MAX_WAIT = 30.0
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _describe(client: Any) -> str:
-    """``host:port/db`` of a redis-py client, without its password."""
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
-    if isinstance(kwargs, dict):
-        if kwargs.get("path"):
-            return f"unix:{kwargs['path']}"
-        if kwargs.get("host"):
-            where = f"{kwargs['host']}:{kwargs.get('port', 6379)}"
-            db = kwargs.get("db") or 0
-            return where if not db else f"{where}/{db}"
-    get_nodes = getattr(client, "get_nodes", None)
-    if callable(get_nodes):
-        nodes = get_nodes()
-        if nodes:
-            return "cluster " + ",".join(f"{n.host}:{n.port}" for n in nodes[:3])
-    return type(client).__name__
 
 
 class _PySubscriber:
@@ -427,7 +403,7 @@ class _Listener:
 
     def _dispatch(self, conn: Any, message: list[Any]) -> None:
         kind = message[0]
-        channel = _text(message[1]) if len(message) > 1 else ""
+        channel = text(message[1]) if len(message) > 1 else ""
         if kind == b"message":
             resource = self._channels.get(channel)
             if resource is None:
@@ -435,7 +411,7 @@ class _Listener:
             payload = message[2]
             if payload:
                 # The waiters whose turn it is: a writer, or a batch of readers.
-                for key in _text(payload).split():
+                for key in text(payload).split():
                     self._board.wake_key(resource, key)
             else:
                 self._board.wake_one(resource, prefer=self._reader)
@@ -606,7 +582,7 @@ class RedisDriver:
         else:
             self._owned = False
             self.client = client
-            self._where = _describe(client)
+            self._where = describe_client(client)
         self._pool = self.client.pool if self.address is not None else None
         self.is_cluster = isinstance(self.client, redis.RedisCluster)
         if self.min_replicas and self.is_cluster:
@@ -664,98 +640,8 @@ class RedisDriver:
     # -- errors --------------------------------------------------------------------------
 
     def _error(self, exc: BaseException, what: str, resource: str = "") -> Exception:
-        call = f"{what} of {resource!r}" if resource else what
-        where = f"Redis at {self._where}"
-        if isinstance(exc, PoolExhausted):
-            return BackendError(
-                f"{exc}; the {call} waited for a free connection until its deadline",
-                code="POOL",
-                retryable=True,
-                sent=False,
-            )
-        if isinstance(exc, ConnectionFailure):
-            if exc.timed_out:
-                return BackendError(
-                    f"{where} did not answer the {call} in the time allowed ({exc}); the "
-                    "lock state is unknown until it does, and the call may be retried",
-                    code="CONNECTION",
-                    retryable=True,
-                    sent=exc.sent,
-                )
-            if not exc.sent:
-                return BackendError(
-                    f"could not reach {where} for the {call} ({exc}); nothing was sent, "
-                    "and the call may be retried",
-                    code="CONNECTION",
-                    retryable=True,
-                    sent=False,
-                )
-            return BackendError(
-                f"{where} dropped the connection during the {call} ({exc}); the lock state "
-                "is unknown until it answers, and the call may be retried",
-                code="CONNECTION",
-                retryable=True,
-                sent=True,
-            )
-        if isinstance(exc, redis.sentinel.MasterNotFoundError):
-            return BackendError(
-                f"{where}: no Sentinel named a reachable primary for the {call} ({exc}); "
-                "during a failover this passes, and the call may be retried",
-                code="UNAVAILABLE",
-                retryable=True,
-                sent=False,
-            )
-        if isinstance(exc, RedisConnectionError) and (
-            "Too many connections" in str(exc) or "No connection available" in str(exc)
-        ):
-            limit = getattr(getattr(self.client, "connection_pool", None), "max_connections", None)
-            return BackendError(
-                f"the connection pool of the Redis client for {self._where} has no free "
-                f"connection for the {call} (max_connections={limit}; a client-side limit: "
-                "nothing was sent to Redis). Give the client a larger max_connections, or a "
-                "BlockingConnectionPool",
-                code="POOL",
-                retryable=True,
-                sent=False,
-            )
-        if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError | TimeoutError):
-            return BackendError(
-                f"{where} did not answer the {call} ({exc or type(exc).__name__}); the lock "
-                "state is unknown until it does, and the call may be retried",
-                code="CONNECTION",
-                retryable=True,
-            )
-        text = exc.message if isinstance(exc, RespError) else str(exc)
-        kind = exc.kind if isinstance(exc, RespError) else ""
-        if isinstance(exc, ClusterDownError | TryAgainError | ReadOnlyError) or kind in (
-            "READONLY",
-            "CLUSTERDOWN",
-            "TRYAGAIN",
-            "LOADING",
-            "MASTERDOWN",
-            "BUSY",
-        ):
-            return BackendError(
-                f"{where} cannot serve the {call} right now ({text}); retry after the "
-                "failover, resharding or loading",
-                code="UNAVAILABLE",
-                retryable=True,
-            )
-        if isinstance(exc, NoPermissionError) or kind == "NOPERM":
-            return BackendError(
-                f"{where} refused the {call}: {text}. The lock manager needs EVALSHA, "
-                "SCRIPT LOAD, PUBLISH and SUBSCRIBE on the keys and channels under its prefix",
-                code="PERMISSION",
-            )
-        if kind in ("NOAUTH", "WRONGPASS") or "invalid password" in text.lower():
-            return BackendError(
-                f"{where} refused the credentials for the {call}: {text}. Check the user "
-                "and password in the URL",
-                code="AUTH",
-            )
-        if "token space exhausted" in text:
-            return InvalidTokenError(f"cannot issue a token: {text}")
-        return BackendError(f"{where} failed the {call}: {text}", code="RESPONSE")
+        """The error to raise for ``exc`` (see :func:`fence._redis_replies.driver_error`)."""
+        return driver_error(exc, what, resource, where=self._where, client=self.client)
 
     def _run(
         self,
@@ -886,34 +772,16 @@ class RedisDriver:
             raise self._error(reply, "acquire", resource) from reply
         if isinstance(reply, list):  # not granted: nothing to wait for
             return reply
-        problem: Exception | None = None
-        aof = results[2] if self.wait_aof else None
-        if isinstance(aof, Exception) and "unknown command" in str(aof).lower():
-            problem = ConfigurationError(
-                f"wait_aof needs Redis 7.2 or later (WAITAOF); {self._where} has no WAITAOF"
-            )
-        elif isinstance(results[1], Exception):
-            problem = self._error(results[1], "WAIT after the acquire", resource)
-        elif int(results[1]) < self.min_replicas:
-            problem = BackendError(
-                f"only {int(results[1])} of {self.min_replicas} replicas acknowledged the "
-                f"acquire of {resource!r} within {self.replica_timeout}s; the lock was "
-                "released and its token not handed out (a failover could have lost it)",
-                code="REPLICATION",
-                retryable=True,
-            )
-        elif isinstance(aof, Exception):
-            problem = self._error(aof, "WAITAOF after the acquire", resource)
-        elif aof is not None and (
-            int(aof[1]) < self.min_replicas or (self._appendonly and int(aof[0]) < 1)
-        ):
-            problem = BackendError(
-                f"the acquire of {resource!r} was not fsynced to the AOF of "
-                f"{self.min_replicas} replicas within {self.replica_timeout}s; the lock was "
-                "released and its token not handed out",
-                code="REPLICATION",
-                retryable=True,
-            )
+        problem = replication_problem(
+            results[1],
+            results[2] if self.wait_aof else None,
+            resource=resource,
+            min_replicas=self.min_replicas,
+            appendonly=bool(self._appendonly),
+            timeout=self.replica_timeout,
+            where=self._where,
+            error=lambda exc, what: self._error(exc, what, resource),
+        )
         if problem is None:
             return reply
         self.release(resource, args[0])
@@ -1022,22 +890,7 @@ class RedisDriver:
     def inspect(self, resource: str) -> LockInfo | None:
         """The writer, or every reader; see :meth:`fence.abc.Driver.inspect`."""
         got = self._run(self._inspect, [self.keys(resource).lock], [], "inspect", resource)
-        if not got:
-            return None
-        kind, rest = _text(got[0]), got[1:]
-        infos = [
-            LockInfo(
-                resource,
-                int(token),
-                max(int(ms), 0) / 1000,
-                _text(holder) or None,
-                LeaseMode.WRITE if kind == "w" else LeaseMode.READ,
-            )
-            for token, ms, holder in zip(rest[0::3], rest[1::3], rest[2::3], strict=True)
-        ]
-        if kind == "w":
-            return infos[0]
-        return LockInfo.of_readers(resource, infos)
+        return lock_info(resource, got)
 
     def revoke(self, resource: str) -> int:
         """End the lease, issue a token above every earlier one and above the guards' fence
@@ -1086,7 +939,7 @@ class RedisDriver:
             except (RedisError, OSError) as exc:
                 self._checked = False
                 raise self._error(exc, what, resource) from exc
-            settings.update({_text(k): _text(v) for k, v in got.items()})
+            settings.update(settings_of(got))
         self._appendonly = settings.get("appendonly") == "yes"
         for message in config_warnings(settings, self.token_mode):
             warnings.warn(f"Redis at {self._where}: {message}", FenceWarning, stacklevel=4)

@@ -25,6 +25,8 @@ from fence._resp import (
     PoolExhausted,
     Reader,
     RespError,
+    failure,
+    handshake,
     pack,
 )
 
@@ -34,18 +36,6 @@ __all__ = [
     "RespPool",
     "RespSubscriber",
 ]
-
-
-def _failure(address: Address, exc: BaseException, *, sent: bool) -> ConnectionFailure:
-    if isinstance(exc, ConnectionFailure):
-        return exc
-    if isinstance(exc, TimeoutError):
-        return ConnectionFailure(
-            f"no answer from {address} in the time allowed", sent=sent, timed_out=True
-        )
-    detail = str(exc) or type(exc).__name__
-    closed = isinstance(exc, ConnectionResetError | BrokenPipeError | ConnectionAbortedError)
-    return ConnectionFailure(f"{type(exc).__name__}: {detail}", sent=sent, closed=closed)
 
 
 class RespConnection:
@@ -76,18 +66,10 @@ class RespConnection:
                 address.host, address.port, address.path, deadline - time.monotonic()
             )
         except (OSError, TimeoutError) as exc:
-            raise _failure(address, exc, sent=False) from exc
+            raise failure(address, exc, sent=False) from exc
         conn = cls(address, stream)
-        hello = []
-        if address.password is not None:
-            if address.username:
-                hello.append(pack("AUTH", address.username, address.password))
-            else:
-                hello.append(pack("AUTH", address.password))
-        if address.db:
-            hello.append(pack("SELECT", address.db))
         try:
-            for reply in conn.requests(hello, deadline, sent=False):
+            for reply in conn.requests(handshake(address), deadline, sent=False):
                 if isinstance(reply, RespError):
                     raise reply
         except BaseException:
@@ -120,7 +102,7 @@ class RespConnection:
         except BaseException as exc:
             self.close()
             if isinstance(exc, OSError | TimeoutError | ValueError):
-                raise _failure(self.address, exc, sent=written) from exc
+                raise failure(self.address, exc, sent=written) from exc
             raise
 
     def requests(self, commands: list[bytes], deadline: float, *, sent: bool = True) -> list[Any]:
@@ -147,7 +129,7 @@ class RespConnection:
         except BaseException as exc:
             self.close()
             if isinstance(exc, OSError | TimeoutError | ValueError):
-                raise _failure(self.address, exc, sent=sent and written) from exc
+                raise failure(self.address, exc, sent=sent and written) from exc
             raise
 
     def close(self) -> None:
@@ -367,7 +349,7 @@ class RespSubscriber:
                 conn._stream.write_now(data)
         except OSError as exc:
             conn.close()
-            raise _failure(conn.address, exc, sent=False) from exc
+            raise failure(conn.address, exc, sent=False) from exc
 
     def read(self, timeout: float) -> list[Any] | None:
         """The next push (``[b"message", channel, payload]``, ``[b"subscribe", channel,
@@ -388,7 +370,7 @@ class RespSubscriber:
                 return None
             except (OSError, ValueError) as exc:
                 conn.close()
-                raise _failure(conn.address, exc, sent=False) from exc
+                raise failure(conn.address, exc, sent=False) from exc
             reply = reader.get()
             if reply is MORE:
                 return None
