@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fence._core import TokenMode
+from fence._redis_settings import SETTINGS, Finding, judge_role, judge_settings, unreadable
 
 __all__ = [
     "CLOCK_LIMIT",
@@ -108,104 +109,20 @@ def judge_clock(offset: float, uncertainty: float, server: str) -> Check:
 def judge_redis(settings: Mapping[str, str], token_mode: TokenMode) -> list[Check]:
     """Judge a Redis server's eviction and persistence settings (C3, C12).
 
+    The verdicts are those of :func:`fence._redis_settings.judge_settings`, the judge the
+    managers warn with, here with the guards' fences judged too.
+
     Args:
         settings: ``CONFIG GET`` results for ``maxmemory-policy``, ``maxmemory``,
             ``appendonly``, ``appendfsync`` and ``save``.
         token_mode: the token mode the managers use.
     """
-    checks = []
-    counter = token_mode is TokenMode.COUNTER
-    policy = settings.get("maxmemory-policy", "")
-    limit = settings.get("maxmemory", "0")
-    if policy.startswith("allkeys-"):
-        unlimited = limit in ("", "0")
-        checks.append(
-            Check(
-                WARN if unlimited else FAIL,
-                "maxmemory-policy",
-                f"{policy} (maxmemory {limit}): under memory pressure Redis may evict fence keys "
-                "and token counters, which have no ttl; an evicted fence lets a stale token "
-                "write again" + (" (not in force while maxmemory is 0)" if unlimited else ""),
-                "CONFIG SET maxmemory-policy noeviction (best) or a volatile-* policy, which "
-                "evicts only keys with a ttl; and in redis.conf",
-            )
-        )
-    else:
-        checks.append(
-            Check(
-                OK,
-                "maxmemory-policy",
-                f"{policy or 'unknown'}: fence keys and token counters (no ttl) are never evicted",
-            )
-        )
-    appendonly = settings.get("appendonly", "")
-    fsync = settings.get("appendfsync", "")
-    save = settings.get("save", "")
-    if appendonly == "yes":
-        if fsync == "always":
-            checks.append(
-                Check(
-                    OK,
-                    "persistence",
-                    "appendonly yes, appendfsync always: every acknowledged write survives a "
-                    "crash of the machine",
-                )
-            )
-        elif fsync == "everysec":
-            finding = (
-                "appendonly yes, appendfsync everysec: a killed process loses nothing, a power "
-                "cut up to about 1 s of writes (fences written then go back"
-            )
-            if counter:
-                checks.append(
-                    Check(
-                        WARN,
-                        "persistence",
-                        finding + ", and counter tokens issued then are issued again)",
-                        "appendfsync always for counter tokens, or use hybrid tokens",
-                    )
-                )
-            else:
-                checks.append(Check(OK, "persistence", finding + "; hybrid tokens survive it)"))
-        else:
-            checks.append(
-                Check(
-                    WARN,
-                    "persistence",
-                    f"appendonly yes, appendfsync {fsync or 'unknown'}: the OS flushes the AOF "
-                    "when it likes, so a power cut can lose many seconds of fences"
-                    + (" and counter tokens" if counter else ""),
-                    "appendfsync everysec (hybrid tokens) or always (counter tokens)",
-                )
-            )
-    else:
-        if save:
-            finding = (
-                f"appendonly {appendonly or 'unknown'}, RDB snapshots only (save {save!r}): a "
-                "restart goes back to the last snapshot, and fences raised since are lost: a "
-                "stale writer gets in again"
-            )
-        else:
-            finding = (
-                f"appendonly {appendonly or 'unknown'}, no snapshots: a restart empties Redis, "
-                "and every fence is lost: the first stale writer after it gets in"
-            )
-        finding += (
-            "; counter tokens repeat"
-            if counter
-            else "; hybrid tokens survive it (the server clock moves on)"
-        )
-        checks.append(
-            Check(
-                FAIL if counter else WARN,
-                "persistence",
-                finding,
-                "CONFIG SET appendonly yes, with appendfsync everysec (hybrid tokens) or always "
-                "(counter tokens); and in redis.conf. Without Redis guards, hybrid tokens need "
-                "no persistence",
-            )
-        )
-    return checks
+    return [_check(finding) for finding in judge_settings(settings, token_mode, fences=True)]
+
+
+def _check(finding: Finding) -> Check:
+    """A :class:`fence._redis_settings.Finding` as a check."""
+    return Check(finding.level.value, finding.name, finding.finding, finding.advice)
 
 
 def judge_postgres(settings: Mapping[str, str]) -> list[Check]:
@@ -696,39 +613,21 @@ def _redis_node(client: Any, where: str, token_mode: TokenMode) -> list[Check]:
     except (RedisError, OSError) as exc:
         return [_unreachable(where, exc)]
     version = info.get("redis_version", "?")
-    role = _text(replication.get("role", "?"))
-    checks = []
-    if role == "master":
-        checks.append(Check(OK, "reachable", f"{where}: Redis {version}, role master"))
-    else:
-        checks.append(
-            Check(
-                FAIL,
-                "reachable",
-                f"{where}: Redis {version}, role {role}: a replica refuses the writes of every "
-                "acquire and guarded write",
-                "point the URL at the primary",
-            )
-        )
+    checks = [_check(judge_role(_text(replication.get("role", "?")), version, where))]
     settings: dict[str, str] = {}
     try:
-        for name in ("maxmemory-policy", "maxmemory", "appendonly", "appendfsync", "save"):
+        for name in SETTINGS:
             got = client.config_get(name)
             settings.update({_text(k): _text(v) for k, v in got.items()})
     except ResponseError as exc:
-        checks.append(
-            Check(
-                WARN,
-                "settings",
-                f"CONFIG GET is refused ({exc}): eviction and persistence cannot be read",
-                "check them where the server is configured (a managed service's console): "
-                "maxmemory-policy noeviction or volatile-*, appendonly yes",
-            )
-        )
+        checks.append(_check(unreadable(SETTINGS, f"CONFIG GET is refused ({exc})")))
     except (RedisError, OSError) as exc:
         return [*checks, _unreachable(where, exc)]
     else:
         checks += judge_redis(settings, token_mode)
+        missing = [name for name in SETTINGS if name not in settings]
+        if missing:
+            checks.append(_check(unreadable(missing, "CONFIG GET returns no value")))
 
     def server_seconds() -> float:
         seconds, micros = client.time()

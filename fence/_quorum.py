@@ -79,11 +79,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from fence._core import MAX_TOKEN, backoff_delay, validate_token
+from fence._core import MAX_TOKEN, TokenMode, backoff_delay, validate_token
 from fence._errors import BackendError, ConfigurationError
 from fence._lua import Script
 from fence._redis_keys import quorum_keys
 from fence._redis_scripts import _PRELUDE, RELEASE
+from fence._redis_settings import Level, judge_settings
 from fence.abc import LockInfo
 
 __all__ = [
@@ -957,9 +958,12 @@ def node_config_warnings(settings: dict[str, str]) -> list[str]:
     snapshots, ``appendfsync everysec``) or an eviction of keys without a ttl looks like
     intact data and cannot be detected.
 
+    The verdicts are those of :func:`fence._redis_settings.judge_settings` for a quorum
+    node.
+
     Args:
-        settings: ``CONFIG GET`` results for ``maxmemory-policy``, ``appendonly``,
-            ``appendfsync`` and ``save`` (missing ones are not judged).
+        settings: ``CONFIG GET`` results for the names of
+            :data:`fence._redis_settings.SETTINGS` (missing ones are not judged).
 
     Returns:
         One sentence per problem; empty when the node fits the fault model.
@@ -969,30 +973,8 @@ def node_config_warnings(settings: dict[str, str]) -> list[str]:
         >>> node_config_warnings({"appendonly": "no", "save": ""})
         []
     """
-    problems = []
-    policy = settings.get("maxmemory-policy", "")
-    if policy.startswith("allkeys-"):
-        problems.append(
-            f"maxmemory-policy is {policy}: under memory pressure Redis may evict the node "
-            "marker, token counters and fence keys, which have no ttl: a partial loss of data "
-            "that the quorum cannot detect. Use noeviction or a volatile-* policy"
-        )
-    aof = settings.get("appendonly")
-    if aof == "yes" and settings.get("appendfsync", "always") != "always":
-        problems.append(
-            f"appendfsync is {settings['appendfsync']}: a crash loses the last writes but "
-            "keeps the rest, so the node comes back with an older copy of its data that the "
-            "quorum cannot tell from intact data. Use appendfsync always, or no persistence "
-            "(a node that restarts empty is detected and repaired)"
-        )
-    elif aof == "no" and settings.get("save", "") != "":
-        problems.append(
-            "RDB snapshots without appendonly: a restart brings back the last snapshot, an "
-            "older copy of the data that the quorum cannot tell from intact data. Use "
-            "appendonly yes with appendfsync always, or no persistence (save '', appendonly "
-            "no): a node that restarts empty is detected and repaired"
-        )
-    return problems
+    findings = judge_settings(settings, TokenMode.HYBRID, fences=False, quorum=True)
+    return [finding.message for finding in findings if finding.level is not Level.OK]
 
 
 def describe_nodes(names: Sequence[str], indexes: Sequence[int]) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 
-from fence._core import TokenMode
 from fence._lua import Script
 
 __all__ = [
@@ -30,7 +29,6 @@ __all__ = [
     "RELEASE",
     "RENEW",
     "REVOKE",
-    "config_warnings",
     "milliseconds",
 ]
 
@@ -540,38 +538,3 @@ def milliseconds(seconds: float) -> int:
     Rounding up keeps the server's ttl at least as long as the one the client counts on.
     """
     return max(1, math.ceil(seconds * 1000 - 1e-6))
-
-
-def config_warnings(settings: dict[str, str], token_mode: TokenMode) -> list[str]:
-    """What is wrong with a server's settings for tokens and fences (C3, C12).
-
-    Args:
-        settings: ``CONFIG GET`` results for ``maxmemory-policy``, ``appendonly``,
-            ``appendfsync`` and ``save`` (missing ones are not judged).
-        token_mode: the manager's token mode.
-
-    Returns:
-        One sentence per problem; empty when nothing can lose tokens or fences.
-    """
-    problems = []
-    policy = settings.get("maxmemory-policy", "")
-    if policy.startswith("allkeys-"):
-        problems.append(
-            f"maxmemory-policy is {policy}: under memory pressure Redis may evict token "
-            "counters and fence keys, which have no ttl; an evicted fence lets a stale token "
-            "write again. Use noeviction or a volatile-* policy"
-        )
-    if token_mode is TokenMode.COUNTER and settings.get("appendonly") == "no":
-        if settings.get("save", "") == "":
-            problems.append(
-                "persistence is off (appendonly no, no save points): a restart resets every "
-                "token counter and counter-mode tokens go back to 1. Enable appendonly "
-                "(appendfsync always) or use hybrid tokens"
-            )
-        else:
-            problems.append(
-                "appendonly is off: a restart loads the last snapshot and loses the counters "
-                "issued since, so counter-mode tokens can repeat. Enable appendonly "
-                "(appendfsync always) or use hybrid tokens"
-            )
-    return problems

@@ -4,10 +4,12 @@ replica, and a three-master Redis Cluster. Every test starts the servers it need
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -199,11 +201,19 @@ def test_lost_aof_tail(mode: TokenMode, survives: bool) -> None:
     """appendonly yes, appendfsync everysec; SIGKILL and lose the AOF tail (as a power loss
     would lose the last second). Hybrid tokens stay above every token issued; counter tokens
     repeat."""
+
+    def warned() -> AbstractContextManager[object]:
+        # The start-up check names the setting this test shows unsafe for counter tokens.
+        if survives:
+            return contextlib.nullcontext()
+        return pytest.warns(FenceWarning, match="appendfsync everysec")
+
     server = RedisServer("--appendonly", "yes", "--appendfsync", "everysec").start()
     try:
         manager = RedisLockManager(server.url, token_mode=mode)
         try:
-            tokens = issue(manager, "job", 2)
+            with warned():
+                tokens = issue(manager, "job", 2)
             kept = aof_written(server)
             tokens += issue(manager, "job", 3)
             assert aof_written(server) > kept
@@ -216,7 +226,8 @@ def test_lost_aof_tail(mode: TokenMode, survives: bool) -> None:
         server.start()
         manager = RedisLockManager(server.url, token_mode=mode)
         try:
-            (token,) = issue(manager, "job", 1)
+            with warned():
+                (token,) = issue(manager, "job", 1)
         finally:
             manager.close()
         if survives:

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-from redis.exceptions import RedisError, ResponseError
 
 from fence._clock import Clock, system_clock
 from fence._compat import FanOut, cancel_after, shield, sleep
@@ -48,7 +47,6 @@ from fence._quorum import (
     validity,
 )
 from fence._redis_keys import DEFAULT_PREFIX
-from fence._redis_replies import settings_of
 from fence._redis_scripts import milliseconds
 from fence._sync.manager import BaseLockManager
 from fence._sync.redis import Client, RedisDriver
@@ -227,18 +225,10 @@ class QuorumDriver:
         """Warn once per node about settings outside the fault model (see
         :func:`fence._quorum.node_config_warnings`). Managed services often disable
         ``CONFIG``; then nothing is checked or said."""
-        node = self.nodes[index]
-        settings: dict[str, str] = {}
-        for name in ("maxmemory-policy", "appendonly", "appendfsync", "save"):
-            try:
-                got = node.client.config_get(name)
-            except ResponseError:
-                self._unchecked.discard(index)
-                return
-            except (RedisError, OSError) as exc:
-                raise node._error(exc, "CONFIG GET") from exc
-            settings.update(settings_of(got))
+        settings = self.nodes[index].read_settings("CONFIG GET")
         self._unchecked.discard(index)
+        if settings is None:
+            return
         for message in node_config_warnings(settings):
             warnings.warn(f"quorum node {self.names[index]}: {message}", FenceWarning, stacklevel=2)
 

@@ -60,7 +60,8 @@ from fence._redis_replies import (
     settings_of,
     text,
 )
-from fence._redis_scripts import DRIVER_SCRIPTS, config_warnings, milliseconds
+from fence._redis_scripts import DRIVER_SCRIPTS, milliseconds
+from fence._redis_settings import SETTINGS, Level, judge_settings
 from fence._resp import Address, ConnectionFailure, RespError, pack, parse_url
 from fence._sentinel import is_sentinel_url, parse_sentinel_url
 from fence._signal import Signal
@@ -924,25 +925,45 @@ class RedisDriver:
 
     # -- server settings -----------------------------------------------------------------
 
+    def read_settings(self, what: str, resource: str = "") -> dict[str, str] | None:
+        """The server's settings that tokens and fences depend on
+        (:data:`fence._redis_settings.SETTINGS`), or ``None`` if ``CONFIG`` is forbidden
+        or renamed (managed services often disable it).
+
+        Raises:
+            BackendError: the server did not answer (for the call ``what``).
+        """
+        settings: dict[str, str] = {}
+        for name in SETTINGS:
+            try:
+                got = self.client.config_get(name)
+            except ResponseError:  # CONFIG forbidden or renamed (RespError is one too)
+                return None
+            except (RedisError, OSError) as exc:
+                raise self._error(exc, what, resource) from exc
+            settings.update(settings_of(got))
+        return settings
+
     def _check_config(self, what: str, resource: str) -> None:
-        """Warn once about settings that can lose tokens or fences (C3, C12).
+        """Warn once about settings that can lose tokens or fences (C3, C12; the verdicts
+        of :func:`fence._redis_settings.judge_settings`).
 
         Managed services often disable ``CONFIG``; then nothing is checked or said.
         """
         self._checked = True
-        settings: dict[str, str] = {}
-        for name in ("maxmemory-policy", "appendonly", "appendfsync", "save"):
-            try:
-                got = self.client.config_get(name)
-            except ResponseError:  # CONFIG forbidden or renamed (RespError is one too)
-                return
-            except (RedisError, OSError) as exc:
-                self._checked = False
-                raise self._error(exc, what, resource) from exc
-            settings.update(settings_of(got))
+        try:
+            settings = self.read_settings(what, resource)
+        except Exception:
+            self._checked = False
+            raise
+        if settings is None:
+            return
         self._appendonly = settings.get("appendonly") == "yes"
-        for message in config_warnings(settings, self.token_mode):
-            warnings.warn(f"Redis at {self._where}: {message}", FenceWarning, stacklevel=4)
+        for finding in judge_settings(settings, self.token_mode, fences=False):
+            if finding.level is not Level.OK:
+                warnings.warn(
+                    f"Redis at {self._where}: {finding.message}", FenceWarning, stacklevel=4
+                )
 
 
 class RedisLockManager(BaseLockManager):
