@@ -133,7 +133,7 @@ def _eviction(policy: str, limit: str | None, quorum: bool) -> Finding:
         harm = "an evicted fence lets a stale token write again"
     unlimited = limit in ("", "0")
     return Finding(
-        # Without maxmemory (or with it unknown) the policy is not in force until one is set.
+        # With maxmemory 0 the policy is not in force (yet); with maxmemory unread, it may be.
         Level.FAIL if limit is not None and not unlimited else Level.WARN,
         "maxmemory-policy",
         f"{policy}{'' if limit is None else f' (maxmemory {limit})'}: under memory pressure "
