@@ -111,6 +111,7 @@ from ._sql_statements import (
     OPTIONAL_INFO,
     TOMBSTONE_INFO,
     RowStatements,
+    register_statements,
     row_statements,
 )
 from ._sync.sql import FenceRegister
@@ -1656,23 +1657,15 @@ _CLAIMS: weakref.WeakKeyDictionary[Table, dict[str, Any]] = weakref.WeakKeyDicti
 
 
 def _claim_statement(register: Table, dialect: str) -> Any:
-    """The register claim of one scope, built once with bind parameters (hot path).
-
-    The same statement as :meth:`FenceRegister.claim`:
+    """The register claim of one scope with bind parameters, derived once per register and
+    dialect (hot path) from the register guard's own (:meth:`RegisterStatements.claim_row`):
     ``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = :t WHERE fence <= :t``.
     """
     per_table = _CLAIMS.setdefault(register, {})
     found = per_table.get(dialect)
     if found is None:
-        ins = _dialect_insert(dialect)(register).values(
-            scope=bindparam("_scope", type_=register.c.scope.type),
-            fence=bindparam(_TOKEN, type_=register.c.fence.type),
-        )
-        found = per_table[dialect] = ins.on_conflict_do_update(
-            index_elements=[register.c.scope],
-            set_={"fence": ins.excluded.fence},
-            where=register.c.fence <= ins.excluded.fence,
-        ).execution_options(preserve_rowcount=True, **OWN_OPTIONS)
+        row = register_statements(register).claim_row(dialect)
+        found = per_table[dialect] = row.execution_options(**OWN_OPTIONS)
     return found
 
 
@@ -1695,7 +1688,7 @@ def _after_begin(session: Session, transaction: SessionTransaction, connection: 
         return
     stmt = _claim_statement(found.register, connection.dialect.name)
     try:
-        result = connection.execute(stmt, {"_scope": found.scope, _TOKEN: found.token})
+        result = connection.execute(stmt, {"_scope": found.scope, "_token": found.token})
     except SQLAlchemyError as exc:
         if missing_table(exc):
             raise missing_register_error(found.register.name) from exc
@@ -1914,23 +1907,17 @@ def _pg_begin(raw: Any, pg: _Psycopg) -> bytes:
 def _pg_claim(register: Table, raw: Any) -> tuple[bytes, bytes]:
     """The name of a register's prepared claim and the ``PREPARE`` that defines it.
 
-    The name is derived from the statement's text, so two processes that share a server
-    session (through a transaction pooler) and name the same statement mean the same one.
+    The statement is the psycopg register guard's claim in its prepared form
+    (:meth:`PgRegisterStatements.prepared_claim`). The name is derived from the statement's
+    text, so two processes that share a server session (through a transaction pooler) and
+    name the same statement mean the same one.
     """
     import hashlib
 
-    from psycopg import sql as pg_sql
+    from ._pg_statements import PgRegisterStatements
 
-    table = (
-        pg_sql.Identifier(register.schema, register.name)
-        if register.schema
-        else pg_sql.Identifier(register.name)
-    )
-    text = pg_sql.SQL(
-        "INSERT INTO {t} AS cur (scope, fence) VALUES ($1, $2) ON CONFLICT (scope) DO UPDATE "
-        "SET fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence"
-    ).format(t=table)
-    body = text.as_bytes(raw)
+    table = (register.schema, register.name) if register.schema else register.name
+    body = PgRegisterStatements(table).prepared_claim().as_bytes(raw)
     name = b"iofence_claim_" + hashlib.sha1(body, usedforsecurity=False).hexdigest()[:16].encode()
     return name, b"PREPARE %s AS %s; " % (name, body)
 

@@ -656,6 +656,12 @@ def row_statements(
 class PgRegisterStatements:
     """The statements of a fence register table ``(scope PK, fence BIGINT)``.
 
+    The claim's shape is written once, in :meth:`_claim`: ``INSERT ... ON CONFLICT (scope)
+    DO UPDATE SET fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence``; every claim
+    below (one scope, a set of scopes, the session hook's prepared claim) is that upsert
+    with its own rows. It is the psycopg twin of the Core register's claim
+    (``RegisterStatements`` in ``_sql_statements``).
+
     Args:
         table: the register table name, or ``(schema, name)``.
     """
@@ -663,21 +669,16 @@ class PgRegisterStatements:
     def __init__(self, table: TableName = DEFAULT_REGISTER_TABLE) -> None:
         self.name = ".".join(table) if isinstance(table, tuple) else table
         self.t = _ident(table)
-        self.claim = _text(
-            sql.SQL(
-                "INSERT INTO {t} AS cur (scope, fence) VALUES (%s, %s) ON CONFLICT (scope) "
-                "DO UPDATE SET fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence "
-                "RETURNING scope"
-            ).format(t=self.t)
-        )
+        self.claim = _text(self._claim(sql.SQL("VALUES (%s, %s)"), returning=True))
         self.probe = _text(sql.SQL("SELECT scope, fence FROM {} WHERE scope = %s").format(self.t))
         self._claim_set = _text(
-            sql.SQL(
-                "INSERT INTO {t} AS cur (scope, fence) SELECT s, %(tok)s FROM "
-                "unnest(%(scopes)b::text[]) AS s WHERE (SELECT count(*) FROM {t} WHERE "
-                "scope = ANY(%(scopes)b::text[]) AND fence > %(tok)s) = 0 ON CONFLICT (scope) "
-                "DO UPDATE SET fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence"
-            ).format(t=self.t)
+            self._claim(
+                sql.SQL(
+                    "SELECT s, %(tok)s FROM unnest(%(scopes)b::text[]) AS s WHERE (SELECT "
+                    "count(*) FROM {t} WHERE scope = ANY(%(scopes)b::text[]) AND fence > "
+                    "%(tok)s) = 0"
+                ).format(t=self.t)
+            )
         )
         self._probe_set = _text(
             sql.SQL("SELECT scope, fence FROM {} WHERE scope = ANY(%(scopes)b::text[])").format(
@@ -685,10 +686,27 @@ class PgRegisterStatements:
             )
         )
 
+    def _claim(self, rows: sql.Composable, *, returning: bool = False) -> sql.Composed:
+        """The claim of the scopes and token of ``rows``: each fence is raised to the token
+        where it is not above it, and a scope without a row gets one (C4, C8). With
+        ``returning`` a claimed scope comes back as a row."""
+        return sql.SQL(
+            "INSERT INTO {t} AS cur (scope, fence) {rows} ON CONFLICT (scope) DO UPDATE SET "
+            "fence = EXCLUDED.fence WHERE cur.fence <= EXCLUDED.fence{tail}"
+        ).format(t=self.t, rows=rows, tail=sql.SQL(" RETURNING scope" if returning else ""))
+
     def claim_set(self) -> Query:
         """Every scope of ``claim_many`` from one array, gated: nothing is raised unless every
         fence passes. Run it in a savepoint. Parameters: ``scopes`` (a list), ``tok``."""
         return self._claim_set
+
+    def prepared_claim(self) -> sql.Composed:
+        """The claim of one scope for ``PREPARE``: parameters ``$1`` (the scope) and ``$2``
+        (the token), no ``RETURNING`` (the command tag's row count proves it).
+
+        Composed, not text: the caller renders it for the connection that prepares it.
+        """
+        return self._claim(sql.SQL("VALUES ($1, $2)"))
 
     def probe_set(self) -> Query:
         """The fences of the scopes in the list ``scopes``."""

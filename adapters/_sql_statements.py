@@ -847,6 +847,12 @@ def _item_sql(type_: TypeEngine[Any], dialect: Dialect) -> str | None:
 class RegisterStatements:
     """The statements of a fence register table ``(scope PK, fence BIGINT)``.
 
+    The claim's shape is written once, in :meth:`_on_conflict`: ``INSERT ... ON CONFLICT
+    (scope) DO UPDATE SET fence = excluded.fence WHERE fence <= excluded.fence``; every
+    claim below (one scope, one scope with bind parameters, which the session hook runs
+    too, and a set of scopes) is that upsert with its own rows. Its psycopg twin is
+    ``PgRegisterStatements`` in ``_pg_statements``.
+
     Args:
         table: the register table (see :func:`fence_register_table`).
     """
@@ -871,6 +877,8 @@ class RegisterStatements:
         raise ConfigurationError(f"a fence register needs PostgreSQL or SQLite, not {dialect}")
 
     def _on_conflict(self, ins: Any) -> Any:
+        """The claim of the rows ``ins`` inserts: each fence is raised to the token where it
+        is not above it, and a scope without a row gets one (C4, C8)."""
         return ins.on_conflict_do_update(
             index_elements=[self.scope],
             set_={"fence": ins.excluded.fence},
@@ -884,7 +892,8 @@ class RegisterStatements:
 
     def claim_row(self, dialect: str) -> Insert:
         """The claim of one scope with bind parameters ``_scope`` and ``_token``, for
-        ``executemany`` (the row path of ``claim_many``). Proven by its row count."""
+        ``executemany`` (the row path of ``claim_many``) and the session hook's claim at
+        the start of a transaction. Proven by its row count."""
         cache_key = ("claim_row", dialect)
         found = self._cache.get(cache_key)
         if found is None:
