@@ -1,0 +1,429 @@
+"""The claim (C8) and the lease check of a bound session.
+
+Each transaction of a session bound with ``claim=True`` starts by claiming the binding's
+scope in the fence register (``after_begin``): its fence is raised to the token unless it
+is above it, else the holder is refused before its first statement runs. Bound to a read
+lease, the claim is a check that never raises the fence, made again at commit.
+``before_commit`` checks the lease.
+
+On psycopg the claim leaves with the transaction's ``BEGIN`` as a statement prepared once
+per connection, and its reply is read just before the transaction's first statement (or
+its commit, prepare, rollback, or the pool's reset).
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Table
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.util import await_only
+
+from fence._core import check_read
+from fence._errors import FenceError, LeaseExpiredError, LeaseLostError
+from fence._errors import StaleTokenError as _FenceStale
+from fence._events import EventKind
+
+from .._sql_common import missing_register_error, missing_table, translate_error
+from .._sql_gate import OWN_OPTIONS
+from .._sql_statements import register_statements
+from .._sync.sql import FenceRegister
+from .binding import BINDING_KEY, CLAIMED_KEY, READ_CHECK_KEY, SESSION_OF, SessionBinding
+from .verdicts import SOURCE, StaleTokenError
+
+if TYPE_CHECKING:
+    from fence._async.manager import AsyncLease
+    from fence._sync.manager import Lease
+
+__all__ = [
+    "after_begin",
+    "before_commit",
+    "check_lease",
+    "claim_before_commit",
+    "claim_before_reset",
+    "claim_before_rollback",
+    "claim_before_statement",
+]
+
+
+_CLAIMS: weakref.WeakKeyDictionary[Table, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _claim_statement(register: Table, dialect: str) -> Any:
+    """The register claim of one scope with bind parameters, derived once per register and
+    dialect (hot path) from the register guard's own (:meth:`RegisterStatements.claim_row`):
+    ``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = :t WHERE fence <= :t``.
+    """
+    per_table = _CLAIMS.setdefault(register, {})
+    found = per_table.get(dialect)
+    if found is None:
+        row = register_statements(register).claim_row(dialect)
+        found = per_table[dialect] = row.execution_options(**OWN_OPTIONS)
+    return found
+
+
+def after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
+    SESSION_OF[connection] = weakref.ref(session)
+    found: SessionBinding | None = session.info.get(BINDING_KEY)
+    if found is None or not found.claim or transaction.nested:
+        return
+    if found.read_only:
+        _check_read(connection, found)
+        session.info[READ_CHECK_KEY] = connection
+        return
+    if connection.dialect.driver == "psycopg":
+        claim = _send_claim(connection, found)  # its reply is read before the first statement
+        if found.eager:
+            del _IN_FLIGHT[claim.raw]
+            _judge_claim(connection, found, _read_claim(claim))
+        else:  # or, at the latest, as the session commits (before_commit)
+            session.info.setdefault(CLAIMED_KEY, []).append(connection)
+        return
+    stmt = _claim_statement(found.register, connection.dialect.name)
+    try:
+        result = connection.execute(stmt, {"_scope": found.scope, "_token": found.token})
+    except SQLAlchemyError as exc:
+        if missing_table(exc):
+            raise missing_register_error(found.register.name) from exc
+        raise translate_error(exc, "fence claim", found.scope) from exc
+    _judge_claim(connection, found, result.rowcount)
+
+
+def _judge_claim(connection: Connection, found: SessionBinding, claimed: int) -> None:
+    """Accept a claim that raised the fence; hand any other to the register guard."""
+    if claimed == 1:
+        if found.events.active:
+            found.events.emit(EventKind.WRITE_ACCEPTED, SOURCE, found.scope, found.token)
+        return
+    # Refused (or unknown): the register guard runs the claim again and judges it (C5).
+    try:
+        FenceRegister(connection, found.register, events=found.events).claim(
+            found.scope, found.token
+        )
+    except _FenceStale as err:
+        raise StaleTokenError.from_guard(err, None, None) from None
+
+
+@dataclass(eq=False, slots=True)
+class _ClaimInFlight:
+    """A claim sent with its transaction's ``BEGIN`` whose reply is not read yet."""
+
+    found: SessionBinding
+    raw: Any
+    name: bytes
+    prepare: bytes
+    execute: bytes
+    fresh: bool
+    prepared: set[bytes]
+
+
+# The claims sent and not read yet, by psycopg connection (at most one each).
+_IN_FLIGHT: weakref.WeakKeyDictionary[Any, _ClaimInFlight] = weakref.WeakKeyDictionary()
+
+
+def _send_claim(connection: Connection, found: SessionBinding) -> _ClaimInFlight:
+    """Send the claim with the transaction's ``BEGIN`` and return before its reply (psycopg 3).
+
+    psycopg starts a transaction with a ``BEGIN`` of its own, a round trip before the first
+    statement. Here ``BEGIN`` (with the connection's isolation level, as psycopg builds it)
+    and the claim go as one simple-protocol message, and the reply is read only when the
+    transaction's first statement is about to be sent (or at its commit or rollback,
+    whichever comes first): :func:`claim_before_statement`. The server runs the claim
+    while the application composes that statement, so a bound transaction waits on one
+    round trip fewer than an unbound one.
+
+    Nothing else is sent before the reply is read and judged: a stale holder is refused
+    before its first statement leaves, and that statement runs after the claim took the
+    register row's lock, so it sees what an older holder that held the lock committed
+    (C8). A path that reaches the driver around SQLAlchemy while the reply is pending is
+    refused by libpq itself ("another command is already in progress") and sends nothing.
+
+    The claim is the register guard's upsert (``INSERT ... ON CONFLICT (scope) DO UPDATE
+    SET fence = $2 WHERE fence <= $2``) without ``RETURNING``: its command tag carries the
+    row count, and a refusal (count 0) goes to the register guard, which judges it.
+
+    It runs as a statement prepared once per connection (``PREPARE`` goes in the first
+    transaction's message; the name is known from then on by the connection's pool
+    entry), so PostgreSQL neither parses nor plans it again. A server session that lost
+    it (``DEALLOCATE``, ``DISCARD ALL``, a transaction pooler that moved the connection)
+    answers ``26000``: the transaction is rolled back and the message sent again with the
+    ``PREPARE``. A search path changed since is honoured: PostgreSQL parses a prepared
+    statement again when ``search_path`` changed.
+    """
+    pg = _psycopg()
+    register = found.register
+    raw: Any = connection.connection.driver_connection
+    left = _IN_FLIGHT.pop(raw, None)
+    if left is not None:  # a claim whose transaction ended without any event (defensive)
+        _read_claim(left)
+    claim = _PG_CLAIMS.get(register)
+    if claim is None:
+        claim = _PG_CLAIMS[register] = _pg_claim(register, raw)
+    name, prepare = claim
+    execute = b"%s; EXECUTE %s(%s, %d)" % (
+        _pg_begin(raw, pg),
+        name,
+        _pg_literal(found.scope, raw),
+        found.token,
+    )
+    prepared: set[bytes] = connection.connection.info.setdefault(_PREPARED_KEY, set())
+    fresh = name not in prepared
+    pgconn = raw.pgconn
+    try:
+        pgconn.send_query(prepare + execute if fresh else execute)
+        pgconn.flush()  # what does not leave now leaves when the reply is read
+    except pg.errors.Error as exc:
+        raise translate_error(exc, "fence claim", found.scope) from exc
+    sent = _IN_FLIGHT[raw] = _ClaimInFlight(found, raw, name, prepare, execute, fresh, prepared)
+    return sent
+
+
+def _read_claim(claim: _ClaimInFlight) -> int:
+    """Read a claim's reply, sending it again if the server session lost the statement.
+
+    Returns:
+        The claim's row count: 1 if the fence was raised (or the row inserted), 0 if it
+        was refused.
+    """
+    pg = _psycopg()
+    raw, name, found = claim.raw, claim.name, claim.found
+    fresh = claim.fresh
+    results = _pg_read(raw, found)
+    for _attempt in range(3):
+        last = results[-1]
+        if last.status == pg.COMMAND_OK:
+            claim.prepared.add(name)
+            return int(last.command_tuples or 0)
+        state = last.error_field(pg.SQLSTATE)
+        if state == b"26000" and not fresh:  # the session lost the statement
+            claim.prepared.discard(name)
+            _pg_send(raw, b"ROLLBACK", found)
+            fresh = True
+        elif state == b"42P05" and fresh:  # the session has it already (a pooler's)
+            claim.prepared.add(name)
+            fresh = False
+        else:
+            break
+        results = _pg_send(raw, claim.prepare + claim.execute if fresh else claim.execute, found)
+    raise _pg_error(raw, results, found)
+
+
+def _take_claim(conn: Connection) -> _ClaimInFlight | None:
+    """The claim in flight on ``conn``'s DBAPI connection, taken off the list."""
+    if not _IN_FLIGHT or conn.closed or conn.invalidated:
+        return None  # an invalidated connection's claim went with it
+    return _IN_FLIGHT.pop(conn.connection.driver_connection, None)
+
+
+def claim_before_statement(
+    conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
+) -> None:
+    """Judge the claim in flight on this connection before its first statement is sent."""
+    if _IN_FLIGHT:
+        claim = _take_claim(conn)
+        if claim is not None:
+            _judge_claim(conn, claim.found, _read_claim(claim))
+
+
+def claim_before_commit(conn: Connection, *_xid: Any) -> None:
+    """Judge the claim in flight before a transaction that sent nothing else commits (or
+    prepares, for a two-phase commit)."""
+    claim_before_statement(conn, None, "", None, None, False)
+
+
+def claim_before_rollback(conn: Connection, *_twophase: Any) -> None:
+    """Read the claim in flight before a rollback; the rollback undoes it either way."""
+    if _IN_FLIGHT:
+        claim = _take_claim(conn)
+        if claim is not None:
+            try:
+                _read_claim(claim)
+            except FenceError:
+                pass  # refused or failed: the transaction ends here anyway
+
+
+def claim_before_reset(dbapi_connection: Any, record: Any, reset_state: Any) -> None:
+    """Read a claim still in flight on a connection the pool takes back (a session that
+    was dropped without being closed), so the pool's rollback can be sent."""
+    if _IN_FLIGHT:
+        claim = _IN_FLIGHT.pop(record.driver_connection, None)
+        if claim is not None and reset_state.asyncio_safe:
+            try:
+                _read_claim(claim)
+            except FenceError:
+                pass  # the pool's rollback follows, or the connection is discarded
+
+
+class _Psycopg:
+    """What the claim's hot path uses of psycopg, imported once (psycopg is optional)."""
+
+    def __init__(self) -> None:
+        from psycopg import AsyncConnection, IsolationLevel, errors, generators, pq
+
+        self.AsyncConnection = AsyncConnection
+        self.IsolationLevel = IsolationLevel
+        self.errors = errors
+        self.execute = generators.execute
+        self.COMMAND_OK = pq.ExecStatus.COMMAND_OK
+        self.SQLSTATE = pq.DiagnosticField.SQLSTATE
+        self.begins: dict[tuple[Any, Any, Any], bytes] = {}
+
+
+_PSYCOPG: list[_Psycopg] = []
+
+
+def _psycopg() -> _Psycopg:
+    if not _PSYCOPG:
+        _PSYCOPG.append(_Psycopg())
+    return _PSYCOPG[0]
+
+
+def _pg_begin(raw: Any, pg: _Psycopg) -> bytes:
+    """``BEGIN`` with the connection's transaction characteristics, as psycopg sends it."""
+    shape = (raw.isolation_level, raw.read_only, raw.deferrable)
+    begin = pg.begins.get(shape)
+    if begin is None:
+        level, read_only, deferrable = shape
+        words = [b"BEGIN"]
+        if level is not None:
+            words.append(
+                b"ISOLATION LEVEL " + pg.IsolationLevel(level).name.replace("_", " ").encode()
+            )
+        if read_only is not None:
+            words.append(b"READ ONLY" if read_only else b"READ WRITE")
+        if deferrable is not None:
+            words.append(b"DEFERRABLE" if deferrable else b"NOT DEFERRABLE")
+        begin = pg.begins[shape] = b" ".join(words)
+    return begin
+
+
+def _pg_claim(register: Table, raw: Any) -> tuple[bytes, bytes]:
+    """The name of a register's prepared claim and the ``PREPARE`` that defines it.
+
+    The statement is the psycopg register guard's claim in its prepared form
+    (:meth:`PgRegisterStatements.prepared_claim`). The name is derived from the statement's
+    text, so two processes that share a server session (through a transaction pooler) and
+    name the same statement mean the same one.
+    """
+    import hashlib
+
+    from .._pg_statements import PgRegisterStatements
+
+    table = (register.schema, register.name) if register.schema else register.name
+    body = PgRegisterStatements(table).prepared_claim().as_bytes(raw)
+    name = b"iofence_claim_" + hashlib.sha1(body, usedforsecurity=False).hexdigest()[:16].encode()
+    return name, b"PREPARE %s AS %s; " % (name, body)
+
+
+#: Scopes that are their own SQL literal between quotes: printable ASCII without a quote
+#: or a backslash reads the same in every server encoding and string setting.
+_PLAIN_SCOPE = re.compile(r"[ -&(-\[\]-~]*")
+
+
+def _pg_literal(value: str, raw: Any) -> bytes:
+    if _PLAIN_SCOPE.fullmatch(value):
+        return b"'%s'" % value.encode("ascii")
+    from psycopg import sql as pg_sql
+
+    return pg_sql.Literal(value).as_bytes(raw)
+
+
+def _pg_read(raw: Any, found: SessionBinding) -> list[Any]:
+    """Finish sending what is queued on psycopg's connection and read its results."""
+    pg = _psycopg()
+    try:
+        if isinstance(raw, pg.AsyncConnection):
+            results: list[Any] = await_only(raw.wait(pg.execute(raw.pgconn)))
+        else:
+            results = raw.wait(pg.execute(raw.pgconn))
+    except pg.errors.Error as exc:
+        raise translate_error(exc, "fence claim", found.scope) from exc
+    return results
+
+
+def _pg_send(raw: Any, query: bytes, found: SessionBinding) -> list[Any]:
+    """Send one simple-protocol message on psycopg's connection and return its results."""
+    pg = _psycopg()
+    try:
+        raw.pgconn.send_query(query)
+    except pg.errors.Error as exc:
+        raise translate_error(exc, "fence claim", found.scope) from exc
+    return _pg_read(raw, found)
+
+
+def _pg_error(raw: Any, results: list[Any], found: SessionBinding) -> FenceError:
+    """The error of a claim's message that failed, in the ``FenceError`` family."""
+    from psycopg import errors, pq
+
+    for result in results:
+        if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+            failure = errors.error_from_result(result, encoding=raw.info.encoding)
+            err: FenceError = (
+                missing_register_error(found.register.name)
+                if missing_table(failure)
+                else translate_error(failure, "fence claim", found.scope)
+            )
+            err.__cause__ = failure
+            return err
+    return translate_error(RuntimeError("the claim returned no rows"), "fence claim", found.scope)
+
+
+# Each register's prepared claim (its name and its PREPARE), composed once; the names a
+# connection has prepared live in its pool entry's info, under this key.
+_PG_CLAIMS: weakref.WeakKeyDictionary[Table, tuple[bytes, bytes]] = weakref.WeakKeyDictionary()
+_PREPARED_KEY = "iofence.prepared_claims"
+
+
+def _check_read(connection: Connection, found: SessionBinding) -> None:
+    """A read binding's check (C13): refused if a writer newer than the lease has claimed
+    the scope. It reads the register row and never raises the fence."""
+    fence = FenceRegister(connection, found.register, events=found.events).fence(found.scope)
+    try:
+        check_read(found.scope, found.token, fence)
+    except _FenceStale as err:
+        raise StaleTokenError.from_guard(err, None, None) from None
+
+
+def before_commit(session: Session) -> None:
+    found: SessionBinding | None = session.info.get(BINDING_KEY)
+    if found is None:
+        return
+    # A claim whose transaction sent nothing else is judged here, before the flush and the
+    # commit: SQLAlchemy 2.0.28 loses a refusal raised inside a two-phase prepare in a
+    # rollback of its own there (IllegalStateChangeError).
+    for connection in session.info.pop(CLAIMED_KEY, ()):
+        claim_before_commit(connection)
+    if found.read_only:
+        # Read again at the end: what the transaction read was written under a token no
+        # newer than the lease (a newer writer's claim commits with its writes).
+        connection = session.info.pop(READ_CHECK_KEY, None)
+        if connection is not None:
+            _check_read(connection, found)
+    if not found.check_lease or found.lease is None:
+        return
+    check_lease(found.lease)
+
+
+def check_lease(lease: Lease | AsyncLease) -> None:
+    """Raise :class:`fence.LeaseLostError` unless ``lease`` is still valid.
+
+    An expired lease counts as lost here: the work must not commit on it.
+    """
+    try:
+        lease.check()
+    except LeaseLostError:
+        raise
+    except LeaseExpiredError as exc:
+        raise LeaseLostError(
+            f"lease on {lease.resource!r} (token {lease.token}) is no longer valid before "
+            f"commit: {exc}; nothing was committed",
+            resource=lease.resource,
+            token=lease.token,
+            remaining=exc.remaining,
+            cause="the lease ran out before commit",
+        ) from exc
