@@ -32,6 +32,9 @@ The statements and the verdicts come from the SQL row guard (``_sql_statements``
 - ``criteria``: ORM-enabled and Core ``update()`` / ``delete()`` of a bound session;
   tombstones hidden from queries.
 - ``claim``: the claim at the start of each transaction and the lease check at commit.
+- ``libpq``: a transport that sends messages on psycopg's connection and reads their
+  results later (the claim's, on psycopg); it knows nothing of fences. It imports nothing
+  of the hook.
 
 This module installs the listeners.
 """

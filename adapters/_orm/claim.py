@@ -13,7 +13,6 @@ its commit, prepare, rollback, or the pool's reset).
 
 from __future__ import annotations
 
-import re
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,7 +21,6 @@ from sqlalchemy import Table
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, SessionTransaction
-from sqlalchemy.util import await_only
 
 from fence._core import check_read
 from fence._errors import FenceError, LeaseExpiredError, LeaseLostError
@@ -33,6 +31,7 @@ from .._sql_common import missing_register_error, missing_table, translate_error
 from .._sql_gate import OWN_OPTIONS
 from .._sql_statements import register_statements
 from .._sync.sql import FenceRegister
+from . import libpq
 from .binding import BINDING_KEY, CLAIMED_KEY, READ_CHECK_KEY, SESSION_OF, SessionBinding
 from .verdicts import SOURCE, StaleTokenError
 
@@ -155,7 +154,7 @@ def _send_claim(connection: Connection, found: SessionBinding) -> _ClaimInFlight
     ``PREPARE``. A search path changed since is honoured: PostgreSQL parses a prepared
     statement again when ``search_path`` changed.
     """
-    pg = _psycopg()
+    pg = libpq.driver()
     register = found.register
     raw: Any = connection.connection.driver_connection
     left = _IN_FLIGHT.pop(raw, None)
@@ -166,18 +165,16 @@ def _send_claim(connection: Connection, found: SessionBinding) -> _ClaimInFlight
         claim = _PG_CLAIMS[register] = _pg_claim(register, raw)
     name, prepare = claim
     execute = b"%s; EXECUTE %s(%s, %d)" % (
-        _pg_begin(raw, pg),
+        libpq.begin(raw, pg),
         name,
-        _pg_literal(found.scope, raw),
+        libpq.literal(found.scope, raw),
         found.token,
     )
     prepared: set[bytes] = connection.connection.info.setdefault(_PREPARED_KEY, set())
     fresh = name not in prepared
-    pgconn = raw.pgconn
     try:
-        pgconn.send_query(prepare + execute if fresh else execute)
-        pgconn.flush()  # what does not leave now leaves when the reply is read
-    except pg.errors.Error as exc:
+        libpq.send(raw, prepare + execute if fresh else execute)
+    except pg.Error as exc:
         raise translate_error(exc, "fence claim", found.scope) from exc
     sent = _IN_FLIGHT[raw] = _ClaimInFlight(found, raw, name, prepare, execute, fresh, prepared)
     return sent
@@ -190,27 +187,31 @@ def _read_claim(claim: _ClaimInFlight) -> int:
         The claim's row count: 1 if the fence was raised (or the row inserted), 0 if it
         was refused.
     """
-    pg = _psycopg()
+    pg = libpq.driver()
     raw, name, found = claim.raw, claim.name, claim.found
     fresh = claim.fresh
-    results = _pg_read(raw, found)
-    for _attempt in range(3):
-        last = results[-1]
-        if last.status == pg.COMMAND_OK:
-            claim.prepared.add(name)
-            return int(last.command_tuples or 0)
-        state = last.error_field(pg.SQLSTATE)
-        if state == b"26000" and not fresh:  # the session lost the statement
-            claim.prepared.discard(name)
-            _pg_send(raw, b"ROLLBACK", found)
-            fresh = True
-        elif state == b"42P05" and fresh:  # the session has it already (a pooler's)
-            claim.prepared.add(name)
-            fresh = False
-        else:
-            break
-        results = _pg_send(raw, claim.prepare + claim.execute if fresh else claim.execute, found)
-    raise _pg_error(raw, results, found)
+    try:
+        results = libpq.read(raw)
+        for _attempt in range(3):
+            last = results[-1]
+            if last.status == pg.COMMAND_OK:
+                claim.prepared.add(name)
+                return int(last.command_tuples or 0)
+            state = last.error_field(pg.SQLSTATE)
+            if state == b"26000" and not fresh:  # the session lost the statement
+                claim.prepared.discard(name)
+                libpq.exchange(raw, b"ROLLBACK")
+                fresh = True
+            elif state == b"42P05" and fresh:  # the session has it already (a pooler's)
+                claim.prepared.add(name)
+                fresh = False
+            else:
+                break
+            message = claim.prepare + claim.execute if fresh else claim.execute
+            results = libpq.exchange(raw, message)
+    except pg.Error as exc:
+        raise translate_error(exc, "fence claim", found.scope) from exc
+    raise _claim_error(raw, results, found)
 
 
 def _take_claim(conn: Connection) -> _ClaimInFlight | None:
@@ -259,49 +260,6 @@ def claim_before_reset(dbapi_connection: Any, record: Any, reset_state: Any) -> 
                 pass  # the pool's rollback follows, or the connection is discarded
 
 
-class _Psycopg:
-    """What the claim's hot path uses of psycopg, imported once (psycopg is optional)."""
-
-    def __init__(self) -> None:
-        from psycopg import AsyncConnection, IsolationLevel, errors, generators, pq
-
-        self.AsyncConnection = AsyncConnection
-        self.IsolationLevel = IsolationLevel
-        self.errors = errors
-        self.execute = generators.execute
-        self.COMMAND_OK = pq.ExecStatus.COMMAND_OK
-        self.SQLSTATE = pq.DiagnosticField.SQLSTATE
-        self.begins: dict[tuple[Any, Any, Any], bytes] = {}
-
-
-_PSYCOPG: list[_Psycopg] = []
-
-
-def _psycopg() -> _Psycopg:
-    if not _PSYCOPG:
-        _PSYCOPG.append(_Psycopg())
-    return _PSYCOPG[0]
-
-
-def _pg_begin(raw: Any, pg: _Psycopg) -> bytes:
-    """``BEGIN`` with the connection's transaction characteristics, as psycopg sends it."""
-    shape = (raw.isolation_level, raw.read_only, raw.deferrable)
-    begin = pg.begins.get(shape)
-    if begin is None:
-        level, read_only, deferrable = shape
-        words = [b"BEGIN"]
-        if level is not None:
-            words.append(
-                b"ISOLATION LEVEL " + pg.IsolationLevel(level).name.replace("_", " ").encode()
-            )
-        if read_only is not None:
-            words.append(b"READ ONLY" if read_only else b"READ WRITE")
-        if deferrable is not None:
-            words.append(b"DEFERRABLE" if deferrable else b"NOT DEFERRABLE")
-        begin = pg.begins[shape] = b" ".join(words)
-    return begin
-
-
 def _pg_claim(register: Table, raw: Any) -> tuple[bytes, bytes]:
     """The name of a register's prepared claim and the ``PREPARE`` that defines it.
 
@@ -320,57 +278,20 @@ def _pg_claim(register: Table, raw: Any) -> tuple[bytes, bytes]:
     return name, b"PREPARE %s AS %s; " % (name, body)
 
 
-#: Scopes that are their own SQL literal between quotes: printable ASCII without a quote
-#: or a backslash reads the same in every server encoding and string setting.
-_PLAIN_SCOPE = re.compile(r"[ -&(-\[\]-~]*")
-
-
-def _pg_literal(value: str, raw: Any) -> bytes:
-    if _PLAIN_SCOPE.fullmatch(value):
-        return b"'%s'" % value.encode("ascii")
-    from psycopg import sql as pg_sql
-
-    return pg_sql.Literal(value).as_bytes(raw)
-
-
-def _pg_read(raw: Any, found: SessionBinding) -> list[Any]:
-    """Finish sending what is queued on psycopg's connection and read its results."""
-    pg = _psycopg()
-    try:
-        if isinstance(raw, pg.AsyncConnection):
-            results: list[Any] = await_only(raw.wait(pg.execute(raw.pgconn)))
-        else:
-            results = raw.wait(pg.execute(raw.pgconn))
-    except pg.errors.Error as exc:
-        raise translate_error(exc, "fence claim", found.scope) from exc
-    return results
-
-
-def _pg_send(raw: Any, query: bytes, found: SessionBinding) -> list[Any]:
-    """Send one simple-protocol message on psycopg's connection and return its results."""
-    pg = _psycopg()
-    try:
-        raw.pgconn.send_query(query)
-    except pg.errors.Error as exc:
-        raise translate_error(exc, "fence claim", found.scope) from exc
-    return _pg_read(raw, found)
-
-
-def _pg_error(raw: Any, results: list[Any], found: SessionBinding) -> FenceError:
+def _claim_error(raw: Any, results: list[Any], found: SessionBinding) -> FenceError:
     """The error of a claim's message that failed, in the ``FenceError`` family."""
-    from psycopg import errors, pq
-
-    for result in results:
-        if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
-            failure = errors.error_from_result(result, encoding=raw.info.encoding)
-            err: FenceError = (
-                missing_register_error(found.register.name)
-                if missing_table(failure)
-                else translate_error(failure, "fence claim", found.scope)
-            )
-            err.__cause__ = failure
-            return err
-    return translate_error(RuntimeError("the claim returned no rows"), "fence claim", found.scope)
+    failure = libpq.failure(raw, results)
+    if failure is None:
+        return translate_error(
+            RuntimeError("the claim returned no rows"), "fence claim", found.scope
+        )
+    err: FenceError = (
+        missing_register_error(found.register.name)
+        if missing_table(failure)
+        else translate_error(failure, "fence claim", found.scope)
+    )
+    err.__cause__ = failure
+    return err
 
 
 # Each register's prepared claim (its name and its PREPARE), composed once; the names a
