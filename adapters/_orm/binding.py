@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BINDING_KEY",
-    "CLAIMED_KEY",
     "READ_CHECK_KEY",
     "SESSION_OF",
     "SessionBinding",
@@ -46,9 +45,6 @@ BINDING_KEY = "iofence.binding"
 #: ``Session.info`` key of the connection whose transaction a read binding checked at its
 #: begin: its commit checks the fence again on it.
 READ_CHECK_KEY = "iofence.read_check"
-#: ``Session.info`` key of the connections of a session's transaction whose claim was sent
-#: without waiting for its reply: its commit judges any reply still unread.
-CLAIMED_KEY = "iofence.claimed"
 
 
 @dataclass(eq=False)

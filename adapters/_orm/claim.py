@@ -8,13 +8,15 @@ lease, the claim is a check that never raises the fence, made again at commit.
 
 On psycopg the claim leaves with the transaction's ``BEGIN`` as a statement prepared once
 per connection, and its reply is read just before the transaction's first statement (or
-its commit, prepare, rollback, or the pool's reset).
+its commit, prepare, rollback, or the pool's reset). What the claim knows of a connection
+(the statements its server session has prepared, the claim in flight and what it claims)
+is one :class:`ClaimState`, found from the connection's pool entry.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Table
@@ -32,7 +34,7 @@ from .._sql_gate import OWN_OPTIONS
 from .._sql_statements import register_statements
 from .._sync.sql import FenceRegister
 from . import libpq
-from .binding import BINDING_KEY, CLAIMED_KEY, READ_CHECK_KEY, SESSION_OF, SessionBinding
+from .binding import BINDING_KEY, READ_CHECK_KEY, SESSION_OF, SessionBinding, session_of
 from .verdicts import SOURCE, StaleTokenError
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from fence._sync.manager import Lease
 
 __all__ = [
+    "ClaimState",
     "after_begin",
     "before_commit",
     "check_lease",
@@ -76,12 +79,11 @@ def after_begin(session: Session, transaction: SessionTransaction, connection: C
         session.info[READ_CHECK_KEY] = connection
         return
     if connection.dialect.driver == "psycopg":
-        claim = _send_claim(connection, found)  # its reply is read before the first statement
+        # Its reply is read before the first statement, or at the latest as the session
+        # commits (before_commit); the unit of work reads it now.
+        state = _send_claim(connection, found)
         if found.eager:
-            del _IN_FLIGHT[claim.raw]
-            _judge_claim(connection, found, _read_claim(claim))
-        else:  # or, at the latest, as the session commits (before_commit)
-            session.info.setdefault(CLAIMED_KEY, []).append(connection)
+            _judge_claim(connection, found, _read_claim(state, found))
         return
     stmt = _claim_statement(found.register, connection.dialect.name)
     try:
@@ -108,24 +110,58 @@ def _judge_claim(connection: Connection, found: SessionBinding, claimed: int) ->
         raise StaleTokenError.from_guard(err, None, None) from None
 
 
-@dataclass(eq=False, slots=True)
-class _ClaimInFlight:
-    """A claim sent with its transaction's ``BEGIN`` whose reply is not read yet."""
+@dataclass(eq=False, slots=True, weakref_slot=True)
+class ClaimState:
+    """The claim's state on one psycopg connection, in its pool entry's ``info``
+    (:func:`_state_on`): it lasts as long as the DBAPI connection, and a connection the pool
+    opens anew starts without one, as its server session has prepared nothing.
 
-    found: SessionBinding
+    Attributes:
+        raw: the psycopg connection.
+        prepared: the names of the claims this server session has prepared.
+        found: what the claim in flight claims, and at which token (the binding's scope,
+            token and register): sent with its transaction's ``BEGIN``, its reply not read
+            yet. ``None`` when there is nothing to read.
+        connection: the SQLAlchemy connection it was sent on (weakly: a dropped session
+            must let its connection go back to the pool).
+        name: the name of its prepared statement.
+        prepare: the ``PREPARE`` of that statement.
+        execute: the ``BEGIN`` and ``EXECUTE`` sent with it.
+        fresh: whether the message sent carried the ``PREPARE``.
+        ref: a weak reference to this state, which leaves :data:`_UNREAD` with it.
+    """
+
     raw: Any
-    name: bytes
-    prepare: bytes
-    execute: bytes
-    fresh: bool
-    prepared: set[bytes]
+    prepared: set[bytes] = field(default_factory=set)
+    found: SessionBinding | None = None
+    connection: weakref.ref[Connection] | None = None
+    name: bytes = b""
+    prepare: bytes = b""
+    execute: bytes = b""
+    fresh: bool = False
+    ref: weakref.ref[ClaimState] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.ref = weakref.ref(self, _UNREAD.discard)
 
 
-# The claims sent and not read yet, by psycopg connection (at most one each).
-_IN_FLIGHT: weakref.WeakKeyDictionary[Any, _ClaimInFlight] = weakref.WeakKeyDictionary()
+#: ``info`` key of a pool entry's :class:`ClaimState`.
+_STATE_KEY = "iofence.claim"
+
+# The states whose claim's reply is not read yet, by weak reference. Every statement of the
+# process asks whether it is empty, and a session's commit finds its own claims in it.
+_UNREAD: set[weakref.ref[ClaimState]] = set()
 
 
-def _send_claim(connection: Connection, found: SessionBinding) -> _ClaimInFlight:
+def _state_on(conn: Connection) -> ClaimState | None:
+    """The claim's state on ``conn``'s DBAPI connection, if a claim was ever sent on it."""
+    if conn.closed or conn.invalidated:
+        return None  # an invalidated connection's claim went with it
+    state: ClaimState | None = conn.connection.info.get(_STATE_KEY)
+    return state
+
+
+def _send_claim(connection: Connection, found: SessionBinding) -> ClaimState:
     """Send the claim with the transaction's ``BEGIN`` and return before its reply (psycopg 3).
 
     psycopg starts a transaction with a ``BEGIN`` of its own, a round trip before the first
@@ -147,19 +183,22 @@ def _send_claim(connection: Connection, found: SessionBinding) -> _ClaimInFlight
     row count, and a refusal (count 0) goes to the register guard, which judges it.
 
     It runs as a statement prepared once per connection (``PREPARE`` goes in the first
-    transaction's message; the name is known from then on by the connection's pool
-    entry), so PostgreSQL neither parses nor plans it again. A server session that lost
-    it (``DEALLOCATE``, ``DISCARD ALL``, a transaction pooler that moved the connection)
-    answers ``26000``: the transaction is rolled back and the message sent again with the
-    ``PREPARE``. A search path changed since is honoured: PostgreSQL parses a prepared
-    statement again when ``search_path`` changed.
+    transaction's message; the name is known from then on by the connection's
+    :class:`ClaimState`), so PostgreSQL neither parses nor plans it again. A server
+    session that lost it (``DEALLOCATE``, ``DISCARD ALL``, a transaction pooler that moved
+    the connection) answers ``26000``: the transaction is rolled back and the message sent
+    again with the ``PREPARE``. A search path changed since is honoured: PostgreSQL parses
+    a prepared statement again when ``search_path`` changed.
     """
     pg = libpq.driver()
     register = found.register
-    raw: Any = connection.connection.driver_connection
-    left = _IN_FLIGHT.pop(raw, None)
-    if left is not None:  # a claim whose transaction ended without any event (defensive)
-        _read_claim(left)
+    entry = connection.connection
+    state: ClaimState | None = entry.info.get(_STATE_KEY)
+    if state is None:
+        state = entry.info[_STATE_KEY] = ClaimState(entry.driver_connection)
+    elif state.found is not None:  # a claim whose transaction ended without any event
+        _read_claim(state, state.found)  # (defensive)
+    raw = state.raw
     claim = _PG_CLAIMS.get(register)
     if claim is None:
         claim = _PG_CLAIMS[register] = _pg_claim(register, raw)
@@ -170,65 +209,63 @@ def _send_claim(connection: Connection, found: SessionBinding) -> _ClaimInFlight
         libpq.literal(found.scope, raw),
         found.token,
     )
-    prepared: set[bytes] = connection.connection.info.setdefault(_PREPARED_KEY, set())
-    fresh = name not in prepared
+    fresh = name not in state.prepared
     try:
         libpq.send(raw, prepare + execute if fresh else execute)
     except pg.Error as exc:
         raise translate_error(exc, "fence claim", found.scope) from exc
-    sent = _IN_FLIGHT[raw] = _ClaimInFlight(found, raw, name, prepare, execute, fresh, prepared)
-    return sent
+    state.found = found
+    state.connection = weakref.ref(connection)
+    state.name, state.prepare, state.execute, state.fresh = name, prepare, execute, fresh
+    _UNREAD.add(state.ref)
+    return state
 
 
-def _read_claim(claim: _ClaimInFlight) -> int:
-    """Read a claim's reply, sending it again if the server session lost the statement.
+def _read_claim(state: ClaimState, found: SessionBinding) -> int:
+    """Read the reply of the claim in flight on ``state``, sending it again if the server
+    session lost the statement. The claim is taken off the unread ones first: its reply is
+    read once, also when reading it fails.
 
     Returns:
         The claim's row count: 1 if the fence was raised (or the row inserted), 0 if it
         was refused.
     """
+    state.found = None
+    _UNREAD.discard(state.ref)
     pg = libpq.driver()
-    raw, name, found = claim.raw, claim.name, claim.found
-    fresh = claim.fresh
+    raw, name, fresh = state.raw, state.name, state.fresh
     try:
         results = libpq.read(raw)
         for _attempt in range(3):
             last = results[-1]
             if last.status == pg.COMMAND_OK:
-                claim.prepared.add(name)
+                state.prepared.add(name)
                 return int(last.command_tuples or 0)
-            state = last.error_field(pg.SQLSTATE)
-            if state == b"26000" and not fresh:  # the session lost the statement
-                claim.prepared.discard(name)
+            sqlstate = last.error_field(pg.SQLSTATE)
+            if sqlstate == b"26000" and not fresh:  # the session lost the statement
+                state.prepared.discard(name)
                 libpq.exchange(raw, b"ROLLBACK")
                 fresh = True
-            elif state == b"42P05" and fresh:  # the session has it already (a pooler's)
-                claim.prepared.add(name)
+            elif sqlstate == b"42P05" and fresh:  # the session has it already (a pooler's)
+                state.prepared.add(name)
                 fresh = False
             else:
                 break
-            message = claim.prepare + claim.execute if fresh else claim.execute
+            message = state.prepare + state.execute if fresh else state.execute
             results = libpq.exchange(raw, message)
     except pg.Error as exc:
         raise translate_error(exc, "fence claim", found.scope) from exc
     raise _claim_error(raw, results, found)
 
 
-def _take_claim(conn: Connection) -> _ClaimInFlight | None:
-    """The claim in flight on ``conn``'s DBAPI connection, taken off the list."""
-    if not _IN_FLIGHT or conn.closed or conn.invalidated:
-        return None  # an invalidated connection's claim went with it
-    return _IN_FLIGHT.pop(conn.connection.driver_connection, None)
-
-
 def claim_before_statement(
     conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
 ) -> None:
     """Judge the claim in flight on this connection before its first statement is sent."""
-    if _IN_FLIGHT:
-        claim = _take_claim(conn)
-        if claim is not None:
-            _judge_claim(conn, claim.found, _read_claim(claim))
+    if _UNREAD:
+        state = _state_on(conn)
+        if state is not None and (found := state.found) is not None:
+            _judge_claim(conn, found, _read_claim(state, found))
 
 
 def claim_before_commit(conn: Connection, *_xid: Any) -> None:
@@ -239,11 +276,11 @@ def claim_before_commit(conn: Connection, *_xid: Any) -> None:
 
 def claim_before_rollback(conn: Connection, *_twophase: Any) -> None:
     """Read the claim in flight before a rollback; the rollback undoes it either way."""
-    if _IN_FLIGHT:
-        claim = _take_claim(conn)
-        if claim is not None:
+    if _UNREAD:
+        state = _state_on(conn)
+        if state is not None and (found := state.found) is not None:
             try:
-                _read_claim(claim)
+                _read_claim(state, found)
             except FenceError:
                 pass  # refused or failed: the transaction ends here anyway
 
@@ -251,13 +288,18 @@ def claim_before_rollback(conn: Connection, *_twophase: Any) -> None:
 def claim_before_reset(dbapi_connection: Any, record: Any, reset_state: Any) -> None:
     """Read a claim still in flight on a connection the pool takes back (a session that
     was dropped without being closed), so the pool's rollback can be sent."""
-    if _IN_FLIGHT:
-        claim = _IN_FLIGHT.pop(record.driver_connection, None)
-        if claim is not None and reset_state.asyncio_safe:
-            try:
-                _read_claim(claim)
-            except FenceError:
-                pass  # the pool's rollback follows, or the connection is discarded
+    if _UNREAD:
+        state: ClaimState | None = record.info.get(_STATE_KEY)
+        if state is None or (found := state.found) is None:
+            return
+        if not reset_state.asyncio_safe:  # no I/O here: the connection is not kept
+            state.found = None
+            _UNREAD.discard(state.ref)
+            return
+        try:
+            _read_claim(state, found)
+        except FenceError:
+            pass  # the pool's rollback follows, or the connection is discarded
 
 
 def _pg_claim(register: Table, raw: Any) -> tuple[bytes, bytes]:
@@ -295,9 +337,8 @@ def _claim_error(raw: Any, results: list[Any], found: SessionBinding) -> FenceEr
 
 
 # Each register's prepared claim (its name and its PREPARE), composed once; the names a
-# connection has prepared live in its pool entry's info, under this key.
+# connection has prepared are in its ClaimState.
 _PG_CLAIMS: weakref.WeakKeyDictionary[Table, tuple[bytes, bytes]] = weakref.WeakKeyDictionary()
-_PREPARED_KEY = "iofence.prepared_claims"
 
 
 def _check_read(connection: Connection, found: SessionBinding) -> None:
@@ -317,8 +358,13 @@ def before_commit(session: Session) -> None:
     # A claim whose transaction sent nothing else is judged here, before the flush and the
     # commit: SQLAlchemy 2.0.28 loses a refusal raised inside a two-phase prepare in a
     # rollback of its own there (IllegalStateChangeError).
-    for connection in session.info.pop(CLAIMED_KEY, ()):
-        claim_before_commit(connection)
+    if _UNREAD:
+        for ref in tuple(_UNREAD):
+            state = ref()
+            sent_on = state.connection if state is not None else None
+            connection = sent_on() if sent_on is not None else None
+            if connection is not None and session_of(connection) is session:
+                claim_before_commit(connection)
     if found.read_only:
         # Read again at the end: what the transaction read was written under a token no
         # newer than the lease (a newer writer's claim commits with its writes).

@@ -22,7 +22,7 @@ from sqlalchemy.orm.attributes import flag_modified, instance_state
 from fence._errors import ConfigurationError, TokenRequiredError
 
 from .. import _sql_gate as gate
-from .binding import BINDING_KEY, CLAIMED_KEY, READ_CHECK_KEY, SessionBinding
+from .binding import BINDING_KEY, READ_CHECK_KEY, SessionBinding
 from .fenced import MapperInfo, mapper_info, tables_of
 
 __all__ = [
@@ -65,7 +65,6 @@ def after_transaction_end(session: Session, transaction: SessionTransaction) -> 
         CURRENT.set(None)
     if transaction.parent is None:
         session.info.pop(READ_CHECK_KEY, None)
-        session.info.pop(CLAIMED_KEY, None)
 
 
 def before_flush(session: Session, flush_context: Any, instances: Any) -> None:
