@@ -18,6 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from fence import EventBus, EventKind, Reason, TokenRequiredError
+from fence.adapters._orm.claim import _STATE_KEY, _UNREAD
+from fence.adapters._pg_statements import PgRegisterStatements
+from fence.adapters._sql_statements import register_statements
 from fence.adapters.orm import (
     StaleTokenError,
     bind,
@@ -164,6 +167,26 @@ def test_a_flush_inside_a_savepoint_is_fenced(engine: Engine, env: Env) -> None:
         table = env.Item.__table__
         rows = conn.execute(select(table.c.id, table.c.v, table.c.fence).order_by("id")).all()
         assert [tuple(r) for r in rows] == [(1, 10, 5), (2, 2, 1)]
+
+
+def test_the_claim_is_the_register_statements_own(tmp_path: Path) -> None:
+    """The hook composes no claim of its own: where the claim is a statement of SQLAlchemy
+    (SQLite, drivers other than psycopg) it is the register's claim of one scope."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'claim.db'}")
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    try:
+        env = Env(engine)
+        event.listen(engine, "before_cursor_execute", record)
+        _unit(engine, env, 5, 50)
+        claim = register_statements(env.register).claim_row("sqlite")
+        assert str(claim.compile(dialect=engine.dialect)) in seen
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+        engine.dispose()
 
 
 @pytest.mark.postgres
@@ -385,6 +408,24 @@ def test_the_prepared_claim_follows_the_search_path(postgres_url: str) -> None:
                 for schema in schemas
             ]
         assert fences == [5, 6]  # [6, None] if the claim still went to the first tenant
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_the_prepared_claim_is_the_register_statements_own(postgres_url: str) -> None:
+    """On psycopg the claim prepared on each connection is the prepared form of the psycopg
+    register's claim, not one the hook composes."""
+    engine = _one_connection(postgres_url)
+    try:
+        env = Env(engine)
+        _unit(engine, env, 5, 50)
+        with engine.connect() as conn:
+            raw: Any = conn.connection.driver_connection
+            body = PgRegisterStatements(env.register.name).prepared_claim().as_string(raw)
+            rows = conn.exec_driver_sql("SELECT name, statement FROM pg_prepared_statements")
+            claims = [row[1] for row in rows if row[0].startswith("iofence_claim_")]
+            assert [body in statement for statement in claims] == [True]
     finally:
         engine.dispose()
 
@@ -644,3 +685,23 @@ async def test_an_async_transaction_meets_its_claim_at_each_end(postgres_url: st
     finally:
         await engine.dispose()
         setup.dispose()
+
+
+@pytest.mark.postgres
+def test_a_claim_in_flight_on_an_invalidated_connection_goes_with_it(claimed: Claimed) -> None:
+    """The claim's state lives with the DBAPI connection: a claim left unread on one that was
+    invalidated is gone once the pool opens it anew, and no statement of the process looks
+    for it any more."""
+    engine, env = claimed
+    s = Session(engine)
+    bind(s, token=7, scope="item:1", register=env.register)
+    conn = s.connection()  # the claim is in flight
+    ref = conn.connection.info[_STATE_KEY].ref
+    assert ref in _UNREAD
+    conn.invalidate()
+    s.close()
+    _unit(engine, env, 8, 80)  # the pool opens the connection anew
+    gc.collect()
+    assert ref() is None
+    assert ref not in _UNREAD
+    assert (_fence(engine, env), _value(engine, env)) == (8, 80)
