@@ -16,6 +16,10 @@ One row per resource, kept for ever::
 A release or a revoke keeps the row (owner NULL, ``expires_at`` now), so the next token is
 computed from the last one and tokens keep increasing.
 
+What differs between databases (column types, quoting, the clock) comes from their
+:class:`fence._sql_dialect.SQLDialect`; each dialect has its own set of statements here
+(:func:`postgresql_statements`, :func:`sqlite_statements`).
+
 The module also holds :func:`local_board`, the process-wide :class:`fence._wake.WakeBoard`
 of a SQLite lease table, which a release made in this process posts to.
 """
@@ -31,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 from fence._core import MAX_TOKEN, TokenMode
 from fence._errors import ConfigurationError
+from fence._sql_dialect import PostgreSQLDialect, SQLDialect, SQLiteDialect, dialect_for
 from fence._wake import WakeBoard
 
 if TYPE_CHECKING:
     from sqlalchemy import MetaData, Table
-    from sqlalchemy.engine import Dialect
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -50,8 +54,10 @@ __all__ = [
     "lease_upgrade_ddl",
     "local_board",
     "notify_channel",
+    "postgresql_statements",
     "shared_table_ddl",
     "shared_table_name",
+    "sqlite_statements",
 ]
 
 #: The table name used when none is given.
@@ -62,36 +68,18 @@ DEFAULT_TABLE = "fence_leases"
 SHARED_COLUMNS = ("readers", "read_until", "wtoken")
 
 
-def _shared_columns(dialect: str) -> list[tuple[str, str]]:
+def _shared_columns(dialect: SQLDialect) -> list[tuple[str, str]]:
     """The columns of :data:`SHARED_COLUMNS` with their SQL types, for ``dialect``."""
-    until = "TIMESTAMPTZ" if dialect == "postgresql" else "REAL"
-    types = ("INTEGER NOT NULL DEFAULT 0", until, "BIGINT NOT NULL DEFAULT 0")
+    types = ("INTEGER NOT NULL DEFAULT 0", dialect.timestamp_type, "BIGINT NOT NULL DEFAULT 0")
     return list(zip(SHARED_COLUMNS, types, strict=True))
 
 
-_DIALECTS = ("postgresql", "sqlite")
-
-
-def _dialect(name: str) -> Dialect:
-    if name == "postgresql":
-        from sqlalchemy.dialects import postgresql
-
-        return postgresql.dialect()  # type: ignore[no-untyped-call]
-    if name == "sqlite":
-        from sqlalchemy.dialects import sqlite
-
-        return sqlite.dialect()
-    raise ConfigurationError(
-        f"the SQL lock manager supports {' and '.join(_DIALECTS)}, not {name!r}"
-    )
-
-
-def _qualified(dialect_name: str, table: str, schema: str | None) -> str:
+def _qualified(dialect: SQLDialect, table: str, schema: str | None) -> str:
     if not isinstance(table, str) or not table:
         raise ConfigurationError(f"table must be a non-empty str, got {table!r}")
     if schema is not None and (not isinstance(schema, str) or not schema):
         raise ConfigurationError(f"schema must be a non-empty str or None, got {schema!r}")
-    quote = _dialect(dialect_name).identifier_preparer.quote
+    quote = dialect.quote
     name = quote(table)
     return name if schema is None else f"{quote(schema)}.{name}"
 
@@ -146,10 +134,10 @@ def lease_table_ddl(
             for statement in lease_schema_ddl("postgresql", table="fence_leases"):
                 op.execute(statement)
     """
-    name = _qualified(dialect, table, schema)
-    pg = dialect == "postgresql"
-    expires = "TIMESTAMPTZ NOT NULL" if pg else "REAL NOT NULL"
-    shared = ",\n".join(f"    {column:<10} {kind}" for column, kind in _shared_columns(dialect))
+    found = dialect_for(dialect)
+    name = _qualified(found, table, schema)
+    expires = f"{found.timestamp_type} NOT NULL"
+    shared = ",\n".join(f"    {column:<10} {kind}" for column, kind in _shared_columns(found))
     return (
         f"CREATE TABLE IF NOT EXISTS {name} (\n"
         "    resource   TEXT PRIMARY KEY,\n"
@@ -176,8 +164,9 @@ def shared_table_ddl(
     Raises:
         ConfigurationError: an unsupported dialect or an empty name.
     """
-    name = _qualified(dialect, shared_table_name(table), schema)
-    expires = "TIMESTAMPTZ NOT NULL" if dialect == "postgresql" else "REAL NOT NULL"
+    found = dialect_for(dialect)
+    name = _qualified(found, shared_table_name(table), schema)
+    expires = f"{found.timestamp_type} NOT NULL"
     return (
         f"CREATE TABLE IF NOT EXISTS {name} (\n"
         "    resource   TEXT NOT NULL,\n"
@@ -222,10 +211,11 @@ def lease_upgrade_ddl(
     Raises:
         ConfigurationError: an unsupported dialect or an empty name.
     """
-    name = _qualified(dialect, table, schema)
+    found = dialect_for(dialect)
+    name = _qualified(found, table, schema)
     shared = shared_table_ddl(dialect, table=table, schema=schema)
-    columns = _shared_columns(dialect)
-    if dialect == "postgresql":
+    columns = _shared_columns(found)
+    if found.add_column_if_missing:
         adds = ",\n".join(f"    ADD COLUMN IF NOT EXISTS {c} {kind}" for c, kind in columns)
         return [f"ALTER TABLE {name}\n{adds}", shared]
     return [*(f"ALTER TABLE {name} ADD COLUMN {c} {kind}" for c, kind in columns), shared]
@@ -297,10 +287,11 @@ class LeaseStatements:
     Bound parameters are named ``:resource``, ``:secret``, ``:holder``, ``:ttl`` (seconds),
     ``:queue_ttl`` (seconds) and ``:channel``. Each statement is one round trip in
     autocommit mode. Statements that are ``None`` for a dialect are done otherwise there
-    (SQLite: in one ``BEGIN IMMEDIATE`` transaction of the driver, in process).
+    (SQLite: in one ``BEGIN IMMEDIATE`` transaction of the driver, in process; see
+    :attr:`fence._sql_dialect.SQLDialect.decides_in_process`).
 
     Attributes:
-        dialect: ``"postgresql"`` or ``"sqlite"``.
+        dialect: the dialect's name, ``"postgresql"`` or ``"sqlite"``.
         create: the ``CREATE TABLE IF NOT EXISTS`` statements (:func:`lease_schema_ddl`).
         acquire: a writer's attempt; returns one row ``(token, granted, remaining,
             flag)``: ``token`` is the issued (or kept) token when granted; ``remaining``
@@ -323,8 +314,8 @@ class LeaseStatements:
         lock_row: PostgreSQL: takes the row lock of ``:resource`` (``FOR UPDATE``), so that
             a statement after it in the same transaction sees what a statement that held
             the lock did; ``None`` on SQLite, where ``BEGIN IMMEDIATE`` does that.
-        sqlite: SQLite: the statements of the driver's transactions (see
-            :data:`SQLITE_STEPS`); empty on PostgreSQL.
+        steps: a dialect that decides in process: the statements of the driver's
+            transactions (SQLite: :data:`SQLITE_STEPS`); empty on PostgreSQL.
     """
 
     dialect: str
@@ -341,7 +332,7 @@ class LeaseStatements:
     wake: str | None
     raise_fence: str | None = None
     lock_row: str | None = None
-    sqlite: dict[str, str] = field(default_factory=dict)
+    steps: dict[str, str] = field(default_factory=dict)
 
 
 # Statement templates: ``$table`` is the quoted table name, ``$shared`` its shared table's,
@@ -350,8 +341,7 @@ class LeaseStatements:
 
 # PostgreSQL. One clock reading per statement: clock_timestamp() moves while a statement runs,
 # and the expiry test, the new expiry and the token floor must agree.
-_PG_CLOCK = "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now)"
-_PG_FLOOR = "CAST(floor(extract(epoch FROM c.now) * 1000000) AS BIGINT)"
+_PG_CLOCK = "WITH c AS MATERIALIZED (SELECT $clock_sql AS now)"
 
 # Shared locks on PostgreSQL (C13). Exclusion rests on the resource's row of the lease
 # table, which every acquire locks (the upsert), and which a statement waiting for that lock
@@ -585,16 +575,9 @@ _PG_WAKE = "SELECT CAST(pg_notify(:channel, :resource) AS TEXT)"
 _PG_LOCK_ROW = "SELECT 1 FROM $table WHERE resource = :resource FOR UPDATE"
 _PG_NOTIFY = "CAST(pg_notify(:channel, $alias.resource) AS TEXT)"
 _PG_NOTIFY_WRITERS = "CAST(pg_notify(:channel_w, $alias.resource) AS TEXT)"
-_PG_US = "CAST(floor(extract(epoch FROM c.now) * 1000000) AS BIGINT)"
 
-# SQLite: the database's clock in Unix seconds. SQLite reads the clock once per statement
-# step, so every use in one statement sees the same instant (millisecond resolution).
-_SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
-# The hybrid token floor on SQLite: the same system clock in microseconds, read by the
-# driver as it sends the statement (``:clock_us``; SQLite's own reading moves in whole
-# milliseconds, and two tokens issued within one would be equal after a restore), and never
-# below SQLite's own reading, which is later when the statement waited for the write lock.
-_SQLITE_FLOOR = f"max(:clock_us, CAST({_SQLITE_NOW} * 1000000 AS INTEGER))"
+# SQLite: ``$now`` is the database's clock in Unix seconds (SQLiteDialect.clock_sql), and
+# the hybrid token floor also takes the driver's reading (SQLiteDialect.token_floor).
 
 # SQLite has no data-modifying CTE, so the upsert always takes the conflict branch and keeps
 # the holder's values when the lock is not free: one statement and one row back, granted or
@@ -699,10 +682,11 @@ def lease_statements(
 
     A new token is ``max(last + 1, clock)`` in hybrid mode (the clock in microseconds since
     the epoch, read by the database: ``clock_timestamp()`` on PostgreSQL, ``julianday('now')``
-    on SQLite) and ``last + 1`` in counter mode: :func:`fence.issue_token` in SQL.
+    on SQLite) and ``last + 1`` in counter mode: :func:`fence.issue_token` in SQL. Each
+    dialect builds its own set (:meth:`fence._sql_dialect.SQLDialect.lease_statements`).
 
     Args:
-        dialect: ``"postgresql"`` or ``"sqlite"``.
+        dialect: ``"postgresql"`` or ``"sqlite"`` (or a :class:`SQLDialect`).
         table: the table name.
         schema: the schema, or ``None``.
         token_mode: :class:`fence.TokenMode`.
@@ -717,60 +701,109 @@ def lease_statements(
     Raises:
         ConfigurationError: an unsupported dialect or a bad name.
     """
-    mode = TokenMode(token_mode)
+    return dialect_for(dialect).lease_statements(
+        table=table,
+        schema=schema,
+        token_mode=TokenMode(token_mode),
+        notify=notify,
+        fence_table=fence_table,
+    )
+
+
+def _names(
+    dialect: SQLDialect, table: str, schema: str | None, fence_table: str | None
+) -> tuple[str, str, tuple[str, ...], str | None]:
+    """The quoted lease table, shared table and register, and the tables' DDL."""
     name = _qualified(dialect, table, schema)
     shared = _qualified(dialect, shared_table_name(table), schema)
-    create = tuple(lease_schema_ddl(dialect, table=table, schema=schema))
-    hybrid = mode is TokenMode.HYBRID
+    create = tuple(lease_schema_ddl(dialect.name, table=table, schema=schema))
     register = None if fence_table is None else _qualified(dialect, fence_table, schema)
-    if dialect == "postgresql":
-        values = {
-            "table": name,
-            "shared": shared,
-            "clock": _PG_CLOCK,
-            "floor": _PG_FLOOR if hybrid else "1",
-            "us": _PG_US,
-            "mine": _PG_MINE,
-        }
-        for alias in ("r", "up", "u", "q"):
-            values[f"notify_{alias}"] = (
-                Template(_PG_NOTIFY).substitute(alias=alias) if notify else "NULL"
-            )
-        values["notify_writers"] = (
-            Template(_PG_NOTIFY_WRITERS).substitute(alias="u") if notify else "NULL"
-        )
-        values["first"] = values["floor"]
-        values["reg"] = ""
-        if register is not None:
-            values["register"] = register
-            values["first"] = Template(_PG_FIRST_FENCED).substitute(values)
-            values["reg"] = Template(_PG_RAISE_FENCE).substitute(values)
-        values["ahead_any"] = Template(_PG_AHEAD).substitute(values, kinds="'R', 'W'")
-        values["ahead_writer"] = Template(_PG_AHEAD).substitute(values, kinds="'W'")
+    return name, shared, create, register
 
-        def pg(template: str) -> str:
-            return Template(template).substitute(values)
 
-        return LeaseStatements(
-            "postgresql",
-            create,
-            acquire=pg(_PG_ACQUIRE),
-            acquire_read=pg(_PG_ACQUIRE_READ),
-            renew=pg(_PG_RENEW),
-            renew_read=pg(_PG_RENEW_READ),
-            release=pg(_PG_RELEASE),
-            release_read=pg(_PG_RELEASE_READ),
-            abandon=pg(_PG_ABANDON),
-            inspect=pg(_PG_INSPECT),
-            revoke=pg(_PG_REVOKE),
-            wake=_PG_WAKE,
-            lock_row=pg(_PG_LOCK_ROW),
-        )
+def postgresql_statements(
+    dialect: PostgreSQLDialect,
+    *,
+    table: str,
+    schema: str | None,
+    token_mode: TokenMode,
+    notify: bool,
+    fence_table: str | None,
+) -> LeaseStatements:
+    """The statements on PostgreSQL: every call is one statement, shared locks included;
+    see :func:`lease_statements`.
+
+    Raises:
+        ConfigurationError: a bad name.
+    """
+    name, shared, create, register = _names(dialect, table, schema, fence_table)
+    floor = dialect.token_floor("c.now")
     values = {
         "table": name,
         "shared": shared,
-        "now": _SQLITE_NOW,
-        "floor": _SQLITE_FLOOR if hybrid else "1",
+        "clock": Template(_PG_CLOCK).substitute(clock_sql=dialect.clock_sql),
+        "floor": floor if token_mode is TokenMode.HYBRID else "1",
+        "us": floor,
+        "mine": _PG_MINE,
+    }
+    for alias in ("r", "up", "u", "q"):
+        values[f"notify_{alias}"] = (
+            Template(_PG_NOTIFY).substitute(alias=alias) if notify else "NULL"
+        )
+    values["notify_writers"] = (
+        Template(_PG_NOTIFY_WRITERS).substitute(alias="u") if notify else "NULL"
+    )
+    values["first"] = values["floor"]
+    values["reg"] = ""
+    if register is not None:
+        values["register"] = register
+        values["first"] = Template(_PG_FIRST_FENCED).substitute(values)
+        values["reg"] = Template(_PG_RAISE_FENCE).substitute(values)
+    values["ahead_any"] = Template(_PG_AHEAD).substitute(values, kinds="'R', 'W'")
+    values["ahead_writer"] = Template(_PG_AHEAD).substitute(values, kinds="'W'")
+
+    def pg(template: str) -> str:
+        return Template(template).substitute(values)
+
+    return LeaseStatements(
+        dialect.name,
+        create,
+        acquire=pg(_PG_ACQUIRE),
+        acquire_read=pg(_PG_ACQUIRE_READ),
+        renew=pg(_PG_RENEW),
+        renew_read=pg(_PG_RENEW_READ),
+        release=pg(_PG_RELEASE),
+        release_read=pg(_PG_RELEASE_READ),
+        abandon=pg(_PG_ABANDON),
+        inspect=pg(_PG_INSPECT),
+        revoke=pg(_PG_REVOKE),
+        wake=_PG_WAKE,
+        lock_row=pg(_PG_LOCK_ROW),
+    )
+
+
+def sqlite_statements(
+    dialect: SQLiteDialect,
+    *,
+    table: str,
+    schema: str | None,
+    token_mode: TokenMode,
+    fence_table: str | None,
+) -> LeaseStatements:
+    """The statements on SQLite: one statement per call where it can, and the steps of the
+    driver's transactions (:data:`SQLITE_STEPS`) for shared locks, queued writers and
+    revokes; see :func:`lease_statements`.
+
+    Raises:
+        ConfigurationError: a bad name.
+    """
+    name, shared, create, register = _names(dialect, table, schema, fence_table)
+    now = dialect.clock_sql
+    values = {
+        "table": name,
+        "shared": shared,
+        "now": now,
+        "floor": dialect.token_floor(now) if token_mode is TokenMode.HYBRID else "1",
     }
     values["free"] = Template(_SQLITE_FREE).substitute(values)
     values["first"] = values["floor"]
@@ -793,7 +826,7 @@ def lease_statements(
         )
     )
     return LeaseStatements(
-        "sqlite",
+        dialect.name,
         create,
         acquire,
         None,
@@ -806,7 +839,7 @@ def lease_statements(
         revoke,
         wake=None,
         raise_fence=raise_fence,
-        sqlite={k: Template(v).substitute(values) for k, v in SQLITE_STEPS.items()},
+        steps={k: Template(v).substitute(values) for k, v in SQLITE_STEPS.items()},
     )
 
 

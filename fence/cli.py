@@ -585,9 +585,10 @@ def _ddl_script(
     Raises:
         ConfigurationError: an unknown dialect or an empty name.
     """
-    from fence._sql_schema import _dialect, lease_schema_ddl
+    from fence._sql_dialect import dialect_for
+    from fence._sql_schema import lease_schema_ddl
 
-    quote = _dialect(dialect).identifier_preparer.quote
+    quote = dialect_for(dialect).quote
     fence_column_ddl, tombstone_ddl, register_ddl = sql_ddl()
 
     def qualified(name: str, in_schema: str | None = None) -> str:

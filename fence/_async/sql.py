@@ -315,7 +315,7 @@ class AsyncSQLDriver:
         if self.statements.acquire_read is not None:
             self._raw_sql["acquire_read"] = self.statements.acquire_read
             self._sql["acquire_read"] = text(self.statements.acquire_read)
-        self._steps = {name: text(sql) for name, sql in self.statements.sqlite.items()}
+        self._steps = {name: text(sql) for name, sql in self.statements.steps.items()}
         # SQLite's hybrid token floor takes the driver's reading of the clock, in
         # microseconds (see fence._sql_schema).
         self._clock = dialect == "sqlite" and self.token_mode is TokenMode.HYBRID
@@ -804,7 +804,7 @@ class AsyncSQLDriver:
 
     async def _transaction(self, name: str, resource: str, body: Any) -> Any:
         """SQLite: run ``body(run)`` in one ``BEGIN IMMEDIATE`` transaction, where
-        ``run(step, params)`` runs a statement of :attr:`LeaseStatements.sqlite` (or of
+        ``run(step, params)`` runs a statement of :attr:`LeaseStatements.steps` (or of
         the driver's) and returns its rows. Rolled back if ``body`` raises."""
         if self._create_pending:
             await self.create_table()

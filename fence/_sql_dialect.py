@@ -1,0 +1,563 @@
+"""SQL dialects: what iofence needs to know about one database, in one object. No I/O.
+
+The SQL lock manager (``fence._async.sql`` / ``fence._sync.sql``) and its schema module
+(:mod:`fence._sql_schema`) ask the dialect of their engine, never the dialect's name: how
+its lease statements are built, how a transaction begins, whether a release is notified
+or polled, whether shared locks are decided in one statement or in process (by
+:func:`fence._rwlock.decide`, in a transaction), how a driver error is classified, how an
+engine is built from a URL, and how the database's clock reads. One object per database,
+looked up by SQLAlchemy's dialect name::
+
+    dialect = dialect_for(engine.dialect.name)      # ConfigurationError if unsupported
+
+A new database (MariaDB, MySQL) is a new subclass of :class:`SQLDialect`, registered in
+:data:`DIALECTS`, plus its set of lease statements in :mod:`fence._sql_schema`; the driver
+does not change.
+
+The row guards (``fence.adapters``) can take from the same object what belongs to a
+database rather than to a guard:
+
+- :meth:`SQLDialect.classify`: a driver error (SQLAlchemy's wrapper or the DB-API error
+  itself) as a :class:`Fault`, by SQLSTATE on PostgreSQL and by result code (and message)
+  on SQLite. The caller turns the fault into its own error: a retryable fault is never a
+  verdict on a token (C5). ``fence.adapters._sql_common.translate_error`` classifies the
+  same SQLSTATEs and codes by hand.
+- :meth:`SQLDialect.insert` and :attr:`SQLDialect.insert_class`: SQLAlchemy's insert
+  construct with ``ON CONFLICT`` support (``on_conflict_do_update``) for the dialect.
+- :attr:`SQLDialect.returning`, :attr:`SQLDialect.rowcount_after_fetch`,
+  :attr:`SQLDialect.max_params`: what a statement may carry and how its row count reads.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+from collections.abc import Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fence._core import TokenMode
+from fence._errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from sqlalchemy import Table
+    from sqlalchemy.engine import URL, Dialect
+
+    from fence._sql_schema import LeaseStatements
+
+__all__ = [
+    "DIALECTS",
+    "PG_CONNECT_TIMEOUT",
+    "SQLITE_PRAGMAS",
+    "Fault",
+    "PostgreSQLDialect",
+    "SQLDialect",
+    "SQLiteDialect",
+    "dialect_for",
+    "dialect_of_url",
+    "first_line",
+    "set_sqlite_pragmas",
+    "sqlite_code",
+    "sqlstate",
+]
+
+#: What an engine built from a ``sqlite:`` file URL sets on every connection: WAL (readers
+#: never block the writer, a commit appends to the log instead of rewriting pages), the
+#: matching ``synchronous=NORMAL`` (a power loss can lose the last commits, not corrupt the
+#: file), and a busy timeout for writers that meet another writer.
+SQLITE_PRAGMAS: dict[str, str | int] = {
+    "journal_mode": "WAL",
+    "synchronous": "NORMAL",
+    "busy_timeout": 5000,
+}
+
+#: ``connect_timeout`` (seconds) of a PostgreSQL engine built from a URL, unless the URL or
+#: ``engine_options`` give one: a server that accepts connections and then hangs holds a
+#: new connection this long at most (psycopg's floor is 2 s).
+PG_CONNECT_TIMEOUT = 5
+
+
+class Fault(enum.Enum):
+    """What a driver error says, as :meth:`SQLDialect.classify` reads it.
+
+    Attributes:
+        SERIALIZATION: a serialization failure (SQLSTATE 40001): repeat the transaction.
+        DEADLOCK: a deadlock was detected (40P01) and this transaction was chosen to end.
+        LOCK_TIMEOUT: a lock was not available in time (55P03).
+        CANCELED: the statement was cancelled or timed out (57014).
+        BUSY: SQLite: the database stayed locked by another writer (``SQLITE_BUSY``,
+            ``SQLITE_LOCKED``).
+        ABORTED: the transaction was already aborted by an earlier error (25P02).
+        MISSING_TABLE: a table or schema does not exist (42P01, 3F000, ``no such table``).
+        MISSING_COLUMN: a column does not exist (42703, ``no such column``).
+        NO_DATABASE: the server answered, but the database does not exist (3D000).
+        CANNOT_OPEN: SQLite cannot open the database file.
+        AUTH: the server refused the credentials (28P01, 28000).
+        CONNECTION: the connection is lost or closed (classes 08 and 57P).
+    """
+
+    SERIALIZATION = "serialization"
+    DEADLOCK = "deadlock"
+    LOCK_TIMEOUT = "lock_timeout"
+    CANCELED = "canceled"
+    BUSY = "busy"
+    ABORTED = "aborted"
+    MISSING_TABLE = "missing_table"
+    MISSING_COLUMN = "missing_column"
+    NO_DATABASE = "no_database"
+    CANNOT_OPEN = "cannot_open"
+    AUTH = "auth"
+    CONNECTION = "connection"
+
+    @property
+    def retryable(self) -> bool:
+        """The statement changed nothing and the transaction may be repeated as a whole;
+        never a verdict on a token (C5)."""
+        return self in _RETRYABLE
+
+
+_RETRYABLE = frozenset(
+    {Fault.SERIALIZATION, Fault.DEADLOCK, Fault.LOCK_TIMEOUT, Fault.CANCELED, Fault.BUSY}
+)
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error: of ``exc``, of the DB-API error SQLAlchemy wrapped
+    (``exc.orig``), or of its cause; ``None`` if none has one."""
+    for candidate in (exc, getattr(exc, "orig", None), exc.__cause__):
+        state = getattr(candidate, "sqlstate", None)
+        if isinstance(state, str):
+            return state
+    return None
+
+
+def sqlite_code(exc: BaseException) -> int | None:
+    """The primary SQLite result code of a driver error (the extended code's low byte), as
+    :func:`sqlstate` finds it; ``None`` if none has one."""
+    for candidate in (exc, getattr(exc, "orig", None), exc.__cause__):
+        code = getattr(candidate, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            return code & 0xFF
+    return None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, or its type's name if it has none."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _dbapi_error(exc: BaseException) -> BaseException:
+    """The DB-API error SQLAlchemy wrapped, or ``exc`` itself."""
+    return getattr(exc, "orig", None) or exc
+
+
+class SQLDialect:
+    """One database as iofence sees it; subclass it for another database.
+
+    Instances hold no state of their own: use the ones in :data:`DIALECTS`.
+
+    Attributes:
+        name: SQLAlchemy's name of the dialect (``engine.dialect.name``).
+        label: the database's name in messages.
+        aliases: other names a URL may give the backend (``postgres://``).
+        begin: the statement that begins a transaction of the lock manager's driver; it
+            takes the locks the transaction needs to see what it decides on (SQLite's
+            ``BEGIN IMMEDIATE`` takes the database's write lock).
+        notifies: releases are announced to waiters of every process (PostgreSQL's
+            ``LISTEN``/``NOTIFY``); otherwise a release wakes the waiters of its own
+            process, and the others poll.
+        poll_interval: the default longest wait (seconds) of a waiter between two
+            attempts: what a lost notification costs, or the polling period.
+        decides_in_process: shared locks (C13) and queued writers are decided in process by
+            :func:`fence._rwlock.decide`, in one transaction of the driver that runs the
+            steps of :attr:`fence._sql_schema.LeaseStatements.steps`; otherwise every call
+            is one statement that decides in the database.
+        in_process: the database runs in this process (SQLite): no socket to cut at a
+            caller's deadline (the busy timeout bounds the wait instead), and a statement
+            that runs on a worker thread goes on after its caller is cancelled.
+        client_clock: the hybrid token floor also takes the driver's reading of the system
+            clock (bound as ``:clock_us``; see :meth:`token_floor`).
+        busy_timeout_ms: the busy timeout of an engine built by the manager, in
+            milliseconds; ``None`` where a deadline is kept by cutting the socket.
+        raw_driver: the DB-API driver whose connections take the lease statements as they
+            are (``:name`` parameters), so that a sync driver may skip SQLAlchemy's
+            per-statement work; ``None`` if none does.
+        timestamp_type: the SQL type of the lease tables' times.
+        add_column_if_missing: ``ALTER TABLE ... ADD COLUMN IF NOT EXISTS`` exists.
+        clock_sql: an expression for the database's clock, read when it is evaluated.
+        returning: ``INSERT``, ``UPDATE`` and ``DELETE`` take ``RETURNING`` (SQLite: 3.35
+            or later).
+        rowcount_after_fetch: with ``RETURNING``, the driver counts the rows as they are
+            fetched (sqlite3), so the row count is known only once they are read.
+        max_params: bound parameters one statement may carry, on every version.
+    """
+
+    name: ClassVar[str]
+    label: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    begin: ClassVar[str] = "BEGIN"
+    notifies: ClassVar[bool] = False
+    poll_interval: ClassVar[float]
+    decides_in_process: ClassVar[bool] = False
+    in_process: ClassVar[bool] = False
+    client_clock: ClassVar[bool] = False
+    busy_timeout_ms: ClassVar[int | None] = None
+    raw_driver: ClassVar[str | None] = None
+    timestamp_type: ClassVar[str]
+    add_column_if_missing: ClassVar[bool] = False
+    clock_sql: ClassVar[str]
+    returning: ClassVar[bool] = True
+    rowcount_after_fetch: ClassVar[bool] = False
+    max_params: ClassVar[int]
+    #: SQLAlchemy's driver for an engine built from a URL that names none, sync and
+    #: asyncio (``None``: SQLAlchemy's default).
+    _drivers: ClassVar[tuple[str | None, str | None]] = (None, None)
+
+    def __repr__(self) -> str:
+        return f"<SQL dialect {self.name}>"
+
+    # -- SQL text -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def sqlalchemy(self) -> Dialect:
+        """SQLAlchemy's dialect (for quoting and compiling; it never connects)."""
+        raise NotImplementedError
+
+    def quote(self, identifier: str) -> str:
+        """``identifier`` quoted as this database needs it."""
+        return self.sqlalchemy.identifier_preparer.quote(identifier)
+
+    def token_floor(self, now: str) -> str:
+        """The hybrid token floor (C3): an expression for the microseconds since the epoch
+        of ``now``, an expression of the database's clock (:attr:`clock_sql`)."""
+        raise NotImplementedError
+
+    def lease_statements(
+        self,
+        *,
+        table: str,
+        schema: str | None,
+        token_mode: TokenMode,
+        notify: bool,
+        fence_table: str | None,
+    ) -> LeaseStatements:
+        """The lock manager's statements on this database; see
+        :func:`fence._sql_schema.lease_statements`.
+
+        Raises:
+            ConfigurationError: a bad name.
+        """
+        raise NotImplementedError
+
+    def insert(self, table: Table) -> Any:
+        """SQLAlchemy's ``INSERT`` of ``table`` with ``ON CONFLICT`` support
+        (``on_conflict_do_update``, ``on_conflict_do_nothing``) for this database."""
+        return self.insert_class(table)
+
+    @property
+    def insert_class(self) -> type[Any]:
+        """The class of :meth:`insert`'s construct."""
+        raise NotImplementedError
+
+    # -- errors ---------------------------------------------------------------------------
+
+    def classify(self, exc: BaseException) -> Fault | None:
+        """What the driver error ``exc`` says, or ``None`` if it says nothing this dialect
+        knows (a constraint, a syntax error, an error that is not the database's).
+
+        Args:
+            exc: the DB-API error, SQLAlchemy's wrapper of one, or any exception.
+        """
+        raise NotImplementedError
+
+    # -- engines --------------------------------------------------------------------------
+
+    def engine_url(self, url: URL, *, asyncio: bool) -> URL:
+        """``url`` with the driver an engine built by iofence uses, if it names none."""
+        if "+" in url.drivername:
+            return url
+        driver = self._drivers[1 if asyncio else 0]
+        return url if driver is None else url.set(drivername=f"{self.name}+{driver}")
+
+    def engine_options(self, url: URL) -> dict[str, Any]:
+        """``create_engine`` arguments of an engine built by iofence for ``url`` (the
+        caller's own arguments win)."""
+        return {}
+
+    def on_connect(self, url: URL) -> Callable[[Any, Any], None] | None:
+        """A ``connect`` event listener for an engine built for ``url``, or ``None``."""
+        return None
+
+    def is_memory(self, url: URL) -> bool:
+        """The URL names a database that lives in one connection (in memory)."""
+        return False
+
+    def table_key(self, url: URL, schema: str | None, table: str) -> Hashable:
+        """What names one table of the database at ``url`` in this process (of an
+        in-memory database: within its engine's pool): the key of the process-wide wake-up
+        board of a lease table whose releases are not notified."""
+        return (self.name, url.host, url.port, url.database, schema, table)
+
+    def busy_timeout_sql(self, milliseconds: int) -> str:
+        """The statement that sets the connection's busy timeout (a dialect with
+        :attr:`busy_timeout_ms`)."""
+        raise NotImplementedError
+
+    def socket_of(self, driver_connection: Any) -> int | None:
+        """The file descriptor of the socket under a driver's connection, which the lock
+        manager shuts down at a caller's deadline; ``None`` if there is none to find."""
+        return None
+
+
+class PostgreSQLDialect(SQLDialect):
+    """PostgreSQL, through psycopg 3: one statement per call, releases notified."""
+
+    name = "postgresql"
+    label = "PostgreSQL"
+    aliases = ("postgres",)
+    notifies = True
+    poll_interval = 2.0
+    timestamp_type = "TIMESTAMPTZ"
+    add_column_if_missing = True
+    clock_sql = "clock_timestamp()"
+    # The protocol allows 65,535 parameters per statement.
+    max_params = 30_000
+    _drivers = ("psycopg", "psycopg")
+
+    @functools.cached_property
+    def sqlalchemy(self) -> Dialect:
+        """SQLAlchemy's dialect (for quoting and compiling; it never connects)."""
+        from sqlalchemy.dialects import postgresql
+
+        return postgresql.dialect()  # type: ignore[no-untyped-call]
+
+    def token_floor(self, now: str) -> str:
+        """See :meth:`SQLDialect.token_floor`."""
+        return f"CAST(floor(extract(epoch FROM {now}) * 1000000) AS BIGINT)"
+
+    def lease_statements(
+        self,
+        *,
+        table: str,
+        schema: str | None,
+        token_mode: TokenMode,
+        notify: bool,
+        fence_table: str | None,
+    ) -> LeaseStatements:
+        """See :meth:`SQLDialect.lease_statements`."""
+        # The schema module builds its statements on the dialects: imported when used.
+        from fence._sql_schema import postgresql_statements
+
+        return postgresql_statements(
+            self,
+            table=table,
+            schema=schema,
+            token_mode=token_mode,
+            notify=notify,
+            fence_table=fence_table,
+        )
+
+    @property
+    def insert_class(self) -> type[Any]:
+        """See :attr:`SQLDialect.insert_class`."""
+        from sqlalchemy.dialects import postgresql
+
+        return postgresql.Insert
+
+    def classify(self, exc: BaseException) -> Fault | None:
+        """See :meth:`SQLDialect.classify`. By SQLSTATE; an error raised while connecting
+        carries none, so the database and the credentials are also read from its message."""
+        state = sqlstate(exc)
+        text = str(_dbapi_error(exc))
+        if state == "40001":
+            return Fault.SERIALIZATION
+        if state == "40P01":
+            return Fault.DEADLOCK
+        if state in ("42P01", "3F000"):
+            return Fault.MISSING_TABLE
+        if state == "42703":
+            return Fault.MISSING_COLUMN
+        if state == "3D000" or ("database" in text and "does not exist" in text):
+            return Fault.NO_DATABASE
+        if state in ("28P01", "28000") or "authentication failed" in text:
+            return Fault.AUTH
+        if state == "55P03":
+            return Fault.LOCK_TIMEOUT
+        if state == "57014":
+            return Fault.CANCELED
+        if state == "25P02":
+            return Fault.ABORTED
+        if state is not None and state.startswith(("08", "57P")):
+            return Fault.CONNECTION
+        return None
+
+    def socket_of(self, driver_connection: Any) -> int | None:
+        """See :meth:`SQLDialect.socket_of`: psycopg's; ``None`` for another driver."""
+        try:
+            return int(driver_connection.pgconn.socket)
+        except Exception:  # a driver other than psycopg, or a broken connection
+            return None
+
+    def engine_options(self, url: URL) -> dict[str, Any]:
+        """See :meth:`SQLDialect.engine_options`: a ``connect_timeout`` of
+        :data:`PG_CONNECT_TIMEOUT` unless the URL gives one."""
+        if "connect_timeout" in url.query:
+            return {}
+        return {"connect_args": {"connect_timeout": PG_CONNECT_TIMEOUT}}
+
+
+class SQLiteDialect(SQLDialect):
+    """SQLite, in process: releases wake this process's waiters, others poll; shared locks
+    are decided in ``BEGIN IMMEDIATE`` transactions (SQLite has no data-modifying CTE)."""
+
+    name = "sqlite"
+    label = "SQLite"
+    begin = "BEGIN IMMEDIATE"
+    poll_interval = 0.5
+    decides_in_process = True
+    in_process = True
+    client_clock = True
+    busy_timeout_ms = int(SQLITE_PRAGMAS["busy_timeout"])
+    raw_driver = "pysqlite"
+    timestamp_type = "REAL"
+    # The database's clock in Unix seconds. SQLite reads the clock once per statement step,
+    # so every use in one statement sees the same instant (millisecond resolution).
+    clock_sql = "((julianday('now') - 2440587.5) * 86400.0)"
+    rowcount_after_fetch = True
+    # SQLITE_MAX_VARIABLE_NUMBER was 999 before 3.32, the lowest any build has had.
+    max_params = 999
+    _drivers = (None, "aiosqlite")
+
+    @functools.cached_property
+    def sqlalchemy(self) -> Dialect:
+        """SQLAlchemy's dialect (for quoting and compiling; it never connects)."""
+        from sqlalchemy.dialects import sqlite
+
+        return sqlite.dialect()
+
+    def token_floor(self, now: str) -> str:
+        """See :meth:`SQLDialect.token_floor`: the driver's reading of the system clock in
+        microseconds (``:clock_us``, read as it sends the statement: SQLite's own reading
+        moves in whole milliseconds, and two tokens issued within one would be equal after
+        a restore), and never below SQLite's own reading, which is later when the statement
+        waited for the write lock."""
+        return f"max(:clock_us, CAST({now} * 1000000 AS INTEGER))"
+
+    def lease_statements(
+        self,
+        *,
+        table: str,
+        schema: str | None,
+        token_mode: TokenMode,
+        notify: bool,
+        fence_table: str | None,
+    ) -> LeaseStatements:
+        """See :meth:`SQLDialect.lease_statements`; ``notify`` is ignored."""
+        from fence._sql_schema import sqlite_statements
+
+        return sqlite_statements(
+            self, table=table, schema=schema, token_mode=token_mode, fence_table=fence_table
+        )
+
+    @property
+    def insert_class(self) -> type[Any]:
+        """See :attr:`SQLDialect.insert_class`."""
+        from sqlalchemy.dialects import sqlite
+
+        return sqlite.Insert
+
+    def classify(self, exc: BaseException) -> Fault | None:
+        """See :meth:`SQLDialect.classify`. By result code where the driver gives one, and
+        by message (which the wrapped sqlite3 error always has)."""
+        message = first_line(_dbapi_error(exc))
+        if "no such table" in message:
+            return Fault.MISSING_TABLE
+        if "no such column" in message or "has no column" in message:
+            return Fault.MISSING_COLUMN
+        if "unable to open database file" in str(_dbapi_error(exc)):
+            return Fault.CANNOT_OPEN
+        if sqlite_code(exc) in _SQLITE_BUSY_CODES or "locked" in message:
+            return Fault.BUSY
+        return None
+
+    def engine_options(self, url: URL) -> dict[str, Any]:
+        """See :meth:`SQLDialect.engine_options`: an in-memory database gets a
+        single-connection :class:`~sqlalchemy.pool.StaticPool`, the only pool that keeps one
+        database for all callers."""
+        if not self.is_memory(url):
+            return {}
+        from sqlalchemy.pool import StaticPool
+
+        return {"poolclass": StaticPool, "connect_args": {"check_same_thread": False}}
+
+    def on_connect(self, url: URL) -> Callable[[Any, Any], None] | None:
+        """See :meth:`SQLDialect.on_connect`: :data:`SQLITE_PRAGMAS` on every connection to
+        a file (the URL's own ``timeout`` wins over the busy timeout)."""
+        if self.is_memory(url):
+            return None
+        pragmas = dict(SQLITE_PRAGMAS)
+        if "timeout" in url.query:  # the URL's own busy timeout (seconds) wins
+            del pragmas["busy_timeout"]
+        return functools.partial(set_sqlite_pragmas, pragmas)
+
+    def is_memory(self, url: URL) -> bool:
+        """See :meth:`SQLDialect.is_memory`."""
+        return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
+
+    def table_key(self, url: URL, schema: str | None, table: str) -> Hashable:
+        """See :meth:`SQLDialect.table_key`: a file by its real path."""
+        if self.is_memory(url):
+            return (self.name, schema, table)
+        return (self.name, os.path.realpath(url.database or ""), schema, table)
+
+    def busy_timeout_sql(self, milliseconds: int) -> str:
+        """See :meth:`SQLDialect.busy_timeout_sql`."""
+        return f"PRAGMA busy_timeout = {milliseconds}"
+
+
+# sqlite3 result codes: SQLITE_BUSY, SQLITE_LOCKED (extended codes keep the low byte).
+_SQLITE_BUSY_CODES = frozenset({5, 6})
+
+
+def set_sqlite_pragmas(
+    pragmas: Mapping[str, str | int], dbapi_connection: Any, record: Any
+) -> None:
+    """Set ``pragmas`` on a new SQLite connection (a ``connect`` event listener)."""
+    cursor = dbapi_connection.cursor()
+    try:
+        for name, value in pragmas.items():
+            cursor.execute(f"PRAGMA {name} = {value}")
+    finally:
+        cursor.close()
+
+
+#: The supported dialects by SQLAlchemy's name.
+DIALECTS: dict[str, SQLDialect] = {
+    dialect.name: dialect for dialect in (PostgreSQLDialect(), SQLiteDialect())
+}
+_BY_BACKEND = {
+    **DIALECTS,
+    **{alias: dialect for dialect in DIALECTS.values() for alias in dialect.aliases},
+}
+
+
+def dialect_for(name: str | SQLDialect) -> SQLDialect:
+    """The dialect SQLAlchemy calls ``name`` (``engine.dialect.name``); a dialect is
+    returned as it is.
+
+    Raises:
+        ConfigurationError: no supported database has that name.
+    """
+    if isinstance(name, SQLDialect):
+        return name
+    found = DIALECTS.get(name)
+    if found is None:
+        labels = " and ".join(d.label for d in DIALECTS.values())
+        raise ConfigurationError(f"the SQL lock manager supports {labels}, not {name!r}")
+    return found
+
+
+def dialect_of_url(url: URL) -> SQLDialect | None:
+    """The dialect of a URL's backend (``postgres://`` included), or ``None``."""
+    return _BY_BACKEND.get(url.get_backend_name())
