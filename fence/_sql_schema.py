@@ -19,24 +19,17 @@ computed from the last one and tokens keep increasing.
 What differs between databases (column types, quoting, the clock) comes from their
 :class:`fence._sql_dialect.SQLDialect`; each dialect has its own set of statements here
 (:func:`postgresql_statements`, :func:`sqlite_statements`).
-
-The module also holds :func:`local_board`, the process-wide :class:`fence._wake.WakeBoard`
-of a SQLite lease table, which a release made in this process posts to.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from string import Template
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fence._core import MAX_TOKEN, TokenMode
 from fence._errors import ConfigurationError
 from fence._sql_dialect import PostgreSQLDialect, SQLDialect, SQLiteDialect, dialect_for
-from fence._wake import WakeBoard
 
 if TYPE_CHECKING:
     from sqlalchemy import MetaData, Table
@@ -46,13 +39,11 @@ __all__ = [
     "SHARED_COLUMNS",
     "SQLITE_STEPS",
     "LeaseStatements",
-    "WakeBoard",
     "lease_schema_ddl",
     "lease_statements",
     "lease_table",
     "lease_table_ddl",
     "lease_upgrade_ddl",
-    "local_board",
     "notify_channel",
     "postgresql_statements",
     "shared_table_ddl",
@@ -841,26 +832,3 @@ def sqlite_statements(
         raise_fence=raise_fence,
         steps={k: Template(v).substitute(values) for k, v in SQLITE_STEPS.items()},
     )
-
-
-# -- wake-ups -------------------------------------------------------------------------------
-
-_boards_lock = threading.Lock()
-_boards: dict[Hashable, WakeBoard] = {}
-_anchored: weakref.WeakKeyDictionary[Any, dict[Hashable, WakeBoard]] = weakref.WeakKeyDictionary()
-
-
-def local_board(key: Hashable, anchor: object = None) -> WakeBoard:
-    """The process-wide board of one lease table, shared by every driver that uses it.
-
-    Args:
-        key: what names the table (database file, schema, table).
-        anchor: an object the board lives and dies with (the single connection pool of an
-            in-memory database); ``None`` for a board that lives as long as the process.
-    """
-    with _boards_lock:
-        boards = _boards if anchor is None else _anchored.setdefault(anchor, {})
-        board = boards.get(key)
-        if board is None:
-            board = boards[key] = WakeBoard()
-        return board

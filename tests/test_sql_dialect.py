@@ -1,31 +1,56 @@
-"""The SQL dialects, without a database.
+"""The SQL dialects and the SQL lock manager's plain parts, without a database.
 
 - a dialect is found by SQLAlchemy's name, and an unknown one is refused;
 - a driver error is classified by SQLSTATE (PostgreSQL) or by result code and message
-  (SQLite).
+  (SQLite), and the manager turns each class into its error (code, retryable);
+- an engine built from a URL gets the dialect's driver, options and connect hook;
+- the LISTEN connection's target, its backoff, the process-wide boards and pool locks;
+- what a SQLite transaction reads before ``fence._rwlock.decide`` decides.
 """
 
 from __future__ import annotations
 
+import logging
 import sqlite3
+import threading
 from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
+from sqlalchemy.pool import StaticPool
 
-from fence._core import TokenMode
-from fence._errors import ConfigurationError
+from fence._core import MAX_TOKEN, TokenMode
+from fence._errors import BackendError, ConfigurationError, InvalidTokenError, RetryableError
+from fence._rwlock import Holder, Waiting
+from fence._sql import (
+    Backoff,
+    ListenTarget,
+    checked_token,
+    engine_arguments,
+    lease_error,
+    lease_table_board,
+    listen_target,
+    local_board,
+    next_token,
+    pool_lock,
+    queue_seq,
+    shared_state,
+)
 from fence._sql_dialect import (
     DIALECTS,
+    PG_CONNECT_TIMEOUT,
     SQLITE_PRAGMAS,
     Fault,
     SQLDialect,
     dialect_for,
     dialect_of_url,
+    set_sqlite_pragmas,
 )
 from fence._sql_schema import lease_statements
+from fence._sync.sql import SQLDriver, make_engine
+from fence._wake import WakeBoard
 
 PG = dialect_for("postgresql")
 LITE = dialect_for("sqlite")
@@ -201,3 +226,270 @@ def test_retryable_faults_are_never_a_verdict() -> None:
         Fault.CANCELED,
         Fault.BUSY,
     }
+
+
+@pytest.mark.parametrize(
+    ("dialect", "exc", "kind", "code", "retryable"),
+    [
+        (PG, _pg("40001"), RetryableError, "SERIALIZATION", True),
+        (PG, _pg("40P01"), RetryableError, "SERIALIZATION", True),
+        (PG, _pg("42P01"), BackendError, "SCHEMA", False),
+        (PG, _pg("42703"), BackendError, "SCHEMA", False),
+        (PG, _pg("3D000"), BackendError, "DATABASE", False),
+        (PG, _pg("28P01"), BackendError, "AUTH", False),
+        (PG, _pg("57014"), BackendError, "CONNECTION", True),
+        (PG, _pg("55P03"), BackendError, "CONNECTION", True),
+        (PG, _pg("25P02"), BackendError, "CONNECTION", True),
+        (
+            PG,
+            _wrapped(sa_exc.IntegrityError, psycopg.errors.lookup("23505")("dup")),
+            BackendError,
+            "SQL",
+            False,
+        ),
+        (
+            PG,
+            _wrapped(sa_exc.DBAPIError, psycopg.ProgrammingError("x"), connection_invalidated=True),
+            BackendError,
+            "CONNECTION",
+            True,
+        ),
+        (PG, OSError("refused"), BackendError, "CONNECTION", True),
+        (LITE, sqlite3.OperationalError("no such table: t"), BackendError, "SCHEMA", False),
+        (
+            LITE,
+            sqlite3.OperationalError("unable to open database file"),
+            BackendError,
+            "DATABASE",
+            False,
+        ),
+        (LITE, sqlite3.OperationalError("database is locked"), BackendError, "BUSY", True),
+        (LITE, sqlite3.OperationalError("disk I/O error"), BackendError, "CONNECTION", True),
+        (
+            LITE,
+            _wrapped(sa_exc.ProgrammingError, sqlite3.ProgrammingError("locked")),
+            BackendError,
+            "SQL",
+            False,
+        ),
+        (
+            LITE,
+            _wrapped(sa_exc.IntegrityError, sqlite3.IntegrityError("CHECK constraint failed")),
+            BackendError,
+            "SQL",
+            False,
+        ),
+    ],
+)
+def test_the_manager_maps_each_fault_to_its_error(
+    dialect: SQLDialect, exc: BaseException, kind: type, code: str, retryable: bool
+) -> None:
+    error = lease_error(exc, "acquire of 'r' on t", dialect, pool=None)
+    assert type(error) is kind
+    assert (error.code, error.retryable) == (code, retryable)
+    assert str(error).startswith("acquire of 'r' on t")
+
+
+def test_a_full_pool_is_a_client_side_limit() -> None:
+    engine = make_engine("postgresql://u@localhost:1/db", {"pool_size": 2})
+    error = lease_error(sa_exc.TimeoutError("QueuePool limit"), "acquire", PG, engine.pool)
+    assert (error.code, error.retryable, error.sent) == ("POOL", True, False)
+    assert "pool_size=2, max_overflow=10" in str(error)
+    engine.dispose()
+
+
+def test_a_driver_maps_through_its_engines_dialect() -> None:
+    engine = make_engine("postgresql://u:secret@localhost:1/db")
+    driver = SQLDriver(engine, listen=False)
+    assert driver.sql_dialect is PG
+    assert driver.dialect == "postgresql"
+    error = driver._error(_pg("40001"), "acquire", "r")
+    assert isinstance(error, RetryableError)
+    assert "secret" not in str(error)
+    assert "acquire of 'r' on postgresql table 'fence_leases'" in str(error)
+    engine.dispose()
+
+
+def test_checked_tokens() -> None:
+    assert checked_token(1) == 1
+    assert checked_token(MAX_TOKEN) == MAX_TOKEN
+    for bad in (0, MAX_TOKEN + 1, True, 1.0, "1", None):
+        with pytest.raises(InvalidTokenError):
+            checked_token(bad)
+
+
+# -- engines ----------------------------------------------------------------------------------
+
+
+def test_engine_arguments_of_postgresql() -> None:
+    url, kwargs, hook = engine_arguments("postgres://u@h/db", None, asyncio=True)
+    assert url.drivername == "postgresql+psycopg"
+    assert kwargs == {
+        "isolation_level": "AUTOCOMMIT",
+        "pool_reset_on_return": None,
+        "connect_args": {"connect_timeout": PG_CONNECT_TIMEOUT},
+    }
+    assert hook is None
+    url, kwargs, _ = engine_arguments(
+        "postgresql+psycopg://u@h/db?connect_timeout=9",
+        {"connect_args": {"application_name": "x"}},
+        asyncio=False,
+    )
+    assert url.drivername == "postgresql+psycopg"
+    assert kwargs["connect_args"] == {"application_name": "x"}
+
+
+def test_engine_arguments_of_sqlite() -> None:
+    url, kwargs, hook = engine_arguments("sqlite://", None, asyncio=True)
+    assert url.drivername == "sqlite+aiosqlite"
+    assert kwargs["poolclass"] is StaticPool
+    assert kwargs["connect_args"] == {"check_same_thread": False}
+    assert hook is None  # no pragmas in memory
+    url, kwargs, hook = engine_arguments("sqlite:///x.db", {"pool_size": 3}, asyncio=False)
+    assert url.drivername == "sqlite"
+    assert kwargs == {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None, "pool_size": 3}
+    assert hook is not None
+    _, _, hook = engine_arguments("sqlite:///x.db?timeout=3", None, asyncio=False)
+    assert hook is not None
+
+    class Connection:
+        def __init__(self) -> None:
+            self.executed: list[str] = []
+
+        def cursor(self) -> Any:
+            return self
+
+        def execute(self, sql: str) -> None:
+            self.executed.append(sql)
+
+        def close(self) -> None:
+            pass
+
+    conn = Connection()
+    hook(conn, None)
+    assert conn.executed == ["PRAGMA journal_mode = WAL", "PRAGMA synchronous = NORMAL"]
+    conn = Connection()
+    set_sqlite_pragmas(SQLITE_PRAGMAS, conn, None)
+    assert conn.executed[-1] == "PRAGMA busy_timeout = 5000"
+
+
+def test_an_unsupported_url_gets_an_engine_that_the_driver_refuses() -> None:
+    url, kwargs, hook = engine_arguments("mysql://h/db", None, asyncio=False)
+    assert url.drivername == "mysql"
+    assert kwargs == {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
+    assert hook is None
+
+
+# -- the LISTEN connection ----------------------------------------------------------------------
+
+
+def test_listen_target_from_the_engine_or_a_conninfo() -> None:
+    engine = make_engine("postgresql://u:p@h:5/db?connect_timeout=3")
+    target = listen_target(engine, True, "fence:t", "fence:t:w")
+    assert target is not None
+    assert target.args == ()
+    assert target.kwargs["host"] == "h"
+    assert target.kwargs["connect_timeout"] == "3"
+    target = listen_target(engine, "host=elsewhere", "fence:t", "fence:t:w")
+    assert target == ListenTarget(
+        ("host=elsewhere",), {"connect_timeout": 5}, "fence:t", "fence:t:w"
+    )
+    assert listen_target(engine, False, "fence:t", "fence:t:w") is None
+    engine.dispose()
+
+
+def test_listen_target_quotes_its_channels_and_posts_to_the_board() -> None:
+    target = ListenTarget((), {}, 'fence:s."t"', 'fence:s."t":w')
+    assert target.commands == ('LISTEN "fence:s.""t"""', 'LISTEN "fence:s.""t"":w"')
+
+    class Board:
+        def __init__(self) -> None:
+            self.woken: list[tuple[str, bool]] = []
+
+        def wake(self, resource: str, *, writers: bool = False) -> None:
+            self.woken.append((resource, writers))
+
+    board = Board()
+    target.post(board, target.channel, "r1")  # type: ignore[arg-type]
+    target.post(board, target.writers, "r2")  # type: ignore[arg-type]
+    target.post(board, target.channel, "")  # type: ignore[arg-type]
+    assert board.woken == [("r1", False), ("r2", True)]
+
+
+def test_backoff_doubles_to_a_second_and_warns_once_in_a_row() -> None:
+    backoff = Backoff()
+    seen = [backoff.failed() for _ in range(7)]
+    assert [level for level, _ in seen] == [logging.WARNING] + [logging.DEBUG] * 6
+    assert [pause for _, pause in seen] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    backoff.succeeded()
+    assert backoff.failed() == (logging.WARNING, 0.05)
+
+
+# -- process-wide state -------------------------------------------------------------------------
+
+
+def test_boards_are_shared_by_table_and_die_with_their_pool() -> None:
+    board = local_board(("test", "a"))
+    assert isinstance(board, WakeBoard)
+    assert local_board(("test", "a")) is board
+    assert local_board(("test", "b")) is not board
+    url = make_url("sqlite:///x.db")
+    file_board = lease_table_board(LITE, url, object(), None, "t")
+    assert lease_table_board(LITE, make_url("sqlite:///./x.db"), object(), None, "t") is file_board
+    assert lease_table_board(LITE, url, object(), "other", "t") is not file_board
+
+    class Pool:
+        pass
+
+    pool = Pool()
+    memory = make_url("sqlite://")
+    in_memory = lease_table_board(LITE, memory, pool, None, "t")
+    assert lease_table_board(LITE, memory, pool, None, "t") is in_memory
+    assert lease_table_board(LITE, memory, Pool(), None, "t") is not in_memory
+
+
+def test_pool_locks_are_one_per_pool_and_kind() -> None:
+    class Pool:
+        pass
+
+    pool = Pool()
+    lock = pool_lock(pool, threading.Lock)
+    assert pool_lock(pool, threading.Lock) is lock
+    assert pool_lock(Pool(), threading.Lock) is not lock
+    assert pool_lock(pool, threading.RLock) is not lock
+
+
+# -- shared locks decided in process -------------------------------------------------------------
+
+
+def test_shared_state_keeps_live_leases_and_places_in_arrival_order() -> None:
+    state = (7, "w-secret", 4.5, 1000, 50.0)
+    entries = [
+        ("r1", "r", 5, 2.0, 0, "h"),
+        ("r0", "r", 4, -1.0, 0, "h"),  # ran out
+        ("q2", "W", None, 3.0, 20, "h"),
+        ("q1", "R", None, 3.0, 10, "h"),
+        ("q0", "W", None, 0.0, 5, "h"),  # ran out
+    ]
+    writer, readers, queue = shared_state(state, entries)
+    assert writer == Holder("w-secret", 7, 4.5)
+    assert readers == [Holder("r1", 5, 2.0)]
+    assert queue == [Waiting("q1", False, 3.0), Waiting("q2", True, 3.0)]
+    assert shared_state((7, None, None, 1000, 50.0), [])[0] is None
+    assert shared_state((7, "gone", 0.0, 1000, 50.0), [])[0] is None
+
+
+def test_queue_seq_keeps_a_place_and_puts_newcomers_last() -> None:
+    entries = [("a", "W", None, 3.0, 50_000_007, "h")]
+    assert queue_seq(entries, "a", 50.0) == 50_000_007
+    assert queue_seq(entries, "b", 50.0) == 50_000_008  # the clock did not move
+    assert queue_seq(entries, "b", 60.0) == 60_000_000
+    assert queue_seq([], "b", 1.5) == 1_500_000
+
+
+def test_next_token_follows_the_statements_rule() -> None:
+    assert next_token("r", None, 1) == 1
+    assert next_token("r", 41, 1) == 42
+    assert next_token("r", 41, 1000) == 1000
+    with pytest.raises(InvalidTokenError, match="token space exhausted for 'r'"):
+        next_token("r", MAX_TOKEN, 1)

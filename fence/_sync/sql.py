@@ -5,7 +5,9 @@
 Every driver call is one statement in autocommit mode, so one round trip, and no session
 state outlives it: no advisory lock, no open transaction, nothing that a
 transaction-pooling proxy would break. The database's clock decides expiry and seeds the
-hybrid tokens (C2, C3, C10). The statements are in :mod:`fence._sql_schema`.
+hybrid tokens (C2, C3, C10). The statements are in :mod:`fence._sql_schema`, what differs
+between databases in their :class:`fence._sql_dialect.SQLDialect`, and what the driver
+decides without I/O (engines, errors, wake-ups) in :mod:`fence._sql`.
 
 Waiting: on PostgreSQL a release runs ``pg_notify`` in its own statement and waiters are
 woken through one ``LISTEN`` connection per driver, with a bounded poll as a fallback; on
@@ -29,10 +31,8 @@ import logging
 import os
 import random
 import socket
-import sqlite3
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
@@ -40,39 +40,54 @@ from typing import TYPE_CHECKING, Any, cast
 import sqlalchemy as sa
 from sqlalchemy import event, text
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 from sqlalchemy.pool import StaticPool
 
 from fence._clock import Clock
 from fence._compat import Task, Waiter, call_later, settle, spawn
 from fence._compat import sleep as _sleep
-from fence._core import MAX_TOKEN, LeaseMode, TokenMode
+from fence._core import LeaseMode, TokenMode
 from fence._deadline import deadline, reset, set_deadline
-from fence._errors import BackendError, ConfigurationError, InvalidTokenError, RetryableError
+from fence._errors import BackendError, ConfigurationError
 from fence._events import EventBus
-from fence._rwlock import Holder, Waiting, decide
+from fence._rwlock import decide
 from fence._signal import Signal
-from fence._sql_schema import (
-    DEFAULT_TABLE,
-    LeaseStatements,
-    WakeBoard,
-    lease_statements,
-    local_board,
-    notify_channel,
+from fence._sql import (
+    LISTEN_SLICE,
+    QUEUE_TTL,
+    STATEMENTS,
+    Backoff,
+    ListenTarget,
+    call_name,
+    checked_token,
+    engine_arguments,
+    lease_error,
+    lease_table_board,
+    listen_target,
+    next_token,
+    no_time_left,
+    pool_lock,
+    queue_seq,
+    shared_state,
+    timed_out,
 )
+from fence._sql_dialect import (
+    PG_CONNECT_TIMEOUT,  # noqa: F401 - make_engine's default, named in its docstring
+    SQLITE_PRAGMAS,  # noqa: F401 - make_engine's default, named in its docstring and the docs
+    SQLDialect,
+    dialect_for,
+)
+from fence._sql_schema import DEFAULT_TABLE, LeaseStatements, notify_channel
 from fence._sync.manager import BaseLockManager
+from fence._wake import WakeBoard
 from fence.abc import AcquireReply, LockInfo
-
-#: ``run(step, params)`` in a SQLite transaction of the driver: the rows of one statement.
-_Rows = list[Any]
-_Run = Callable[[str, dict[str, Any]], _Rows]
-
-#: How long a queued waiter keeps its place without an attempt (its heartbeat), in seconds;
-#: a queued waiter tries again at least every third of it.
-QUEUE_TTL = 3.0
 
 if TYPE_CHECKING:
     from sqlalchemy import Row, TextClause
+
+#: ``run(step, params)`` in a transaction of the driver: the rows of one statement.
+_Rows = list[Any]
+_Run = Callable[[str, dict[str, Any]], _Rows]
 
 __all__ = ["SQLDriver", "SQLLockManager"]
 
@@ -82,49 +97,6 @@ _IS_ASYNC = False
 
 #: Serialises the callers of a single-connection pool (an in-memory SQLite database).
 _SerialLock = threading.Lock
-_serial_locks: weakref.WeakKeyDictionary[Any, _SerialLock] = weakref.WeakKeyDictionary()
-_serial_locks_guard = threading.Lock()
-
-#: Default poll interval (s) of a waiter that no notification can reach.
-_SQLITE_POLL = 0.5
-#: Default fallback poll (s) on PostgreSQL, where releases are notified.
-_POSTGRES_POLL = 2.0
-#: Longest pause between two attempts to (re)open the notification connection.
-_LISTEN_BACKOFF_MAX = 1.0
-#: How long one wait for notifications lasts before the listener re-checks for close().
-_LISTEN_SLICE = 1.0
-
-_STATEMENTS = (
-    "acquire",
-    "renew",
-    "renew_read",
-    "release",
-    "release_read",
-    "abandon",
-    "inspect",
-    "revoke",
-)
-
-#: What an engine built from a ``sqlite:`` file URL sets on every connection: WAL (readers
-#: never block the writer, a commit appends to the log instead of rewriting pages), the
-#: matching ``synchronous=NORMAL`` (a power loss can lose the last commits, not corrupt the
-#: file), and a busy timeout for writers that meet another writer.
-SQLITE_PRAGMAS: dict[str, str | int] = {
-    "journal_mode": "WAL",
-    "synchronous": "NORMAL",
-    "busy_timeout": 5000,
-}
-
-#: ``connect_timeout`` (seconds) of a PostgreSQL engine built from a URL, unless the URL or
-#: ``engine_options`` give one: a server that accepts connections and then hangs holds a
-#: new connection this long at most (psycopg's floor is 2 s).
-PG_CONNECT_TIMEOUT = 5
-
-
-def _is_memory(url: URL) -> bool:
-    if url.get_backend_name() != "sqlite":
-        return False
-    return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
 
 
 def make_engine(url: str | URL, options: Mapping[str, Any] | None = None) -> sa.Engine:
@@ -144,44 +116,13 @@ def make_engine(url: str | URL, options: Mapping[str, Any] | None = None) -> sa.
         url: a SQLAlchemy URL.
         options: more ``create_engine`` keyword arguments; they win over the defaults.
     """
-    parsed = make_url(url)
-    if parsed.drivername in ("postgresql", "postgres"):
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    elif parsed.drivername == "sqlite" and _IS_ASYNC:
-        parsed = parsed.set(drivername="sqlite+aiosqlite")
-    # Autocommit for the whole pool, so no checkout switches the isolation level back and
-    # forth, and nothing is left to roll back when a connection returns to the pool.
-    kwargs: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
-    memory = _is_memory(parsed)
-    if memory:
-        kwargs["poolclass"] = StaticPool
-        kwargs["connect_args"] = {"check_same_thread": False}
-    elif parsed.get_backend_name() == "postgresql" and "connect_timeout" not in parsed.query:
-        kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT}
-    given = dict(options or {})
-    if "connect_args" in given and "connect_args" in kwargs:
-        given["connect_args"] = {**kwargs["connect_args"], **given["connect_args"]}
-    kwargs.update(given)
+    parsed, kwargs, on_connect = engine_arguments(url, options, asyncio=_IS_ASYNC)
     create = sa.create_engine
     engine = create(parsed, **kwargs)
-    if parsed.get_backend_name() == "sqlite" and not memory:
-        pragmas = dict(SQLITE_PRAGMAS)
-        if "timeout" in parsed.query:  # the URL's own busy timeout (seconds) wins
-            del pragmas["busy_timeout"]
+    if on_connect is not None:
         target = engine
-        event.listen(target, "connect", functools.partial(_set_sqlite_pragmas, pragmas))
+        event.listen(target, "connect", on_connect)
     return engine
-
-
-def _set_sqlite_pragmas(
-    pragmas: Mapping[str, str | int], dbapi_connection: Any, record: Any
-) -> None:
-    cursor = dbapi_connection.cursor()
-    try:
-        for name, value in pragmas.items():
-            cursor.execute(f"PRAGMA {name} = {value}")
-    finally:
-        cursor.close()
 
 
 def _cut(fd: int, fired: list[bool]) -> None:
@@ -200,37 +141,74 @@ def _cut(fd: int, fired: list[bool]) -> None:
         sock.close()
 
 
-def _listen_args(engine: sa.Engine) -> tuple[list[Any], dict[str, Any]]:
-    """psycopg connection arguments for the ``LISTEN`` connection, from the engine."""
-    url = engine.url
-    if engine.dialect.driver == "psycopg":
-        args, kwargs = engine.dialect.create_connect_args(url)
-        kwargs = dict(kwargs)
-    else:  # another driver (asyncpg, psycopg2): its arguments may not suit psycopg
-        args = []
-        kwargs = {
-            "host": url.host,
-            "port": url.port,
-            "user": url.username,
-            "password": url.password,
-            "dbname": url.database,
-        }
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    kwargs.setdefault("connect_timeout", 5)
-    return list(args), kwargs
+class _Listener:
+    """One ``LISTEN`` connection per driver, on a task of its own (a thread in the sync
+    twin), that posts every notification to the driver's board.
 
+    The first wait starts it (:meth:`start`); :attr:`ready` is set while the connection
+    listens. A lost connection clears it and is opened again with a backoff
+    (:class:`fence._sql.Backoff`); once it listens again, the board starts a new
+    generation, as releases may have come while nobody listened.
+    """
 
-def _checked_token(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKEN:
-        raise InvalidTokenError(
-            f"the lease table returned {value!r}, not a token in 1..2**53-1", value=value
-        )
-    return value
+    def __init__(self, target: ListenTarget, board: WakeBoard, where: str) -> None:
+        self.target = target
+        self._board = board
+        self._where = where
+        self._lock = threading.Lock()
+        self._task: Task | None = None
+        self._closed = False
+        #: Set while the connection listens; replaced by a new one when it is lost.
+        self.ready = Signal()
 
+    def start(self) -> Signal:
+        """Start the listener unless it runs; the signal set once it listens."""
+        with self._lock:
+            if self._task is None or self._task.done():
+                self._task = spawn(self._run, name=f"fence-listen:{self.target.channel}")
+            return self.ready
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    def stop(self) -> Task | None:
+        """Stop after the current wait for notifications (a notification ends it sooner);
+        the task to join, or ``None`` if it never started."""
+        self._closed = True
+        return self._task
+
+    def _run(self) -> None:
+        """Keep one ``LISTEN`` connection open and post every notification to the board."""
+        import psycopg
+
+        target = self.target
+        backoff = Backoff()
+        while not self._closed:
+            try:
+                conn = psycopg.Connection.connect(*target.args, autocommit=True, **target.kwargs)
+            except psycopg.Error as exc:
+                level, pause = backoff.failed()
+                _log.log(level, "LISTEN connection for %s failed: %s", self._where, exc)
+                _sleep(pause)
+                continue
+            try:
+                for command in target.commands:
+                    conn.execute(command)
+                backoff.succeeded()
+                # Releases before this LISTEN were not seen: every waiter retries once.
+                self._board.new_generation()
+                self.ready.set()
+                while not self._closed:
+                    notes = conn.notifies(timeout=LISTEN_SLICE, stop_after=1)
+                    for note in notes:
+                        target.post(self._board, note.channel, note.payload)
+            except psycopg.Error as exc:
+                _log.debug("LISTEN connection for %s lost: %s", self._where, exc)
+            finally:
+                with self._lock:
+                    if self.ready.is_set():
+                        self.ready = Signal()
+                try:
+                    conn.close()
+                except psycopg.Error:  # pragma: no cover - closing a broken connection
+                    pass
 
 
 class SQLDriver:
@@ -287,19 +265,17 @@ class SQLDriver:
         owns_engine: bool = False,
         fence_table: str | None = None,
     ) -> None:
-        dialect = engine.dialect.name
-        if dialect not in ("postgresql", "sqlite"):
-            raise ConfigurationError(
-                f"the SQL lock manager supports PostgreSQL and SQLite, not {dialect!r}"
-            )
+        dialect = dialect_for(engine.dialect.name)
         self.engine = engine
-        self.dialect = dialect
+        #: The database's name (``engine.dialect.name``).
+        self.dialect = dialect.name
+        #: What the driver needs to know about the database.
+        self.sql_dialect: SQLDialect = dialect
         self.table = table
         self.schema = schema
         self.token_mode = TokenMode(token_mode)
         self.fence_table = fence_table
-        self.statements: LeaseStatements = lease_statements(
-            dialect,
+        self.statements: LeaseStatements = dialect.lease_statements(
             table=table,
             schema=schema,
             token_mode=self.token_mode,
@@ -307,7 +283,7 @@ class SQLDriver:
             fence_table=fence_table,
         )
         self._raw_sql: dict[str, str] = {
-            name: getattr(self.statements, name) for name in _STATEMENTS
+            name: getattr(self.statements, name) for name in STATEMENTS
         }
         self._sql: dict[str, TextClause] = {name: text(sql) for name, sql in self._raw_sql.items()}
         if self.statements.raise_fence is not None:
@@ -317,14 +293,24 @@ class SQLDriver:
             self._raw_sql["acquire_read"] = self.statements.acquire_read
             self._sql["acquire_read"] = text(self.statements.acquire_read)
         self._steps = {name: text(sql) for name, sql in self.statements.steps.items()}
-        # SQLite's hybrid token floor takes the driver's reading of the clock, in
-        # microseconds (see fence._sql_schema).
-        self._clock = dialect == "sqlite" and self.token_mode is TokenMode.HYBRID
+        # The dialect's ways, resolved once: the calls test these flags, not the dialect.
+        # Shared locks and queued writers decided in process, in a transaction:
+        self._decides = dialect.decides_in_process
+        # A release wakes this process's waiters itself (nobody is notified):
+        self._wakes_here = not dialect.notifies
+        # No socket to cut at a deadline; a statement runs on after a cancellation:
+        self._in_process = dialect.in_process
+        self._socket_of = dialect.socket_of
+        self._begin = dialect.begin
+        # The hybrid token floor takes the driver's reading of the clock, in microseconds
+        # (see fence._sql_dialect.SQLiteDialect.token_floor).
+        self._clock = dialect.client_clock and self.token_mode is TokenMode.HYBRID
         # The leases this driver granted to readers, and the waiters it put in the queue:
         # their calls take the shared table's statements.
         self._reading: set[tuple[str, str]] = set()
         self._placed: set[tuple[str, str]] = set()
-        self._lock_row = text(self.statements.lock_row or "")
+        lock_row = self.statements.lock_row
+        self._lock_row = None if lock_row is None else text(lock_row)
         # Autocommit: each statement is its own transaction, one round trip, no BEGIN/COMMIT.
         self._auto = (
             engine if autocommit else engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -335,11 +321,11 @@ class SQLDriver:
         where = engine.url.render_as_string(hide_password=True)
         self._where = f"{self.statements.dialect} table {table!r} ({where})"
 
-        self._pg = dialect == "postgresql"
-        self._busy_ms = int(SQLITE_PRAGMAS["busy_timeout"]) if owns_engine else None
+        self._busy_ms = dialect.busy_timeout_ms if owns_engine else None
+        self._busy_sql = dialect.busy_timeout_sql
+        self._busy_back = "" if self._busy_ms is None else self._busy_sql(self._busy_ms)
         pool = engine.pool
-        memory = _is_memory(engine.url)
-        if memory and not isinstance(pool, StaticPool):
+        if dialect.is_memory(engine.url) and not isinstance(pool, StaticPool):
             raise ConfigurationError(
                 "an in-memory SQLite database exists once per connection: create its engine "
                 "with poolclass=StaticPool and connect_args={'check_same_thread': False} "
@@ -347,59 +333,36 @@ class SQLDriver:
             )
         self._serial: _SerialLock | None = None
         if isinstance(pool, StaticPool):
-            with _serial_locks_guard:
-                self._serial = _serial_locks.setdefault(pool, _SerialLock())
-        # The DB-API shortcut needs an engine that is autocommit already, on pysqlite.
+            self._serial = pool_lock(pool, _SerialLock)
+        # The DB-API shortcut needs an engine that is autocommit already, on a driver that
+        # takes the statements as they are.
         self._raw = (
-            dialect == "sqlite"
-            and autocommit
-            and self._serial is None
-            and engine.dialect.driver == "pysqlite"
+            autocommit and self._serial is None and engine.dialect.driver == dialect.raw_driver
+        )
+        self._raw_error: type[Exception] = (
+            engine.dialect.loaded_dbapi.Error if self._raw else Exception
         )
 
-        self._channel: str | None = None
-        self._writers_channel: str | None = None
         self._params: dict[str, Any] = {}
         self._wake_params: dict[str, Any] = {}
-        self._listen_args: tuple[list[Any], dict[str, Any]] | None = None
-        self._listener: Task | None = None
-        self._listener_lock = threading.Lock()
-        self._ready = Signal()
-        if dialect == "postgresql":
-            self._channel = notify_channel(table, schema)
-            self._writers_channel = notify_channel(table, schema, writers=True)
-            self._params = (
-                {"channel": self._channel, "channel_w": self._writers_channel} if notify else {}
-            )
-            self._wake_params = {"channel": self._channel}
+        self._listener: _Listener | None = None
+        if dialect.notifies:
+            channel = notify_channel(table, schema)
+            writers = notify_channel(table, schema, writers=True)
+            self._params = {"channel": channel, "channel_w": writers} if notify else {}
+            self._wake_params = {"channel": channel}
             self._sql["wake"] = text(self.statements.wake or "")
             self._board = WakeBoard()
-            self._local = False
-            if listen is not False:
-                try:
-                    import psycopg  # noqa: F401
-                except ImportError:
-                    raise ConfigurationError(
-                        "listen needs psycopg 3 (pip install 'iofence[postgres]'); "
-                        "or pass listen=False to wait by polling"
-                    ) from None
-            if listen is True:
-                self._listen_args = _listen_args(engine)
-            elif isinstance(listen, str):
-                self._listen_args = ([listen], {"connect_timeout": 5})
-            default_poll = _POSTGRES_POLL
+            target = listen_target(engine, listen, channel, writers)
+            if target is not None:
+                self._listener = _Listener(target, self._board, self._where)
         else:
             if isinstance(listen, str):
                 raise ConfigurationError("listen=<conninfo> is for PostgreSQL only")
-            database = engine.url.database or ""
-            if memory:
-                self._board = local_board(("sqlite", schema, table), anchor=pool)
-            else:
-                path = os.path.realpath(database)
-                self._board = local_board(("sqlite", path, schema, table))
-            self._local = True
-            default_poll = _SQLITE_POLL
-        self.poll_interval = default_poll if poll_interval is None else float(poll_interval)
+            self._board = lease_table_board(dialect, engine.url, pool, schema, table)
+        self.poll_interval = (
+            dialect.poll_interval if poll_interval is None else float(poll_interval)
+        )
         if not self.poll_interval > 0:
             raise ConfigurationError(f"poll_interval must be > 0, got {poll_interval!r}")
 
@@ -423,7 +386,7 @@ class SQLDriver:
         reading = mode is LeaseMode.READ
         # The wait needs the board's mark (taken before the attempt) and the mode.
         cookie = (self._mark(), reading)
-        if not self._pg and (reading or key in self._placed):
+        if self._decides and (reading or key in self._placed):
             return self._decide(resource, secret, ttl, holder, reading, cookie)
         params = {
             "resource": resource,
@@ -431,16 +394,19 @@ class SQLDriver:
             "holder": holder,
             "ttl": float(ttl),
         }
-        if self._pg:
+        if not self._decides:
             params["queue_ttl"] = QUEUE_TTL
         row = self._execute("acquire_read" if reading else "acquire", resource, params)
         if row is None:
             raise BackendError(f"acquire of {resource!r} on {self._where} returned no row")
         token, granted, remaining, flag = tuple(row)
-        if not self._pg and not granted and flag:
-            # SQLite: readers or queued waiters: the transaction decides (and queues).
-            return self._decide(resource, secret, ttl, holder, reading, cookie)
-        queued = bool(flag) and self._pg
+        if self._decides:
+            if not granted and flag:
+                # Readers or queued waiters: the transaction decides (and queues).
+                return self._decide(resource, secret, ttl, holder, reading, cookie)
+            queued = False
+        else:
+            queued = bool(flag)
         return self._reply(key, reading, token, granted, remaining, queued, cookie)
 
     def _reply(
@@ -457,7 +423,7 @@ class SQLDriver:
             self._placed.discard(key)
             if reading:
                 self._reading.add(key)
-            return AcquireReply(_checked_token(token))
+            return AcquireReply(checked_token(token))
         if queued:
             self._placed.add(key)
         holder_ttl = None if remaining is None else max(float(cast("float", remaining)), 0.0)
@@ -466,24 +432,16 @@ class SQLDriver:
     def _decide(
         self, resource: str, secret: str, ttl: float, holder: str, reading: bool, cookie: object
     ) -> AcquireReply:
-        """SQLite: one attempt decided in a ``BEGIN IMMEDIATE`` transaction by
-        :func:`fence._rwlock.decide`, which sees the lease row and the shared table as
-        they are (SQLite runs one writer at a time)."""
+        """A dialect that decides in process (SQLite): one attempt decided in a transaction
+        (``BEGIN IMMEDIATE``) by :func:`fence._rwlock.decide`, which sees the lease row and
+        the shared table as they are (SQLite runs one writer at a time)."""
         base = {"resource": resource, "secret": secret}
 
         def body(run: _Run) -> tuple[object, bool, float | None, bool]:
-            last, owner, owner_left, first, now = (run("state", base))[0]
+            state = (run("state", base))[0]
+            last, first, now = state[0], state[3], state[4]
             entries = run("entries", base)
-            writer = None
-            if owner is not None and owner_left is not None and owner_left > 0:
-                writer = Holder(owner, int(last), float(owner_left))
-            readers = [
-                Holder(e[0], int(e[2]), float(e[3])) for e in entries if e[1] == "r" and e[3] > 0
-            ]
-            live = sorted(
-                (e for e in entries if e[1] in ("R", "W") and e[3] > 0), key=lambda e: (e[4], e[0])
-            )
-            queue = [Waiting(e[0], e[1] == "W", float(e[3])) for e in live]
+            writer, readers, queue = shared_state(state, entries)
             verdict = decide(secret, reading, writer, readers, queue)
             params: dict[str, Any] = {**base, "holder": holder, "ttl": float(ttl)}
             if verdict.kept is not None:
@@ -495,26 +453,13 @@ class SQLDriver:
                 return verdict.kept, True, None, False
             if not verdict.granted:
                 if verdict.queued:
-                    # Arrival order: kept by a waiter that has a place; a newcomer goes
-                    # after every place there is, as the clock (whole milliseconds on
-                    # SQLite) may not have moved since the last one came.
-                    seq = next((e[4] for e in entries if e[0] == secret), None)
-                    if seq is None:
-                        last_seq = max((int(e[4] or 0) for e in entries), default=0)
-                        seq = max(int(now * 1_000_000), last_seq + 1)
+                    seq = queue_seq(entries, secret, now)
                     kind = "R" if reading else "W"
                     run(
                         "put", {**params, "kind": kind, "token": None, "ttl": QUEUE_TTL, "seq": seq}
                     )
                 return None, False, verdict.wait, verdict.queued
-            # The token rule of the statements: max(last + 1, first), first being the
-            # floor of the token mode (and of the fence register, if any).
-            token = max(int(last or 0) + 1, int(first))
-            if token > MAX_TOKEN:
-                raise InvalidTokenError(
-                    f"token space exhausted for {resource!r}: next token {token} > 2**53-1",
-                    value=token,
-                )
+            token = next_token(resource, last, first)
             params["token"] = token
             if reading:
                 run("count", params)
@@ -550,7 +495,7 @@ class SQLDriver:
         )
         if row is None:
             return False
-        if self._local:
+        if self._wakes_here:
             # A reader leaving lets only writers in, never a reader that waits.
             self._board.wake(resource, writers=reading)
         return True
@@ -604,7 +549,7 @@ class SQLDriver:
                 resource, [("release", params), ("release_read", params), ("abandon", params)]
             )
             held = rows[0] is not None or rows[1] is not None
-            if (held or rows[2] is not None) and self._local:
+            if (held or rows[2] is not None) and self._wakes_here:
                 self._board.wake(resource)
             outcome.append(held)
         except Exception as exc:
@@ -621,8 +566,9 @@ class SQLDriver:
         slice_ = min(timeout, self.poll_interval * random.uniform(0.5, 1.0))
         if reply.queued:
             slice_ = min(slice_, QUEUE_TTL / 3)
-        if self._listen_args is not None and not self._closed:
-            ready = self._start_listener()
+        listener = self._listener
+        if listener is not None and not self._closed:
+            ready = listener.start()
             if not ready.is_set():
                 # Nothing listens yet: wait for LISTEN, then have the caller try again, as
                 # a release may have come between its attempt and the LISTEN.
@@ -664,7 +610,7 @@ class SQLDriver:
         infos = [
             LockInfo(
                 resource,
-                _checked_token(token),
+                checked_token(token),
                 max(float(remaining), 0.0),
                 holder,
                 LeaseMode.WRITE if kind == "w" else LeaseMode.READ,
@@ -680,23 +626,23 @@ class SQLDriver:
         """End every lease of ``resource`` (the writer's, or every reader's); see
         :meth:`fence.abc.Driver.revoke`. The lease row keeps the new token."""
         params = {"resource": resource, **self._params}
-        if self._pg:
+        if not self._decides:
             row = self._execute("revoke", resource, params)
             if row is None:
                 raise BackendError(f"revoke of {resource!r} on {self._where} returned no row")
-            token = _checked_token(row[0])
+            token = checked_token(row[0])
         else:
-            # SQLite has no data-modifying CTE: the readers' rows go, and the register is
+            # No data-modifying CTE (SQLite): the readers' rows go, and the register is
             # raised, in the same transaction, after the lease row holds the new token.
             def body(run: _Run) -> int:
-                got = _checked_token((run("revoke", params))[0][0])
+                got = checked_token((run("revoke", params))[0][0])
                 run("drop_readers", params)
                 if "raise_fence" in self._sql:
                     run("raise_fence", {"resource": resource, "token": got})
                 return got
 
             token = self._transaction("revoke", resource, body)
-        if self._local:
+        if self._wakes_here:
             self._board.wake(resource)
         return token
 
@@ -705,14 +651,14 @@ class SQLDriver:
         if self._closed:
             return
         self._closed = True
-        listener = self._listener
-        if listener is not None:
+        task = None if self._listener is None else self._listener.stop()
+        if task is not None:
             try:
                 # Wake the listener out of its wait for notifications.
                 self._execute("wake", "", {"resource": "", **self._wake_params}, retry=False)
             except BackendError:
                 pass
-            listener.join()
+            task.join()
         if self._owns_engine:
             self.engine.dispose()
 
@@ -742,7 +688,8 @@ class SQLDriver:
         return self._serial or nullcontext()
 
     def _mark(self) -> object:
-        if self._listen_args is not None and not self._ready.is_set():
+        listener = self._listener
+        if listener is not None and not listener.ready.is_set():
             return None  # no listener yet: the wait must not trust a mark
         return self._board.mark()
 
@@ -765,7 +712,7 @@ class SQLDriver:
         statement = self._sql[name]
 
         def work(conn: Any) -> Any:
-            if self._pg:
+            if not self._in_process:
                 result = conn.execute(statement, params)
             else:
                 # aiosqlite runs the statement on in its thread if the task is cancelled:
@@ -780,31 +727,22 @@ class SQLDriver:
     ) -> list[Row[Any] | None]:
         """Run statements in one transaction that first takes the resource's row lock
         (PostgreSQL) or the database's write lock (SQLite); their first rows."""
-        if self._create_pending:
-            self.create_table()
 
-        def work(conn: Any) -> list[Row[Any] | None]:
-            conn.exec_driver_sql("BEGIN" if self._pg else "BEGIN IMMEDIATE")
-            try:
-                if self._pg:
-                    conn.execute(self._lock_row, {"resource": resource})
-                clock = {"clock_us": time.time_ns() // 1000} if self._clock else {}
-                rows = [(conn.execute(self._sql[n], {**p, **clock})).first() for n, p in steps]
-                conn.exec_driver_sql("COMMIT")
-            except BaseException:
-                try:
-                    conn.exec_driver_sql("ROLLBACK")
-                except sa_exc.SQLAlchemyError:
-                    pass  # the connection broke: the server rolls back by itself
-                raise
-            return rows
+        def body(run: _Run) -> list[Any]:
+            found = []
+            for name, params in steps:
+                rows = run(name, params)
+                found.append(rows[0] if rows else None)
+            return found
 
-        return cast("list[Row[Any] | None]", self._connected("cancel", resource, work))
+        return cast("list[Row[Any] | None]", self._transaction("cancel", resource, body))
 
     def _transaction(self, name: str, resource: str, body: Any) -> Any:
-        """SQLite: run ``body(run)`` in one ``BEGIN IMMEDIATE`` transaction, where
-        ``run(step, params)`` runs a statement of :attr:`LeaseStatements.steps` (or of
-        the driver's) and returns its rows. Rolled back if ``body`` raises."""
+        """Run ``body(run)`` in one transaction, where ``run(step, params)`` runs a
+        statement of :attr:`LeaseStatements.steps` (or of the driver's) and returns its
+        rows. The transaction begins with the dialect's ``BEGIN`` (SQLite: ``BEGIN
+        IMMEDIATE``, the database's write lock) and the resource's row lock where the
+        statements have one (PostgreSQL). Rolled back if ``body`` raises."""
         if self._create_pending:
             self.create_table()
 
@@ -815,18 +753,23 @@ class SQLDriver:
                     statement = self._sql[step]
                 if self._clock:
                     params = {**params, "clock_us": time.time_ns() // 1000}
-                result = settle(conn.execute(statement, params))
+                if self._in_process:
+                    result = settle(conn.execute(statement, params))
+                else:
+                    result = conn.execute(statement, params)
                 return list(result.fetchall()) if result.returns_rows else []
 
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            conn.exec_driver_sql(self._begin)
             try:
+                if self._lock_row is not None:
+                    conn.execute(self._lock_row, {"resource": resource})
                 outcome = body(run)
                 conn.exec_driver_sql("COMMIT")
             except BaseException:
                 try:
                     conn.exec_driver_sql("ROLLBACK")
                 except sa_exc.SQLAlchemyError:
-                    pass
+                    pass  # the connection broke: the server rolls back by itself
                 raise
             return outcome
 
@@ -834,25 +777,19 @@ class SQLDriver:
 
     def _connected(self, name: str, resource: str, work: Any, *, retry: bool = True) -> Any:
         """Run ``work(conn)`` on a pooled connection within the caller's deadline (a
-        PostgreSQL socket is cut at the deadline; SQLite waits for a busy database at most
+        server's socket is cut at the deadline; SQLite waits for a busy database at most
         until then); map the driver's errors."""
         at = deadline()
         for attempt in (1, 2):
             if at is not None and at <= time.monotonic():
-                raise BackendError(
-                    f"{self._call(name, resource)} on {self._where}: no time left for the "
-                    "statement (the caller's deadline passed); nothing was sent",
-                    code="TIMEOUT",
-                    retryable=True,
-                    sent=False,
-                )
+                raise no_time_left(self._on(name, resource))
             fired = [False]
             try:
                 with self._serialised(), self._auto.connect() as conn:
                     alarm = None
                     busy = None
                     if at is not None:
-                        if self._pg:
+                        if not self._in_process:
                             fd = self._socket(conn)
                             if fd is not None:
                                 alarm = call_later(
@@ -861,7 +798,7 @@ class SQLDriver:
                         elif self._busy_ms is not None:
                             busy = max(1, int((at - time.monotonic()) * 1000))
                             if busy < self._busy_ms:
-                                conn.exec_driver_sql(f"PRAGMA busy_timeout = {busy}")
+                                conn.exec_driver_sql(self._busy_sql(busy))
                             else:
                                 busy = None
                     try:
@@ -870,7 +807,7 @@ class SQLDriver:
                         if alarm is not None:
                             alarm.cancel()
                         if busy is not None:
-                            conn.exec_driver_sql(f"PRAGMA busy_timeout = {self._busy_ms}")
+                            conn.exec_driver_sql(self._busy_back)
             except sa_exc.DBAPIError as exc:
                 if fired[0]:
                     raise self._timed_out(name, resource, exc) from exc
@@ -890,17 +827,12 @@ class SQLDriver:
     def _execute_raw(
         self, name: str, resource: str, params: dict[str, Any], at: float | None, every: bool
     ) -> Any:
-        """Sync SQLite on an autocommit engine: one statement on the pool's DB-API
-        connection, without SQLAlchemy's per-statement work (most of a call's cost
-        in-process). Same statements, same pool, same connect-time settings."""
+        """Sync, on an autocommit engine of the dialect's :attr:`~SQLDialect.raw_driver`
+        (SQLite's sqlite3): one statement on the pool's DB-API connection, without
+        SQLAlchemy's per-statement work (most of a call's cost in-process). Same
+        statements, same pool, same connect-time settings."""
         if at is not None and at <= time.monotonic():
-            raise BackendError(
-                f"{self._call(name, resource)} on {self._where}: no time left for the "
-                "statement (the caller's deadline passed); nothing was sent",
-                code="TIMEOUT",
-                retryable=True,
-                sent=False,
-            )
+            raise no_time_left(self._on(name, resource))
         engine: Any = self.engine
         try:
             conn = engine.raw_connection()
@@ -913,16 +845,16 @@ class SQLDriver:
                 if at is not None and self._busy_ms is not None:
                     busy = max(1, int((at - time.monotonic()) * 1000))
                     if busy < self._busy_ms:
-                        cursor.execute(f"PRAGMA busy_timeout = {busy}")
+                        cursor.execute(self._busy_sql(busy))
                     else:
                         busy = None
                 cursor.execute(self._raw_sql[name], params)
                 rows = cursor.fetchall()
             finally:
                 if busy is not None:
-                    cursor.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+                    cursor.execute(self._busy_back)
                 cursor.close()
-        except sqlite3.Error as exc:
+        except self._raw_error as exc:
             raise self._error(exc, name, resource) from exc
         finally:
             conn.close()
@@ -930,99 +862,24 @@ class SQLDriver:
             return rows
         return rows[0] if rows else None
 
-    @staticmethod
-    def _socket(conn: Any) -> int | None:
-        """The file descriptor of a pooled PostgreSQL connection's socket."""
+    def _socket(self, conn: Any) -> int | None:
+        """The file descriptor of a pooled connection's socket, if the dialect finds it."""
         try:
             proxied = conn
-            return int(proxied.connection.driver_connection.pgconn.socket)
-        except Exception:  # a driver other than psycopg, or a broken connection
+            driver_connection = proxied.connection.driver_connection
+        except Exception:  # a broken connection
             return None
+        return self._socket_of(driver_connection)
 
-    @staticmethod
-    def _call(action: str, resource: str) -> str:
-        return f"{action} of {resource!r}" if resource else action
+    def _on(self, action: str, resource: str) -> str:
+        """The call and the table, for messages."""
+        return f"{call_name(action, resource)} on {self._where}"
 
     def _timed_out(self, action: str, resource: str, exc: BaseException) -> BackendError:
-        return BackendError(
-            f"{self._call(action, resource)} on {self._where}: the database did not answer "
-            f"before the caller's deadline ({_first_line(exc)}); the connection was cut, and "
-            "the outcome is unknown until it answers again",
-            code="CONNECTION",
-            retryable=True,
-            sent=True,
-        )
+        return timed_out(self._on(action, resource), exc)
 
     def _error(self, exc: BaseException, action: str, resource: str) -> BackendError:
-        where = f"{self._call(action, resource)} on {self._where}"
-        orig = getattr(exc, "orig", None) or exc
-        sqlstate = getattr(orig, "sqlstate", None)
-        message = _first_line(orig)
-        text_ = str(orig)
-        if sqlstate in ("40001", "40P01"):
-            return RetryableError(
-                f"{where}: serialization failure or deadlock ({message}); repeat the call",
-                code="SERIALIZATION",
-            )
-        if sqlstate in ("42P01", "3F000", "42703") or (
-            "no such table" in message or "no such column" in message or "has no column" in message
-        ):
-            return BackendError(
-                f"{where}: the lease table or its shared table is missing, or lacks a column "
-                f"({message}); create them with the manager's create_table() or in a "
-                "migration with the DDL of lease_schema_ddl(); a lease table made before "
-                "shared locks needs the migration of lease_upgrade_ddl()",
-                code="SCHEMA",
-            )
-        if sqlstate == "3D000" or ("database" in text_ and "does not exist" in text_):
-            return BackendError(
-                f"{where}: the server answered, but the database does not exist ({message}); "
-                "create it or fix the database name in the URL",
-                code="DATABASE",
-            )
-        if sqlstate in ("28P01", "28000") or "authentication failed" in text_:
-            return BackendError(
-                f"{where}: the server refused the credentials ({message}); fix the user or "
-                "password in the URL",
-                code="AUTH",
-            )
-        if self.dialect == "sqlite" and "unable to open database file" in text_:
-            return BackendError(
-                f"{where}: SQLite cannot open the database file ({message}); check that "
-                "its directory exists and is writable",
-                code="DATABASE",
-            )
-        connection_lost = isinstance(
-            exc, sa_exc.OperationalError | sa_exc.InterfaceError | sqlite3.OperationalError
-        ) or (isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated)
-        if self.dialect == "sqlite" and connection_lost and "locked" in message:
-            return BackendError(
-                f"{where}: the database stayed locked by another writer ({message}); "
-                "the call may be repeated",
-                code="BUSY",
-                retryable=True,
-            )
-        if connection_lost or isinstance(exc, OSError):
-            return BackendError(
-                f"{where}: the database is unreachable ({message}); the call may be repeated "
-                "once it is back",
-                code="CONNECTION",
-                retryable=True,
-            )
-        if isinstance(exc, sa_exc.TimeoutError):
-            pool = self.engine.pool
-            size = getattr(pool, "size", lambda: "?")()
-            overflow = getattr(pool, "_max_overflow", "?")
-            return BackendError(
-                f"{where}: every connection of the engine's pool was busy ({message}; "
-                f"pool_size={size}, max_overflow={overflow}: a client-side limit, nothing "
-                "was sent). Raise pool_size, max_overflow or pool_timeout (engine_options "
-                "when the manager builds the engine)",
-                code="POOL",
-                retryable=True,
-                sent=False,
-            )
-        return BackendError(f"{where} failed: {message}", code="SQL")
+        return lease_error(exc, self._on(action, resource), self.sql_dialect, self.engine.pool)
 
     def _wait_signal(self, signal: Signal, timeout: float) -> None:
         waiter = Waiter()
@@ -1032,57 +889,6 @@ class SQLDriver:
             waiter.wait(timeout)
         finally:
             signal.detach(waiter)
-
-    def _start_listener(self) -> Signal:
-        with self._listener_lock:
-            if self._listener is None or self._listener.done():
-                self._listener = spawn(self._listen, name=f"fence-listen:{self._channel}")
-            return self._ready
-
-    def _listen(self) -> None:
-        """Keep one ``LISTEN`` connection open and post every notification to the board."""
-        import psycopg
-
-        assert self._listen_args is not None
-        args, kwargs = self._listen_args
-        quoted = '"' + (self._channel or "").replace('"', '""') + '"'
-        writers = '"' + (self._writers_channel or "").replace('"', '""') + '"'
-        backoff = 0.05
-        warned = False
-        while not self._closed:
-            try:
-                conn = psycopg.Connection.connect(*args, autocommit=True, **kwargs)
-            except psycopg.Error as exc:
-                level = logging.DEBUG if warned else logging.WARNING
-                warned = True
-                _log.log(level, "LISTEN connection for %s failed: %s", self._where, exc)
-                _sleep(backoff)
-                backoff = min(backoff * 2, _LISTEN_BACKOFF_MAX)
-                continue
-            try:
-                conn.execute(f"LISTEN {quoted}")
-                conn.execute(f"LISTEN {writers}")
-                backoff = 0.05
-                warned = False
-                # Releases before this LISTEN were not seen: every waiter retries once.
-                self._board.new_generation()
-                self._ready.set()
-                while not self._closed:
-                    notes = conn.notifies(timeout=_LISTEN_SLICE, stop_after=1)
-                    for note in notes:
-                        if note.payload:
-                            only = note.channel == self._writers_channel
-                            self._board.wake(note.payload, writers=only)
-            except psycopg.Error as exc:
-                _log.debug("LISTEN connection for %s lost: %s", self._where, exc)
-            finally:
-                with self._listener_lock:
-                    if self._ready.is_set():
-                        self._ready = Signal()
-                try:
-                    conn.close()
-                except psycopg.Error:  # pragma: no cover - closing a broken connection
-                    pass
 
 
 class SQLLockManager(BaseLockManager):
