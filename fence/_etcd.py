@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 from fence._core import MAX_TOKEN
 from fence._errors import ConfigurationError, InvalidTokenError
+from fence._queue import Place
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -41,6 +42,7 @@ __all__ = [
     "NOT_APPLIED",
     "EtcdReplyError",
     "KeyValue",
+    "Queued",
     "acquire_txn",
     "b64",
     "entry_key",
@@ -171,6 +173,35 @@ def range_kvs(reply: Mapping[str, Any]) -> tuple[list[KeyValue], int]:
 def revision(reply: Mapping[str, Any]) -> int:
     """The store revision in the reply's header."""
     return int(reply.get("header", {}).get("revision", 0))
+
+
+@dataclass(eq=False)
+class Queued:
+    """A contender in the queue of a resource, between its acquire attempts.
+
+    Attributes:
+        resource: the resource.
+        key: its queue key.
+        lease: its lease id.
+        ttl: the lease time it asked for, in seconds.
+        holder: its label.
+        created: the key's create revision (its token, once it owns the lock).
+        place: where it stood at the last read (``None``: read again before waiting).
+        seen: the store revision of that read; the watch replays every event after it.
+        owner: known to own the lock (the predecessor it watched was the owner, and left).
+        reading: a reader (C13): only writers' keys ahead keep it out.
+    """
+
+    resource: str
+    key: bytes
+    lease: int
+    ttl: float
+    holder: str
+    created: int
+    place: Place[bytes] | None
+    seen: int
+    owner: bool = False
+    reading: bool = False
 
 
 def token_of(create_revision: int) -> int:

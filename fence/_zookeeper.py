@@ -1,4 +1,5 @@
-"""The ZooKeeper lock manager's protocol, without I/O: node layout, data, order, hosts.
+"""The ZooKeeper lock manager's protocol, without I/O: node layout, data, order, hosts, and
+the driver's bookkeeping of its nodes and watches.
 
 Layout of resource ``R`` under the root ``/fence`` (the root is configurable)::
 
@@ -25,17 +26,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 from fence._core import MAX_TOKEN
 from fence._errors import ConfigurationError, InvalidTokenError
+from fence._queue import Place
 
 __all__ = [
     "DEFAULT_ROOT",
     "MARK",
     "READ_MARK",
+    "Hold",
+    "Node",
     "SessionTimeoutProbe",
+    "Watcher",
+    "Watches",
     "decode_data",
     "encode_data",
     "guid_of",
@@ -191,3 +200,115 @@ class SessionTimeoutProbe(logging.Filter):
             if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], int | float):
                 self.granted = float(args[2]) / 1000.0
         return record.levelno >= logging.WARNING
+
+
+# -- a driver's bookkeeping --------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Node:
+    """One of this session's lock nodes, between the calls of its contender.
+
+    Attributes:
+        resource: the resource.
+        parent: the resource's node.
+        name: the node's name (``<guid>-lock-<sequence>``).
+        czxid: the zxid that created it (the token, once it owns the lock).
+        version: its data version as of this session's last write to it.
+        ttl: the lease time asked for, in seconds.
+        holder: the holder's label.
+        place: where it stood at the last read (``None``: read again before waiting).
+        owner: known to own the lock (the predecessor it watched was the owner, and left).
+        granted: it holds the lock (acquire returned its token).
+        reading: a reader (C13): only writers' nodes ahead keep it out.
+    """
+
+    resource: str
+    parent: str
+    name: str
+    czxid: int
+    version: int
+    ttl: float
+    holder: str
+    place: Place[str] | None = None
+    owner: bool = False
+    granted: bool = False
+    reading: bool = False
+
+    @property
+    def path(self) -> str:
+        """The node's path."""
+        return f"{self.parent}/{self.name}"
+
+
+@dataclass
+class Hold:
+    """How long the reaper of a driver keeps one of its session's nodes.
+
+    Attributes:
+        until: the monotonic time after which the node is deleted.
+        version: the data version to delete it at (-1: any; -2: read it first).
+        busy: a write to the node is under way: not before it ends.
+        generation: counts the changes of the hold, so that a deletion decided on an
+            older one is dropped.
+        settle: not before this monotonic time (a write this session did not see land).
+    """
+
+    until: float
+    version: int
+    busy: bool = False
+    generation: int = 0
+    settle: float = 0.0
+
+
+class Watches:
+    """Local waiters per predecessor path, woken by one kazoo watch callback."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[str, list[Watcher]] = {}
+
+    def add(self, path: str, watcher: Watcher) -> None:
+        """Wake ``watcher`` on the next event of ``path``."""
+        with self._lock:
+            self._waiters.setdefault(path, []).append(watcher)
+
+    def remove(self, path: str, watcher: Watcher) -> None:
+        """Stop waking ``watcher`` for ``path``."""
+        with self._lock:
+            found = self._waiters.get(path, [])
+            if watcher in found:
+                found.remove(watcher)
+            if not found:
+                self._waiters.pop(path, None)
+
+    def fire(self, event: Any) -> None:
+        """A kazoo watch event (on kazoo's thread): wake the waiters of its path."""
+        with self._lock:
+            if event.path is None:  # a connection event: every watch is gone
+                woken = [w for ws in self._waiters.values() for w in ws]
+            else:
+                woken = list(self._waiters.get(event.path, ()))
+        for watcher in woken:
+            watcher.deleted = watcher.deleted or event.type == "DELETED"
+            watcher.waiter.wake()
+
+    def wake_all(self) -> None:
+        """The connection dropped: let every waiter look again."""
+        with self._lock:
+            woken = [w for ws in self._waiters.values() for w in ws]
+        for watcher in woken:
+            watcher.waiter.wake()
+
+
+@dataclass(eq=False)
+class Watcher:
+    """A waiter for the deletion of its predecessor's node.
+
+    Attributes:
+        waiter: what :meth:`Watches.fire` wakes (a ``Waiter``).
+        deleted: the watched node was deleted.
+    """
+
+    waiter: Any
+    deleted: bool = False

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from fence._clock import Clock
 from fence._compat import sleep
-from fence._core import LeaseMode, client_deadline, validate_ttl
+from fence._consensus import lease_settings
+from fence._core import LeaseMode, validate_ttl
 from fence._errors import BackendError
 from fence._etcd import (
     DEFAULT_PREFIX,
     HEADERS,
     EtcdReplyError,
+    Queued,
     acquire_txn,
     b64,
     entry_key,
@@ -57,35 +58,6 @@ _WAIT_CAP = 5.0
 #: How often :meth:`EtcdDriver.revoke` re-reads the queue for contenders that joined
 #: while it ran, before it gives up.
 _REVOKE_ROUNDS = 5
-
-
-@dataclass(eq=False)
-class _Queued:
-    """A contender in the queue of a resource, between its acquire attempts.
-
-    Attributes:
-        resource: the resource.
-        key: its queue key.
-        lease: its lease id.
-        ttl: the lease time it asked for, in seconds.
-        holder: its label.
-        created: the key's create revision (its token, once it owns the lock).
-        place: where it stood at the last read (``None``: read again before waiting).
-        seen: the store revision of that read; the watch replays every event after it.
-        owner: known to own the lock (the predecessor it watched was the owner, and left).
-        reading: a reader (C13): only writers' keys ahead keep it out.
-    """
-
-    resource: str
-    key: bytes
-    lease: int
-    ttl: float
-    holder: str
-    created: int
-    place: Place[bytes] | None
-    seen: int
-    owner: bool = False
-    reading: bool = False
 
 
 class EtcdDriver:
@@ -135,7 +107,7 @@ class EtcdDriver:
             trust_env=False,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
         )
-        self._queued: dict[tuple[str, str], _Queued] = {}
+        self._queued: dict[tuple[str, str], Queued] = {}
         # Leases that replaced the first one of a holder to carry a longer ttl (see renew).
         self._moved: dict[tuple[str, str], int] = {}
 
@@ -341,13 +313,13 @@ class EtcdDriver:
             place = Place(0, None) if owner else None
         if place is not None and place.owner:
             return AcquireReply(token_of(created))
-        queued = _Queued(
+        queued = Queued(
             resource, key, lease, ttl, holder, created, place, revision(reply), reading=reading
         )
         self._queued[(resource, secret)] = queued
         return AcquireReply(None, cookie=queued, queued=True)
 
-    def _again(self, secret: str, queued: _Queued) -> AcquireReply:
+    def _again(self, secret: str, queued: Queued) -> AcquireReply:
         resource = queued.resource
         # The waiter's lease is renewed first: the client's deadline starts before this call,
         # so the lease etcd keeps must be renewed after that (C10).
@@ -375,7 +347,7 @@ class EtcdDriver:
         """Watch the predecessor's key until it is deleted, or ``timeout`` seconds pass
         (at most a few seconds, and a third of the waiter's own lease)."""
         queued = reply.cookie
-        if not isinstance(queued, _Queued):
+        if not isinstance(queued, Queued):
             return
         start = queue_prefix(self.prefix, resource)
         if queued.place is None:
@@ -654,10 +626,7 @@ class EtcdLockManager(BaseLockManager):
         events: EventBus | None = None,
         reentrant: bool = True,
     ) -> None:
-        ttl = validate_ttl(ttl)
-        client_deadline(0.0, ttl, drift=drift, margin=margin)  # fail before any client exists
-        if request_timeout is None:
-            request_timeout = min(5.0, max(1.0, ttl / 3))
+        ttl, request_timeout = lease_settings(ttl, drift, margin, request_timeout)
         driver = EtcdDriver(endpoints, prefix=prefix, request_timeout=request_timeout)
         super().__init__(
             driver,

@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
@@ -37,16 +36,21 @@ from kazoo.retry import KazooRetry
 
 from fence._clock import Clock
 from fence._compat import Waiter, completed
-from fence._core import LeaseMode, client_deadline, validate_ttl
+from fence._consensus import lease_settings
+from fence._core import LeaseMode, validate_ttl
 from fence._errors import BackendError, ConfigurationError
 from fence._events import EventBus
-from fence._queue import Place, owner_after_predecessor_left, place_in
+from fence._queue import owner_after_predecessor_left, place_in
 from fence._sync.manager import BaseLockManager
 from fence._zookeeper import (
     DEFAULT_ROOT,
     MARK,
     READ_MARK,
+    Hold,
+    Node,
     SessionTimeoutProbe,
+    Watcher,
+    Watches,
     decode_data,
     encode_data,
     guid_of,
@@ -76,51 +80,6 @@ _REVOKE_ROUNDS = 5
 _BLATHER = 5  # kazoo's most verbose level: the session line the probe reads
 
 
-@dataclass(eq=False)
-class _Node:
-    """One of this session's lock nodes, between the calls of its contender.
-
-    Attributes:
-        resource: the resource.
-        parent: the resource's node.
-        name: the node's name (``<guid>-lock-<sequence>``).
-        czxid: the zxid that created it (the token, once it owns the lock).
-        version: its data version as of this session's last write to it.
-        ttl: the lease time asked for, in seconds.
-        holder: the holder's label.
-        place: where it stood at the last read (``None``: read again before waiting).
-        owner: known to own the lock (the predecessor it watched was the owner, and left).
-        granted: it holds the lock (acquire returned its token).
-        reading: a reader (C13): only writers' nodes ahead keep it out.
-    """
-
-    resource: str
-    parent: str
-    name: str
-    czxid: int
-    version: int
-    ttl: float
-    holder: str
-    place: Place[str] | None = None
-    owner: bool = False
-    granted: bool = False
-    reading: bool = False
-
-    @property
-    def path(self) -> str:
-        """The node's path."""
-        return f"{self.parent}/{self.name}"
-
-
-@dataclass
-class _Hold:
-    until: float
-    version: int
-    busy: bool = False
-    generation: int = 0
-    settle: float = 0.0
-
-
 class _Reaper:
     """Deletes this session's lock nodes that their owner no longer keeps.
 
@@ -145,7 +104,7 @@ class _Reaper:
         self._client = client
         self._request_timeout = request_timeout
         self._cond = threading.Condition()
-        self._holds: dict[str, _Hold] = {}
+        self._holds: dict[str, Hold] = {}
         self._sweeps: dict[tuple[str, str], float] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -164,7 +123,7 @@ class _Reaper:
         with self._cond:
             old = self._holds.get(path)
             generation = old.generation + 1 if old else 0
-            self._holds[path] = _Hold(until, version, generation=generation)
+            self._holds[path] = Hold(until, version, generation=generation)
             self._cond.notify()
 
     def busy(self, path: str) -> None:
@@ -218,7 +177,7 @@ class _Reaper:
         if thread is not None and thread is not threading.current_thread():
             thread.join(self._request_timeout + 1.0)
 
-    def _next(self) -> tuple[list[tuple[str, _Hold, int]], list[tuple[str, str]], float]:
+    def _next(self) -> tuple[list[tuple[str, Hold, int]], list[tuple[str, str]], float]:
         now = time.monotonic()
         due = []
         wake = now + 60.0
@@ -227,7 +186,7 @@ class _Reaper:
                 continue
             at = max(hold.until, hold.settle)
             if at <= now:
-                due.append((path, _Hold(hold.until, hold.version), hold.generation))
+                due.append((path, Hold(hold.until, hold.version), hold.generation))
             else:
                 wake = min(wake, at)
         sweeps = [key for key, at in self._sweeps.items() if at <= now]
@@ -261,7 +220,7 @@ class _Reaper:
             if hold is not None and hold.generation == generation:
                 hold.settle = time.monotonic() + delay
 
-    def _reap(self, path: str, hold: _Hold, generation: int) -> None:
+    def _reap(self, path: str, hold: Hold, generation: int) -> None:
         version = hold.version
         try:
             if version == -2:  # a renewal changed the node without this session hearing back
@@ -311,50 +270,6 @@ class _Reaper:
             return
         with self._cond:
             self._sweeps.pop((parent, guid), None)
-
-
-class _Watches:
-    """Local waiters per predecessor path, woken by one kazoo watch callback."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiters: dict[str, list[_Watcher]] = {}
-
-    def add(self, path: str, watcher: _Watcher) -> None:
-        with self._lock:
-            self._waiters.setdefault(path, []).append(watcher)
-
-    def remove(self, path: str, watcher: _Watcher) -> None:
-        with self._lock:
-            found = self._waiters.get(path, [])
-            if watcher in found:
-                found.remove(watcher)
-            if not found:
-                self._waiters.pop(path, None)
-
-    def fire(self, event: Any) -> None:
-        """A kazoo watch event (on kazoo's thread): wake the waiters of its path."""
-        with self._lock:
-            if event.path is None:  # a connection event: every watch is gone
-                woken = [w for ws in self._waiters.values() for w in ws]
-            else:
-                woken = list(self._waiters.get(event.path, ()))
-        for watcher in woken:
-            watcher.deleted = watcher.deleted or event.type == "DELETED"
-            watcher.waiter.wake()
-
-    def wake_all(self) -> None:
-        """The connection dropped: let every waiter look again."""
-        with self._lock:
-            woken = [w for ws in self._waiters.values() for w in ws]
-        for watcher in woken:
-            watcher.waiter.wake()
-
-
-@dataclass(eq=False)
-class _Watcher:
-    waiter: Any
-    deleted: bool = False
 
 
 class ZooKeeperDriver:
@@ -410,8 +325,8 @@ class ZooKeeperDriver:
             ),
         )
         self._reaper = _Reaper(self._client, self.request_timeout)
-        self._watches = _Watches()
-        self._nodes: dict[tuple[str, str], _Node] = {}
+        self._watches = Watches()
+        self._nodes: dict[tuple[str, str], Node] = {}
         self._lock = threading.Lock()
         self._connect_waiters: list[Any] = []
         self._started = False
@@ -595,7 +510,7 @@ class ZooKeeperDriver:
             raise NoNodeError()
         raise BackendError(f"ZooKeeper refused the acquire: {failed!r}", code="RESPONSE")
 
-    def _stamp(self, node: _Node, end: float, what: str) -> bool:
+    def _stamp(self, node: Node, end: float, what: str) -> bool:
         """Write the node's data through the leader: proves the node (and the session) is
         still there after the call began, and dates the lease (``mtime``). Returns whether
         the node existed."""
@@ -616,11 +531,11 @@ class ZooKeeperDriver:
         node.version = int(stat.version)
         return True
 
-    def _hold_waiter(self, node: _Node, sent: float) -> None:
+    def _hold_waiter(self, node: Node, sent: float) -> None:
         # A waiter tries again every few seconds; its node stays that long and more.
         self._reaper.hold(node.path, sent + 3 * _WAIT_CAP + 2 * self.request_timeout, -1)
 
-    def _grant(self, key: tuple[str, str], node: _Node, sent: float) -> AcquireReply:
+    def _grant(self, key: tuple[str, str], node: Node, sent: float) -> AcquireReply:
         node.granted = True
         node.place = None
         self._reaper.hold(node.path, sent + node.ttl, node.version)
@@ -666,14 +581,14 @@ class ZooKeeperDriver:
             alone = False
             joined = self._join(parent, guid, data, -1, end, mark)
         name, czxid = joined
-        node = _Node(resource, parent, name, czxid, 0, ttl, holder, reading=reading)
+        node = Node(resource, parent, name, czxid, 0, ttl, holder, reading=reading)
         self._nodes[key] = node
         if alone:  # the resource node's version proves nobody joined since it was empty
             return self._grant(key, node, sent)
         self._hold_waiter(node, sent)
         return self._look(key, node, sent, end)
 
-    def _look(self, key: tuple[str, str], node: _Node, sent: float, end: float) -> AcquireReply:
+    def _look(self, key: tuple[str, str], node: Node, sent: float, end: float) -> AcquireReply:
         children, _ = self._children(node.parent, end, "acquire")
         place = place_in(queue_order(children), node.name, is_writer_node)
         if place is None:  # the node is gone (revoked, or the session expired)
@@ -686,7 +601,7 @@ class ZooKeeperDriver:
         node.place = place
         return AcquireReply(None, cookie=node, queued=True)
 
-    def _again(self, key: tuple[str, str], node: _Node, sent: float, end: float) -> AcquireReply:
+    def _again(self, key: tuple[str, str], node: Node, sent: float, end: float) -> AcquireReply:
         self._hold_waiter(node, sent)
         if node.owner:
             if not self._stamp(node, end, "acquire"):
@@ -694,7 +609,7 @@ class ZooKeeperDriver:
             return self._grant(key, node, sent)
         return self._look(key, node, sent, end)
 
-    def _rejoin(self, key: tuple[str, str], node: _Node, end: float) -> AcquireReply:
+    def _rejoin(self, key: tuple[str, str], node: Node, end: float) -> AcquireReply:
         self._nodes.pop(key, None)
         self._reaper.forget(node.path)
         resource, secret = key
@@ -712,7 +627,7 @@ class ZooKeeperDriver:
         """Watch the predecessor node until it is deleted, or ``timeout`` seconds pass (at
         most a few seconds)."""
         node = reply.cookie
-        if not isinstance(node, _Node) or node.place is None:
+        if not isinstance(node, Node) or node.place is None:
             return
         place = node.place
         if place.predecessor is None:
@@ -722,7 +637,7 @@ class ZooKeeperDriver:
         if seconds <= 0.001:
             return
         path = f"{node.parent}/{place.predecessor}"
-        watcher = _Watcher(Waiter())
+        watcher = Watcher(Waiter())
         self._watches.add(path, watcher)
         try:
             end = time.monotonic() + min(seconds, self.request_timeout)
@@ -964,12 +879,9 @@ class ZooKeeperLockManager(BaseLockManager):
         events: EventBus | None = None,
         reentrant: bool = True,
     ) -> None:
-        ttl = validate_ttl(ttl)
-        client_deadline(0.0, ttl, drift=drift, margin=margin)  # fail before any client exists
+        ttl, request_timeout = lease_settings(ttl, drift, margin, request_timeout)
         if session_timeout is None:
             session_timeout = max(ttl, 4.0)
-        if request_timeout is None:
-            request_timeout = min(5.0, max(1.0, ttl / 3))
         driver = ZooKeeperDriver(
             hosts,
             root=root,
