@@ -304,9 +304,10 @@ class SQLDialect:
         :attr:`busy_timeout_ms`)."""
         raise NotImplementedError
 
-    def socket_of(self, driver_connection: Any) -> int | None:
-        """The file descriptor of the socket under a driver's connection, which the lock
-        manager shuts down at a caller's deadline; ``None`` if there is none to find."""
+    def socket_of(self, connection: Any) -> int | None:
+        """The file descriptor of the socket under a pooled SQLAlchemy ``Connection`` (an
+        asyncio one's ``sync_connection``), which the lock manager shuts down at a caller's
+        deadline; ``None`` if there is none to find."""
         return None
 
 
@@ -392,10 +393,10 @@ class PostgreSQLDialect(SQLDialect):
             return Fault.CONNECTION
         return None
 
-    def socket_of(self, driver_connection: Any) -> int | None:
+    def socket_of(self, connection: Any) -> int | None:
         """See :meth:`SQLDialect.socket_of`: psycopg's; ``None`` for another driver."""
         try:
-            return int(driver_connection.pgconn.socket)
+            return int(connection.connection.driver_connection.pgconn.socket)
         except Exception:  # a driver other than psycopg, or a broken connection
             return None
 

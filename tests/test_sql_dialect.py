@@ -134,15 +134,19 @@ def test_the_hybrid_floor_reads_the_databases_clock() -> None:
 
 
 def test_the_socket_a_deadline_cuts() -> None:
-    class PGconn:
-        socket = 7
-
     class Psycopg:
-        pgconn = PGconn()
+        class pgconn:
+            socket = 7
 
-    assert PG.socket_of(Psycopg()) == 7
-    assert PG.socket_of(object()) is None  # another driver
-    assert LITE.socket_of(Psycopg()) is None  # in process: nothing to cut
+    class Entry:
+        driver_connection = Psycopg()
+
+    class Connection:
+        connection = Entry()
+
+    assert PG.socket_of(Connection()) == 7
+    assert PG.socket_of(object()) is None  # another driver, or a broken connection
+    assert LITE.socket_of(Connection()) is None  # in process: nothing to cut
 
 
 def test_insert_constructs_have_on_conflict() -> None:

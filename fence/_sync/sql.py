@@ -790,7 +790,8 @@ class SQLDriver:
                     busy = None
                     if at is not None:
                         if not self._in_process:
-                            fd = self._socket(conn)
+                            proxied = conn
+                            fd = self._socket_of(proxied)
                             if fd is not None:
                                 alarm = call_later(
                                     at - time.monotonic(), functools.partial(_cut, fd, fired)
@@ -861,15 +862,6 @@ class SQLDriver:
         if every:
             return rows
         return rows[0] if rows else None
-
-    def _socket(self, conn: Any) -> int | None:
-        """The file descriptor of a pooled connection's socket, if the dialect finds it."""
-        try:
-            proxied = conn
-            driver_connection = proxied.connection.driver_connection
-        except Exception:  # a broken connection
-            return None
-        return self._socket_of(driver_connection)
 
     def _on(self, action: str, resource: str) -> str:
         """The call and the table, for messages."""
