@@ -36,14 +36,12 @@ import os
 from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fence._core import TokenMode
 from fence._errors import ConfigurationError
 
 if TYPE_CHECKING:
     from sqlalchemy import Table
     from sqlalchemy.engine import URL, Dialect
 
-    from fence._sql_schema import LeaseStatements
 
 __all__ = [
     "DIALECTS",
@@ -233,23 +231,6 @@ class SQLDialect:
         of ``now``, an expression of the database's clock (:attr:`clock_sql`)."""
         raise NotImplementedError
 
-    def lease_statements(
-        self,
-        *,
-        table: str,
-        schema: str | None,
-        token_mode: TokenMode,
-        notify: bool,
-        fence_table: str | None,
-    ) -> LeaseStatements:
-        """The lock manager's statements on this database; see
-        :func:`fence._sql_schema.lease_statements`.
-
-        Raises:
-            ConfigurationError: a bad name.
-        """
-        raise NotImplementedError
-
     def insert(self, table: Table) -> Any:
         """SQLAlchemy's ``INSERT`` of ``table`` with ``ON CONFLICT`` support
         (``on_conflict_do_update``, ``on_conflict_do_nothing``) for this database."""
@@ -337,28 +318,6 @@ class PostgreSQLDialect(SQLDialect):
         """See :meth:`SQLDialect.token_floor`."""
         return f"CAST(floor(extract(epoch FROM {now}) * 1000000) AS BIGINT)"
 
-    def lease_statements(
-        self,
-        *,
-        table: str,
-        schema: str | None,
-        token_mode: TokenMode,
-        notify: bool,
-        fence_table: str | None,
-    ) -> LeaseStatements:
-        """See :meth:`SQLDialect.lease_statements`."""
-        # The schema module builds its statements on the dialects: imported when used.
-        from fence._sql_schema import postgresql_statements
-
-        return postgresql_statements(
-            self,
-            table=table,
-            schema=schema,
-            token_mode=token_mode,
-            notify=notify,
-            fence_table=fence_table,
-        )
-
     @property
     def insert_class(self) -> type[Any]:
         """See :attr:`SQLDialect.insert_class`."""
@@ -444,22 +403,6 @@ class SQLiteDialect(SQLDialect):
         a restore), and never below SQLite's own reading, which is later when the statement
         waited for the write lock."""
         return f"max(:clock_us, CAST({now} * 1000000 AS INTEGER))"
-
-    def lease_statements(
-        self,
-        *,
-        table: str,
-        schema: str | None,
-        token_mode: TokenMode,
-        notify: bool,
-        fence_table: str | None,
-    ) -> LeaseStatements:
-        """See :meth:`SQLDialect.lease_statements`; ``notify`` is ignored."""
-        from fence._sql_schema import sqlite_statements
-
-        return sqlite_statements(
-            self, table=table, schema=schema, token_mode=token_mode, fence_table=fence_table
-        )
 
     @property
     def insert_class(self) -> type[Any]:

@@ -23,6 +23,7 @@ What differs between databases (column types, quoting, the clock) comes from the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from string import Template
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ __all__ = [
     "DEFAULT_TABLE",
     "SHARED_COLUMNS",
     "SQLITE_STEPS",
+    "STATEMENT_SETS",
     "LeaseStatements",
     "lease_schema_ddl",
     "lease_statements",
@@ -661,7 +663,7 @@ ON CONFLICT (resource, member) DO UPDATE SET kind = excluded.kind, token = exclu
 
 
 def lease_statements(
-    dialect: str,
+    dialect: str | SQLDialect,
     *,
     table: str = DEFAULT_TABLE,
     schema: str | None = None,
@@ -674,7 +676,7 @@ def lease_statements(
     A new token is ``max(last + 1, clock)`` in hybrid mode (the clock in microseconds since
     the epoch, read by the database: ``clock_timestamp()`` on PostgreSQL, ``julianday('now')``
     on SQLite) and ``last + 1`` in counter mode: :func:`fence.issue_token` in SQL. Each
-    dialect builds its own set (:meth:`fence._sql_dialect.SQLDialect.lease_statements`).
+    dialect has its own set (:data:`STATEMENT_SETS`, by the dialect's name).
 
     Args:
         dialect: ``"postgresql"`` or ``"sqlite"`` (or a :class:`SQLDialect`).
@@ -692,7 +694,12 @@ def lease_statements(
     Raises:
         ConfigurationError: an unsupported dialect or a bad name.
     """
-    return dialect_for(dialect).lease_statements(
+    found = dialect_for(dialect)
+    build = STATEMENT_SETS.get(found.name)
+    if build is None:
+        raise ConfigurationError(f"the SQL lock manager has no statements for {found.name}")
+    return build(
+        found,
         table=table,
         schema=schema,
         token_mode=TokenMode(token_mode),
@@ -779,11 +786,13 @@ def sqlite_statements(
     table: str,
     schema: str | None,
     token_mode: TokenMode,
+    notify: bool = False,
     fence_table: str | None,
 ) -> LeaseStatements:
     """The statements on SQLite: one statement per call where it can, and the steps of the
     driver's transactions (:data:`SQLITE_STEPS`) for shared locks, queued writers and
-    revokes; see :func:`lease_statements`.
+    revokes; see :func:`lease_statements`. ``notify`` is ignored: SQLite has no
+    notifications.
 
     Raises:
         ConfigurationError: a bad name.
@@ -832,3 +841,11 @@ def sqlite_statements(
         raise_fence=raise_fence,
         steps={k: Template(v).substitute(values) for k, v in SQLITE_STEPS.items()},
     )
+
+
+#: The lock manager's statement set of each dialect, by the dialect's name: a new database
+#: is a dialect in :mod:`fence._sql_dialect` and a builder here.
+STATEMENT_SETS: dict[str, Callable[..., LeaseStatements]] = {
+    "postgresql": postgresql_statements,
+    "sqlite": sqlite_statements,
+}

@@ -116,19 +116,19 @@ def test_what_the_dialects_say_about_themselves() -> None:
 def test_the_hybrid_floor_reads_the_databases_clock() -> None:
     assert PG.token_floor("c.now") == "CAST(floor(extract(epoch FROM c.now) * 1000000) AS BIGINT)"
     assert LITE.token_floor("n") == "max(:clock_us, CAST(n * 1000000 AS INTEGER))"
-    pg = PG.lease_statements(
-        table="t", schema=None, token_mode=TokenMode.HYBRID, notify=True, fence_table=None
+    pg = lease_statements(
+        PG, table="t", schema=None, token_mode=TokenMode.HYBRID, notify=True, fence_table=None
     )
     assert "clock_timestamp()" in pg.acquire
     assert pg.steps == {}
-    lite = LITE.lease_statements(
-        table="t", schema=None, token_mode=TokenMode.HYBRID, notify=True, fence_table=None
+    lite = lease_statements(
+        LITE, table="t", schema=None, token_mode=TokenMode.HYBRID, notify=True, fence_table=None
     )
     assert ":clock_us" in lite.acquire
     assert LITE.clock_sql in lite.acquire
     assert set(lite.steps) >= {"state", "entries", "write", "put"}
-    counter = LITE.lease_statements(
-        table="t", schema=None, token_mode=TokenMode.COUNTER, notify=True, fence_table=None
+    counter = lease_statements(
+        LITE, table="t", schema=None, token_mode=TokenMode.COUNTER, notify=True, fence_table=None
     )
     assert ":clock_us" not in counter.acquire
 

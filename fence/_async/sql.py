@@ -77,7 +77,7 @@ from fence._sql_dialect import (
     SQLDialect,
     dialect_for,
 )
-from fence._sql_schema import DEFAULT_TABLE, LeaseStatements, notify_channel
+from fence._sql_schema import DEFAULT_TABLE, LeaseStatements, lease_statements, notify_channel
 from fence._wake import WakeBoard
 from fence.abc import AcquireReply, LockInfo
 
@@ -276,7 +276,8 @@ class AsyncSQLDriver:
         self.schema = schema
         self.token_mode = TokenMode(token_mode)
         self.fence_table = fence_table
-        self.statements: LeaseStatements = dialect.lease_statements(
+        self.statements: LeaseStatements = lease_statements(
+            dialect,
             table=table,
             schema=schema,
             token_mode=self.token_mode,
