@@ -19,12 +19,11 @@ from psycopg import sql
 
 from fence._errors import ConfigurationError
 
+from ._row_statements import RowStatementsBase
 from ._sql_common import (
     DEFAULT_FENCE_COLUMN,
     DEFAULT_REGISTER_TABLE,
-    key_values,
     one_kind,
-    row_scope,
 )
 
 __all__ = [
@@ -101,7 +100,7 @@ def _names(names: Sequence[str]) -> sql.Composed:
     return sql.SQL(", ").join(sql.Identifier(n) for n in names)
 
 
-class PgRowStatements:
+class PgRowStatements(RowStatementsBase):
     """The statements of the psycopg row guard for one table.
 
     Args:
@@ -115,6 +114,9 @@ class PgRowStatements:
     Raises:
         ConfigurationError: no key column, or a key that repeats the fence column.
     """
+
+    #: The columns are known to a batch only (from the catalogue).
+    columns = None
 
     def __init__(
         self,
@@ -156,54 +158,6 @@ class PgRowStatements:
                 f=self.f, dead=self.dead, t=self.t, key=self.key_eq
             )
         )
-
-    # -- inputs -----------------------------------------------------------------------
-
-    def key_values(self, key: Any) -> tuple[Any, ...]:
-        """Normalise a key (scalar, tuple or mapping) to values in key-column order.
-
-        Raises:
-            ConfigurationError: the key does not match the key columns.
-        """
-        return key_values(self.name, self.key_names, key)
-
-    def scope(self, keyvals: Sequence[Any]) -> str:
-        """The scope name of a row, e.g. ``accounts(42)``."""
-        return row_scope(self.name, keyvals)
-
-    def check_values(self, values: Mapping[str, Any], *, upsert: bool) -> dict[str, Any]:
-        """Check the column values of a write; return them as a plain dict.
-
-        Raises:
-            ConfigurationError: the fence or tombstone column set by hand, key columns
-                changed by an update, key columns missing from an upsert, or a column
-                name that is not a ``str``.
-        """
-        if not isinstance(values, Mapping):
-            raise ConfigurationError(
-                f"the values of a write to {self.name} must be a mapping of column name to "
-                f"value, got {type(values).__name__}"
-            )
-        data = dict(values)
-        keys_ok = self.key_set.issubset(data) if upsert else self.key_set.isdisjoint(data)
-        if keys_ok and self.guarded.isdisjoint(data):
-            return data  # the common case, checked with set operations only
-        if not all(isinstance(name, str) for name in data):
-            raise ConfigurationError("column names must be str")
-        managed = sorted(name for name in data if name in self.guarded)
-        if managed:
-            raise ConfigurationError(
-                f"{managed} of {self.name} are set by the guard from the token; leave them out"
-            )
-        if upsert:
-            missing = [name for name in self.key_names if name not in data]
-            if missing:
-                raise ConfigurationError(f"an upsert of {self.name} needs the key {missing}")
-        elif any(name in data for name in self.key_names):
-            raise ConfigurationError(
-                f"a fenced update of {self.name} cannot change the key {self.key_names}"
-            )
-        return data
 
     # -- one row ----------------------------------------------------------------------
 

@@ -367,36 +367,3 @@ def report_rejected(bus: EventBus, source: str, err: StaleTokenError) -> None:
             reason=str(item.reason),
             fence=item.fence,
         )
-
-
-#: Key types taken as one key value without further checks (exact types: a subclass of
-#: either may be a tuple-like or mapping-like value and goes the general way).
-_SCALAR_KEYS = frozenset({int, str})
-
-
-def key_values(table: str, key_names: Sequence[str], key: Any) -> tuple[Any, ...]:
-    """Normalise a row key (scalar, tuple or mapping) to values in key-column order.
-
-    Raises:
-        ConfigurationError: the key does not match the key columns, or holds ``None``.
-    """
-    if type(key) in _SCALAR_KEYS and len(key_names) == 1:
-        return (key,)  # the common case: one key column, an int or str key
-    if isinstance(key, Mapping):
-        try:
-            values = tuple(key[name] for name in key_names)
-        except KeyError as exc:
-            raise ConfigurationError(
-                f"key {dict(key)!r} of {table} lacks column {exc.args[0]!r}"
-            ) from None
-        if len(key) != len(values):
-            raise ConfigurationError(
-                f"key {dict(key)!r} of {table} has columns beyond {tuple(key_names)}"
-            )
-        return values
-    values = key if isinstance(key, tuple) else (key,)
-    if len(values) != len(key_names):
-        raise ConfigurationError(f"{table} is keyed by {tuple(key_names)}; got key {key!r}")
-    if any(v is None for v in values):
-        raise ConfigurationError(f"key {key!r} of {table} contains None")
-    return values

@@ -46,13 +46,12 @@ from sqlalchemy.types import NullType, TypeDecorator, TypeEngine, UserDefinedTyp
 
 from fence._errors import ConfigurationError
 
+from ._row_statements import Key, RowStatementsBase
 from ._sql_common import (
     DEFAULT_FENCE_COLUMN,
     DEFAULT_REGISTER_TABLE,
     DEFAULT_TOMBSTONE_COLUMN,
-    key_values,
     one_kind,
-    row_scope,
 )
 
 __all__ = [
@@ -61,6 +60,7 @@ __all__ = [
     "OPTIONAL_INFO",
     "REGISTER_INFO",
     "TOMBSTONE_INFO",
+    "Key",
     "RegisterStatements",
     "RowStatements",
     "fence_column",
@@ -85,9 +85,6 @@ OPTIONAL_INFO = "iofence.optional"
 _UPSERT_DIALECTS = ("postgresql", "sqlite")
 
 _DML = TypeVar("_DML", Insert, Update)
-
-# Maps a value (scalar, tuple or mapping) to key values in key-column order.
-Key = Any
 
 
 def fence_column(name: str = DEFAULT_FENCE_COLUMN, **kwargs: Any) -> Column[int]:
@@ -220,7 +217,7 @@ def _insertable_without(table: Table, skip: set[str]) -> bool:
     return True
 
 
-class RowStatements:
+class RowStatements(RowStatementsBase):
     """The statements of the row guard for one table.
 
     Args:
@@ -269,7 +266,7 @@ class RowStatements:
             )
         self.key_names = tuple(c.key for c in self.key)
         self.key_set = frozenset(self.key_names)
-        self.columns = frozenset(c.key for c in table.columns)
+        self.columns: frozenset[str] | None = frozenset(c.key for c in table.columns)
         self.guarded = {self.fence.key} | (
             {self.tombstone.key} if self.tombstone is not None else set()
         )
@@ -302,55 +299,6 @@ class RowStatements:
         if found is None and fallback is not None and fallback in self.table.c:
             found = self.table.c[fallback]
         return found
-
-    # -- inputs -----------------------------------------------------------------------
-
-    def key_values(self, key: Key) -> tuple[Any, ...]:
-        """Normalise a key (scalar, tuple or mapping) to values in key-column order.
-
-        Raises:
-            ConfigurationError: the key does not match the key columns.
-        """
-        return key_values(self.name, self.key_names, key)
-
-    def scope(self, keyvals: Sequence[Any]) -> str:
-        """The scope name of a row, e.g. ``accounts(42)``."""
-        return row_scope(self.name, keyvals)
-
-    def check_values(self, values: Mapping[str, Any], *, upsert: bool) -> dict[str, Any]:
-        """Check the column values of a write; return them as a plain dict.
-
-        Raises:
-            ConfigurationError: unknown columns, the fence or tombstone column set by
-                hand, key columns changed by an update, or key columns missing from an
-                upsert.
-        """
-        if not isinstance(values, Mapping):
-            raise ConfigurationError(
-                f"the values of a write to {self.name} must be a mapping of column name to "
-                f"value, got {type(values).__name__}"
-            )
-        data = dict(values)
-        keys_ok = self.key_set.issubset(data) if upsert else self.key_set.isdisjoint(data)
-        if keys_ok and self.guarded.isdisjoint(data) and self.columns.issuperset(data):
-            return data  # the common case, checked with set operations only
-        unknown = [name for name in data if name not in self.table.c]
-        if unknown:
-            raise ConfigurationError(f"table {self.name} has no columns {unknown}")
-        managed = [name for name in data if name in self.guarded]
-        if managed:
-            raise ConfigurationError(
-                f"{managed} of {self.name} are set by the guard from the token; leave them out"
-            )
-        if upsert:
-            missing = [name for name in self.key_names if name not in data]
-            if missing:
-                raise ConfigurationError(f"an upsert of {self.name} needs the key {missing}")
-        elif any(name in data for name in self.key_names):
-            raise ConfigurationError(
-                f"a fenced update of {self.name} cannot change the key {self.key_names}"
-            )
-        return data
 
     def key_params(self, keyvals: Sequence[Any]) -> dict[str, Any]:
         """The bind parameters of :attr:`_key_eq`."""

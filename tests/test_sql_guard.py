@@ -255,6 +255,11 @@ def test_bad_values_are_refused_before_io(engine: Engine, accounts: Table) -> No
             guard.update(1, 5, {"id": 3})
         with pytest.raises(ConfigurationError, match="needs the key"):
             guard.upsert(5, {"balance": 3})
+        # A name that is not a str is an unknown column, not an error of SQLAlchemy's.
+        with pytest.raises(ConfigurationError, match="no columns"):
+            guard.update(1, 5, {1: 3})  # type: ignore[dict-item]
+        with pytest.raises(ConfigurationError, match="no columns"):
+            guard.upsert(5, {"id": 1, 1: 3})  # type: ignore[dict-item]
     assert _row(engine, accounts, 1).fence == 0
 
 
