@@ -19,20 +19,24 @@ from psycopg import sql
 
 from fence._errors import ConfigurationError
 
-from ._row_statements import RowStatementsBase
+from ._row_statements import Call, ManyCall, RowStatementsBase
 from ._sql_common import (
+    CHUNK_PARAMS,
     DEFAULT_FENCE_COLUMN,
     DEFAULT_REGISTER_TABLE,
+    chunks,
     one_kind,
 )
 
 __all__ = [
     "TYPES_QUERY",
     "ColumnType",
+    "PgRegisterCalls",
     "PgRegisterStatements",
     "PgRowStatements",
     "TableName",
     "read_types",
+    "register_calls",
     "row_statements",
 ]
 
@@ -101,7 +105,8 @@ def _names(names: Sequence[str]) -> sql.Composed:
 
 
 class PgRowStatements(RowStatementsBase):
-    """The statements of the psycopg row guard for one table.
+    """The statements of the psycopg row guard for one table: what the row flow writes
+    through (:class:`~fence.adapters._row_statements.RowStatementSet`).
 
     Args:
         table: the table name, or ``(schema, name)``.
@@ -117,6 +122,12 @@ class PgRowStatements(RowStatementsBase):
 
     #: The columns are known to a batch only (from the catalogue).
     columns = None
+    #: A batch's read of its fences locks the rows.
+    locks_rows = True
+    #: psycopg begins the caller's transaction before any statement: no opener.
+    opener = None
+    #: Bind parameters per statement when a batch reads its rows by key in chunks.
+    chunk_params = CHUNK_PARAMS["postgresql"]
 
     def __init__(
         self,
@@ -151,8 +162,9 @@ class PgRowStatements(RowStatementsBase):
         self.regclass = _text(self.t)
         self._cache: dict[Any, Query] = {}
         #: (columns, returning) -> the update of columns that passed :meth:`check_values`
-        #: once (the check depends on the names only): the hot path skips it.
-        self.checked_updates: dict[tuple[tuple[str, ...], bool], Query] = {}
+        #: once (the check depends on the names only): the hot path skips it. Its
+        #: parameters are positional, so no names come with it.
+        self.checked_updates: dict[tuple[tuple[str, ...], bool], tuple[Query, None]] = {}
         self.probe = _text(
             sql.SQL("SELECT {f}, {dead} FROM {t} WHERE {key}").format(
                 f=self.f, dead=self.dead, t=self.t, key=self.key_eq
@@ -258,6 +270,57 @@ class PgRowStatements(RowStatementsBase):
                 head + self._row_marks(len(columns)) + tail + end
             )
         return found
+
+    # -- one row: the calls of the row flow -------------------------------------------
+
+    def checked_update(self, columns: tuple[str, ...], returning: bool) -> tuple[Query, None]:
+        """Remember the update of ``columns`` (checked)."""
+        found = self.checked_updates[(columns, returning)] = (self.update(columns, returning), None)
+        return found
+
+    def update_params(
+        self, names: None, keyvals: Sequence[Any], token: int, values: Mapping[str, Any]
+    ) -> tuple[Any, ...]:
+        """The parameters of :meth:`update`: the values, the token, the key, the token."""
+        return (*values.values(), token, *keyvals, token)
+
+    def row_params(
+        self,
+        columns: tuple[str, ...],
+        keyvals: Sequence[Any],
+        token: int,
+        values: Mapping[str, Any],
+    ) -> tuple[Any, ...]:
+        """:meth:`update_params` for the values of ``columns``, in that order."""
+        return (*(values[c] for c in columns), token, *keyvals, token)
+
+    def upsert_call(self, data: Mapping[str, Any], token: int, returning: bool) -> Call:
+        """:meth:`upsert` of the columns of ``data`` with its parameters."""
+        columns = tuple(data)
+        # A statement built before is taken from the cache here, without one more call.
+        query = self._cache.get(("upsert", columns, returning)) or self.upsert(columns, returning)
+        return query, (*data.values(), token)
+
+    def raise_fence_call(
+        self, keyvals: Sequence[Any], token: int, delete: bool, returning: bool
+    ) -> Call:
+        """:meth:`raise_fence` with its parameters (it returns the row either way)."""
+        query = self._cache.get(("raise", delete)) or self.raise_fence(delete=delete)
+        return query, (token, *keyvals, token)
+
+    def tombstone_call(
+        self, keyvals: Sequence[Any], token: int, delete: bool, returning: bool
+    ) -> Call:
+        """:meth:`insert_tombstone` with its parameters (it returns the row either way)."""
+        return self.insert_tombstone(delete=delete), (*keyvals, token)
+
+    def probe_call(self, keyvals: Sequence[Any]) -> Call:
+        """:attr:`probe` with its parameters."""
+        return self.probe, keyvals
+
+    def is_dead(self, row: Mapping[str, Any]) -> bool:
+        """Whether a row a write returned is a tombstone."""
+        return self.tombstone_name is not None and bool(row[self.tombstone_name])
 
     # -- many rows --------------------------------------------------------------------
     #
@@ -587,6 +650,26 @@ class PgRowStatements(RowStatementsBase):
             )
         return found
 
+    # -- many rows: the calls of the row flow -----------------------------------------
+
+    def upsert_rows(
+        self, token: int, columns: tuple[str, ...], rows: Sequence[Mapping[str, Any]]
+    ) -> ManyCall:
+        """:meth:`upsert` of ``columns`` with the parameters of every row."""
+        params = [(*(row[c] for c in columns), token) for row in rows]
+        return self.upsert(columns, False), params
+
+    def probe_reads(self, keys: Sequence[tuple[Any, ...]], types: Any, *, lock: bool) -> list[Call]:
+        """:meth:`probe_set_call`, or :meth:`probe_many` in chunks of :attr:`chunk_params`."""
+        call = None if types is None else self.probe_set_call(keys, types, lock=lock)
+        if call is not None:
+            return [call]
+        per = self.chunk_params // len(self.key_names)
+        return [
+            (self.probe_many(len(chunk), lock=lock), [v for k in chunk for v in k])
+            for chunk in chunks(keys, per)
+        ]
+
 
 @functools.lru_cache(maxsize=1024)
 def row_statements(
@@ -665,3 +748,51 @@ class PgRegisterStatements:
     def probe_set(self) -> Query:
         """The fences of the scopes in the list ``scopes``."""
         return self._probe_set
+
+
+class PgRegisterCalls(PgRegisterStatements):
+    """:class:`PgRegisterStatements` with the calls of the register flow
+    (:class:`~fence.adapters._row_statements.RegisterStatementSet`).
+
+    Args:
+        table: the register table name, or ``(schema, name)``.
+    """
+
+    #: psycopg begins the caller's transaction before any statement: no opener.
+    opener = None
+    #: A read of the fences for a batch's check locks the rows.
+    locks_rows = True
+
+    def __init__(self, table: TableName = DEFAULT_REGISTER_TABLE) -> None:
+        super().__init__(table)
+        self._probe_set_locked = self.probe_set() + " ORDER BY scope FOR UPDATE"
+
+    def claim_call(self, scope: str, token: int, returning: bool) -> Call:
+        """:attr:`claim` with its parameters (it returns the scope either way)."""
+        return self.claim, (scope, token)
+
+    def claim_set_call(self, scopes: Sequence[str], token: int) -> Call:
+        """:meth:`claim_set` with its parameters: any number of scopes in one statement."""
+        return self.claim_set(), {"scopes": list(scopes), "tok": token}
+
+    def claim_rows(self, scopes: Sequence[str], token: int) -> ManyCall:
+        """Never needed: :meth:`claim_set_call` carries every batch.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError("the psycopg register claims every batch in one statement")
+
+    def probe_call(self, scope: str) -> Call:
+        """:attr:`probe` with its parameter."""
+        return self.probe, (scope,)
+
+    def probe_reads(self, scopes: Sequence[str], *, lock: bool) -> list[Call]:
+        """:meth:`probe_set` of every scope at once (locking the rows, in scope order)."""
+        return [(self._probe_set_locked if lock else self.probe_set(), {"scopes": list(scopes)})]
+
+
+@functools.lru_cache(maxsize=64)
+def register_calls(table: TableName) -> PgRegisterCalls:
+    """The :class:`PgRegisterCalls` of a register table, built once and shared."""
+    return PgRegisterCalls(table)

@@ -7,7 +7,8 @@ The SQLAlchemy Core guard (``fence.adapters.sql``) and the psycopg guard
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ from fence._errors import (
     BackendError,
     ConfigurationError,
     FenceError,
+    Reason,
     RetryableError,
     StaleTokenError,
 )
@@ -37,18 +39,23 @@ __all__ = [
     "batch_verdicts",
     "chunks",
     "closed_connection_error",
+    "documented",
     "key_order",
     "lock_order",
     "missing_register_error",
     "missing_table",
     "null_fence_error",
     "one_kind",
+    "partial_batch_error",
     "probe_passes",
     "probe_rejection",
     "report_accepted",
     "report_rejected",
     "row_scope",
+    "scope_verdicts",
     "translate_error",
+    "unverifiable_batch",
+    "unverifiable_write",
 ]
 
 #: The name the guards look for when no fence column is named.
@@ -94,6 +101,7 @@ CHUNK_PARAMS = {"sqlite": 999, "postgresql": 30_000}
 CHUNK_PARAMS_DEFAULT = 999
 
 _T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def row_scope(table: str, key: Sequence[Any]) -> str:
@@ -200,6 +208,67 @@ def batch_verdicts(
             for k in keys
         ]
     return errors
+
+
+def scope_verdicts(
+    scopes: Sequence[str], token: int, found: Mapping[str, Probe], *, everything: bool
+) -> list[StaleTokenError]:
+    """One error per register scope whose fence is above ``token`` (C5, C6).
+
+    Args:
+        scopes: the scopes, in the batch's order.
+        found: the fence of each scope that has one (absent scopes are :data:`ABSENT`).
+        token: the presented token.
+        everything: the claim already failed, so if no scope fails now (a concurrent
+            writer moved on between the claim and the read), list every scope.
+    """
+    errors = [
+        probe_rejection(scope, token, found.get(scope, ABSENT), need_live=False)
+        for scope in scopes
+        if not probe_passes(found.get(scope, ABSENT), token, need_live=False)
+    ]
+    if not errors and everything:
+        errors = [
+            probe_rejection(scope, token, found.get(scope, ABSENT), need_live=False)
+            for scope in scopes
+        ]
+    return errors
+
+
+def unverifiable_write(scope: str, token: int, driver: str) -> StaleTokenError:
+    """The refusal of a write whose driver reports neither ``RETURNING`` nor row counts (C9)."""
+    return StaleTokenError(
+        scope,
+        token,
+        None,
+        Reason.UNVERIFIABLE,
+        message=(
+            f"{scope}: the {driver} driver reports neither RETURNING nor row counts, so a "
+            "fenced write cannot be verified; nothing was written"
+        ),
+    )
+
+
+def unverifiable_batch(table: str, token: int, driver: str) -> StaleTokenError:
+    """The refusal of a row-by-row batch whose driver does not count ``executemany`` (C9)."""
+    return StaleTokenError(
+        table,
+        token,
+        None,
+        Reason.UNVERIFIABLE,
+        message=(
+            f"{table}: the {driver} driver does not report the row count of executemany, "
+            "so a batch cannot be verified; nothing was written"
+        ),
+    )
+
+
+def partial_batch_error(table: str, count: int, total: int) -> BackendError:
+    """The error for a batch that wrote some of its rows only (it never should: C6)."""
+    return BackendError(
+        f"a batch on {table} wrote {count} of {total} rows; roll the transaction back",
+        code="PARTIAL",
+    )
 
 
 def chunks(items: Sequence[_T], size: int) -> Iterator[Sequence[_T]]:
@@ -367,3 +436,35 @@ def report_rejected(bus: EventBus, source: str, err: StaleTokenError) -> None:
             reason=str(item.reason),
             fence=item.fence,
         )
+
+
+def documented(method: _F, doc: str | None = None, *, returns: object = None) -> _F:
+    """``method`` again, as a guard's own method: a flow's method in the guard's class.
+
+    The guards of every driver share their methods (``_async/row_flow.py``). A copy of the
+    function (its code is shared) puts each in the guard's class, so the API reference
+    lists it there, under the guard's own docstring where the guards differ. It costs
+    nothing per call, where a method that delegated would cost a call, and an await, on
+    every write.
+
+    Args:
+        method: the flow's function.
+        doc: the guard's docstring (default: the flow's).
+        returns: the return type as the guard's users read it (``Row[Any] | None`` for
+            the flow's ``RowT | None``).
+    """
+    copy = types.FunctionType(
+        method.__code__,
+        method.__globals__,
+        method.__name__,
+        method.__defaults__,
+        method.__closure__,
+    )
+    copy.__kwdefaults__ = method.__kwdefaults__
+    copy.__qualname__ = method.__qualname__
+    copy.__module__ = method.__module__
+    copy.__doc__ = method.__doc__ if doc is None else doc
+    copy.__annotations__ = dict(method.__annotations__)
+    if returns is not None:
+        copy.__annotations__["return"] = returns
+    return copy  # type: ignore[return-value]

@@ -7,7 +7,7 @@ only where ``fence <= :token`` holds, and sets ``fence = :token`` in the same st
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -22,6 +22,7 @@ from sqlalchemy import (
     Insert,
     Integer,
     MetaData,
+    Row,
     Select,
     String,
     Table,
@@ -46,11 +47,14 @@ from sqlalchemy.types import NullType, TypeDecorator, TypeEngine, UserDefinedTyp
 
 from fence._errors import ConfigurationError
 
-from ._row_statements import Key, RowStatementsBase
+from ._row_statements import Call, Key, ManyCall, RowStatementsBase
 from ._sql_common import (
+    CHUNK_PARAMS,
+    CHUNK_PARAMS_DEFAULT,
     DEFAULT_FENCE_COLUMN,
     DEFAULT_REGISTER_TABLE,
     DEFAULT_TOMBSTONE_COLUMN,
+    chunks,
     one_kind,
 )
 
@@ -60,9 +64,13 @@ __all__ = [
     "OPTIONAL_INFO",
     "REGISTER_INFO",
     "TOMBSTONE_INFO",
+    "DialectRegisterStatements",
+    "DialectRowStatements",
     "Key",
     "RegisterStatements",
     "RowStatements",
+    "dialect_register_statements",
+    "dialect_row_statements",
     "fence_column",
     "fence_of",
     "fence_register_table",
@@ -81,8 +89,6 @@ REGISTER_INFO = "iofence.register"
 #: ``Column.info`` key set by ``fenced_version()``: without a token the model keeps plain
 #: optimistic concurrency instead of raising :class:`fence.TokenRequiredError`.
 OPTIONAL_INFO = "iofence.optional"
-
-_UPSERT_DIALECTS = ("postgresql", "sqlite")
 
 _DML = TypeVar("_DML", Insert, Update)
 
@@ -218,7 +224,10 @@ def _insertable_without(table: Table, skip: set[str]) -> bool:
 
 
 class RowStatements(RowStatementsBase):
-    """The statements of the row guard for one table.
+    """The statements of the row guard for one table, whatever the dialect.
+
+    The guard writes through their :class:`DialectRowStatements`; the session hook uses
+    these.
 
     Args:
         table: the table; its rows are the fence scopes.
@@ -256,6 +265,7 @@ class RowStatements(RowStatementsBase):
             raise ConfigurationError(f"table {table.name} has no fence column; add fence_column()")
         self.fence: Column[Any] = found
         self.tombstone = self._column(tombstone, TOMBSTONE_INFO, None, "tombstone")
+        self.tombstone_name = self.tombstone.key if self.tombstone is not None else None
         if key is None:
             self.key: tuple[Column[Any], ...] = tuple(table.primary_key.columns)
         else:
@@ -318,6 +328,16 @@ class RowStatements(RowStatementsBase):
         params["_token"] = token
         return params
 
+    def row_params(
+        self,
+        columns: tuple[str, ...],
+        keyvals: Sequence[Any],
+        token: int,
+        values: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """:meth:`params` (by name, so ``columns`` need not give their order)."""
+        return self.params(keyvals, token, values)
+
     def update_params(
         self, names: Sequence[str], keyvals: Sequence[Any], token: int, values: Mapping[str, Any]
     ) -> dict[str, Any]:
@@ -375,345 +395,6 @@ class RowStatements(RowStatementsBase):
             found = self._cache["probe"] = select(self.fence, live).where(self._key_eq)
         return found
 
-    def _insert(self, dialect: str) -> Any:
-        if dialect == "postgresql":
-            return postgresql.insert(self.table)
-        if dialect == "sqlite":
-            return sqlite.insert(self.table)
-        raise ConfigurationError(
-            f"fenced inserts and upserts need ON CONFLICT: PostgreSQL or SQLite, not {dialect}"
-        )
-
-    def upsert(
-        self, dialect: str, token: int, values: Mapping[str, Any], returning: bool
-    ) -> Insert:
-        """``INSERT ... ON CONFLICT (key) DO UPDATE SET ... WHERE t.fence <= excluded.fence``.
-
-        A tombstone comes back to life when the token passes.
-        """
-        row = {**values, self.fence.key: token}
-        if self.tombstone is not None:
-            row[self.tombstone.key] = False
-        ins = self._insert(dialect).values(row)
-        stmt = ins.on_conflict_do_update(
-            index_elements=list(self.key),
-            set_={name: ins.excluded[name] for name in row if name not in self.key_names},
-            where=self.fence <= ins.excluded[self.fence.key],
-        )
-        return stmt.returning(*self.table.c) if returning else _counted(stmt)  # type: ignore[no-any-return]
-
-    def insert_tombstone(
-        self, dialect: str, keyvals: Sequence[Any], token: int, *, delete: bool, returning: bool
-    ) -> Insert:
-        """Insert a tombstone holding only the key and the fence, for a row that is absent.
-
-        It fences a key before any data exists (claim, delete, registering read). On a
-        conflict it raises the fence of the row that won the race, if the token passes.
-        """
-        assert self.tombstone is not None
-        row = dict(zip(self.key_names, keyvals, strict=True))
-        row[self.fence.key] = token
-        row[self.tombstone.key] = True
-        ins = self._insert(dialect).values(row)
-        set_ = {self.fence.key: ins.excluded[self.fence.key]}
-        if delete:
-            set_[self.tombstone.key] = ins.excluded[self.tombstone.key]
-        stmt = ins.on_conflict_do_update(
-            index_elements=list(self.key),
-            set_=set_,
-            where=self.fence <= ins.excluded[self.fence.key],
-        )
-        return stmt.returning(*self.table.c) if returning else _counted(stmt)  # type: ignore[no-any-return]
-
-    # -- many rows --------------------------------------------------------------------
-    #
-    # A batch takes one of two paths (see docs/sql-guard.md, "Batches"):
-    #
-    # - the set path (PostgreSQL): one statement whose rows come from one array parameter
-    #   per column (``unnest``), so its size never meets a limit on parameters or on the
-    #   depth of the statement;
-    # - the row path (SQLite, and PostgreSQL for what an array cannot carry): a read of every
-    #   fence first, then the single-row statement sent with ``executemany``, in a savepoint.
-
-    def item_sql(self, dialect: Dialect, name: str) -> str | None:
-        """The SQL type to which a batch casts the array of column ``name``, or ``None``.
-
-        It is the cast SQLAlchemy itself puts on a single value of the column (``VARCHAR``
-        for a ``String(3)``: no length, so a long value fails on the column as it would in
-        a single-row write, where a cast to ``VARCHAR(3)[]`` would cut it silently); for a
-        type without such a cast, its DDL, with a string type's length dropped the same way.
-        ``None`` for a column an array cannot carry: an array type (``unnest`` would flatten
-        it) or a type that does not compile.
-        """
-        cache_key = ("item_sql", dialect.name, name)
-        if cache_key in self._cache:
-            found: str | None = self._cache[cache_key]
-            return found
-        found = _item_sql(self.table.c[name].type, dialect)
-        self._cache[cache_key] = found
-        return found
-
-    def processor(self, dialect: Dialect, name: str) -> Any:
-        """The column type's bind processor (``None`` if values go to the driver as they are)."""
-        cache_key = ("processor", dialect.name, name)
-        if cache_key not in self._cache:
-            type_ = self.table.c[name].type
-            self._cache[cache_key] = type_.dialect_impl(dialect).bind_processor(dialect)
-        return self._cache[cache_key]
-
-    def _array(self, dialect: Dialect, param: str, name: str) -> ColumnElement[Any]:
-        item = self.item_sql(dialect, name)
-        assert item is not None
-        return _array_param(param, item)
-
-    def _keys_match(self, dialect: Dialect, params: Sequence[str]) -> ColumnElement[bool]:
-        """The rows whose keys are in the key arrays ``params`` (one per key column)."""
-        arrays = [self._array(dialect, p, c.key) for p, c in zip(params, self.key, strict=True)]
-        if len(arrays) == 1:
-            return self.key[0] == any_(arrays[0])
-        keys = func.unnest(*arrays).table_valued(*params).render_derived(name="fence_keys")
-        return tuple_(*self.key).in_(select(*keys.c))
-
-    def upsert_set(self, dialect: Dialect, columns: tuple[str, ...]) -> Insert:
-        """The set path of ``upsert_many``: every row from arrays, gated (C6). PostgreSQL.
-
-        ``INSERT INTO t (...) SELECT ... FROM unnest(:_a0, ...) WHERE (SELECT count(*) FROM
-        t WHERE key = ANY(:_a<key>) AND (fence IS NULL OR fence > :_token)) = 0 ON CONFLICT
-        (key) DO UPDATE SET ... WHERE t.fence <= excluded.fence``. The gate is a one-time
-        filter, run before the first row is written; run the statement in a savepoint for the
-        race with a concurrent insert of an absent key. Parameters: ``_a<i>``, the list of
-        the values of ``columns[i]``, and ``_token``. Proven by its row count.
-        """
-        cache_key = ("upsert_set", dialect.name, columns)
-        found = self._cache.get(cache_key)
-        if found is None:
-            token = bindparam("_token", type_=self.fence.type)
-            params = [f"_a{i}" for i in range(len(columns))]
-            rows = (
-                func.unnest(
-                    *(self._array(dialect, p, n) for p, n in zip(params, columns, strict=True))
-                )
-                .table_valued(*params)
-                .render_derived(name="fence_rows")
-            )
-            key_params = [params[columns.index(name)] for name in self.key_names]
-            blocking = (
-                select(func.count())
-                .select_from(self.table)
-                .where(
-                    self._keys_match(dialect, key_params),
-                    or_(self.fence.is_(None), self.fence > token),
-                )
-                .scalar_subquery()
-            )
-            names = [*columns, self.fence.key]
-            values: list[Any] = [*rows.c, token]
-            if self.tombstone is not None:
-                names.append(self.tombstone.key)
-                values.append(false())
-            gated = select(*values).where(blocking == 0)
-            ins = self._insert(dialect.name).from_select(names, gated)
-            stmt = ins.on_conflict_do_update(
-                index_elements=list(self.key),
-                set_={n: ins.excluded[n] for n in names if n not in self.key_names},
-                where=self.fence <= ins.excluded[self.fence.key],
-            )
-            found = self._cache[cache_key] = _counted(stmt)
-        return found  # type: ignore[no-any-return]
-
-    def update_set(
-        self, dialect: Dialect, columns: tuple[str, ...], flagged: tuple[bool, ...]
-    ) -> Update:
-        """The set path of ``update_many``: one statement, every row or none (C6). PostgreSQL.
-
-        ``UPDATE t SET c = rows.c, ..., fence = :_token FROM unnest(:_k0, ..., :_a0, ...)
-        AS rows WHERE t.key = rows.key AND fence <= :_token [AND NOT deleted] AND
-        (<rows that pass, locked>) = :_count``. A scalar sub-select locks every target row
-        (``FOR UPDATE``, in key order, so two batches cannot deadlock) and counts the rows
-        that pass; it is a one-time filter, run before the first row is written. Under READ
-        COMMITTED the locking read returns the newest version of each row, so the count sees
-        fences raised concurrently.
-
-        A column that only some rows set is ``flagged``: its array ``_s<i>`` of booleans
-        tells which rows set it (``CASE WHEN rows.s THEN rows.v ELSE t.c END``).
-
-        Parameters: ``_k<j>`` (the key values of column ``j``), ``_a<i>`` (the values of
-        ``columns[i]``), ``_s<i>`` for flagged columns, ``_token`` and ``_count``. Proven by
-        its row count.
-        """
-        cache_key = ("update_set", dialect.name, columns, flagged)
-        found = self._cache.get(cache_key)
-        if found is None:
-            token = bindparam("_token", type_=self.fence.type)
-            key_params = [f"_k{j}" for j in range(len(self.key))]
-            arrays = [
-                self._array(dialect, p, c.key) for p, c in zip(key_params, self.key, strict=True)
-            ]
-            names = list(key_params)
-            for i, name in enumerate(columns):
-                arrays.append(self._array(dialect, f"_a{i}", name))
-                names.append(f"_a{i}")
-                if flagged[i]:
-                    arrays.append(_array_param(f"_s{i}", "BOOLEAN"))
-                    names.append(f"_s{i}")
-            rows = func.unnest(*arrays).table_valued(*names).render_derived(name="fence_rows")
-            locked = (
-                select(self.fence.label("f"), self._live().label("live"))
-                .where(self._keys_match(dialect, key_params))
-                .order_by(*self.key)
-                .with_for_update()
-                .subquery("fence_locked")
-            )
-            passing = (
-                select(func.count())
-                .select_from(locked)
-                .where(locked.c.f <= token, locked.c.live)
-                .scalar_subquery()
-            )
-            sets: dict[str, Any] = {}
-            for i, name in enumerate(columns):
-                value = rows.c[f"_a{i}"]
-                sets[name] = (
-                    case((rows.c[f"_s{i}"], value), else_=self.table.c[name])
-                    if flagged[i]
-                    else value
-                )
-            sets[self.fence.key] = token
-            matched = and_(*(c == rows.c[p] for c, p in zip(self.key, key_params, strict=True)))
-            stmt = (
-                update(self.table)
-                .where(
-                    matched,
-                    self.fence <= token,
-                    self._live(),
-                    passing == bindparam("_count", type_=Integer()),
-                )
-                .values(sets)
-            )
-            found = self._cache[cache_key] = _counted(stmt)
-        return found
-
-    def _array_values(self, dialect: Dialect, name: str, values: list[Any]) -> list[Any] | None:
-        """``values`` as the column type binds them; ``None`` if they mix Python types."""
-        process = self.processor(dialect, name)
-        if process is not None:
-            values = [process(v) for v in values]
-        return None if one_kind(values) is False else values
-
-    def update_set_call(
-        self,
-        dialect: Dialect,
-        token: int,
-        items: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]],
-    ) -> tuple[Update, dict[str, Any]] | None:
-        """The set path's statement and parameters for ``update_many``, if it applies.
-
-        ``None`` (take the row path) off PostgreSQL, for a column an array cannot carry
-        (:meth:`item_sql`) and for a column whose values mix Python types.
-        """
-        if dialect.name != "postgresql":
-            return None
-        columns = tuple(sorted({name for _, values in items for name in values}))
-        if any(self.item_sql(dialect, n) is None for n in (*self.key_names, *columns)):
-            return None
-        params: dict[str, Any] = {"_token": token, "_count": len(items)}
-        for j, name in enumerate(self.key_names):
-            keys = self._array_values(dialect, name, [k[j] for k, _ in items])
-            if keys is None:
-                return None
-            params[f"_k{j}"] = keys
-        flagged = []
-        for i, name in enumerate(columns):
-            process = self.processor(dialect, name)
-            sets = [name in values for _, values in items]
-            column = [values.get(name) for _, values in items]
-            if process is not None:
-                column = [
-                    process(v) if set_ else None for v, set_ in zip(column, sets, strict=True)
-                ]
-            if one_kind(column) is False:
-                return None
-            params[f"_a{i}"] = column
-            flagged.append(not all(sets))
-            if flagged[-1]:
-                params[f"_s{i}"] = sets
-        return self.update_set(dialect, columns, tuple(flagged)), params
-
-    def upsert_set_call(
-        self,
-        dialect: Dialect,
-        token: int,
-        columns: tuple[str, ...],
-        rows: Sequence[Mapping[str, Any]],
-    ) -> tuple[Insert, dict[str, Any]] | None:
-        """The set path's statement and parameters for ``upsert_many``, if it applies.
-
-        ``None`` when :meth:`update_set_call` would be.
-        """
-        if dialect.name != "postgresql":
-            return None
-        if any(self.item_sql(dialect, n) is None for n in columns):
-            return None
-        params: dict[str, Any] = {"_token": token}
-        for i, name in enumerate(columns):
-            values = self._array_values(dialect, name, [row[name] for row in rows])
-            if values is None:
-                return None
-            params[f"_a{i}"] = values
-        return self.upsert_set(dialect, columns), params
-
-    def upsert_row(self, dialect: str, columns: tuple[str, ...]) -> Insert:
-        """One row's fenced upsert with bind parameters, for ``executemany`` (the row path).
-
-        Parameters: ``_v_<column>`` and ``_token`` (see :meth:`params`). Proven by its row
-        count.
-        """
-        cache_key = ("upsert_row", dialect, columns)
-        found = self._cache.get(cache_key)
-        if found is None:
-            row: dict[str, Any] = {
-                name: bindparam(f"_v_{name}", type_=self.table.c[name].type) for name in columns
-            }
-            row[self.fence.key] = bindparam("_token", type_=self.fence.type)
-            if self.tombstone is not None:
-                row[self.tombstone.key] = False
-            ins = self._insert(dialect).values(row)
-            stmt = ins.on_conflict_do_update(
-                index_elements=list(self.key),
-                set_={name: ins.excluded[name] for name in row if name not in self.key_names},
-                where=self.fence <= ins.excluded[self.fence.key],
-            )
-            found = self._cache[cache_key] = _counted(stmt)
-        return found  # type: ignore[no-any-return]
-
-    def probe_set_call(
-        self, dialect: Dialect, keys: Sequence[tuple[Any, ...]], *, lock: bool
-    ) -> tuple[Select[Any], dict[str, Any]] | None:
-        """On PostgreSQL, :meth:`probe_keys` for every key at once: one array per key column.
-
-        ``None`` (read in chunks) elsewhere, or if the keys cannot travel in arrays.
-        """
-        if dialect.name != "postgresql":
-            return None
-        if any(self.item_sql(dialect, n) is None for n in self.key_names):
-            return None
-        params: dict[str, Any] = {}
-        for j, name in enumerate(self.key_names):
-            values = self._array_values(dialect, name, [k[j] for k in keys])
-            if values is None:
-                return None
-            params[f"_k{j}"] = values
-        cache_key = ("probe_set", dialect.name, lock)
-        found = self._cache.get(cache_key)
-        if found is None:
-            key_params = [f"_k{j}" for j in range(len(self.key))]
-            live = self.tombstone if self.tombstone is not None else false()
-            found = select(*self.key, self.fence, live).where(self._keys_match(dialect, key_params))
-            if lock:
-                found = found.order_by(*self.key).with_for_update()
-            self._cache[cache_key] = found
-        return found, params
-
     def probe_keys(self, *, lock: bool) -> Select[Any]:
         """Key, fence and tombstone flag of the rows whose keys are in ``_keys``.
 
@@ -747,6 +428,468 @@ class RowStatements(RowStatementsBase):
             stmt = update(self.table).where(false()).values({self.fence.key: self.fence})
             found = self._cache["open_write"] = stmt
         return found
+
+
+_INSERTS: dict[str, Callable[[Table], Any]] = {
+    "postgresql": postgresql.insert,
+    "sqlite": sqlite.insert,
+}
+
+
+class _OnDialect:
+    """What the guards' statements know of their SQL dialect, learnt once per dialect.
+
+    This is the one place where they branch on the dialect's name: the dialect object of
+    ``fence._sql_dialect`` can answer the same questions here.
+    """
+
+    dialect: Dialect
+    #: A batch's rows travel as one array per column (``unnest``): PostgreSQL.
+    arrays: bool
+    #: A batch's read of its fences locks the rows (``FOR UPDATE``); not on SQLite, whose
+    #: write lock covers the database.
+    locks_rows: bool
+    #: The driver begins a transaction only before a write (Python's sqlite3), so a
+    #: savepoint sent first would be a transaction of its own, and releasing it would commit.
+    begins_on_write: bool
+    #: Bind parameters per statement when a batch reads its rows by key in chunks.
+    chunk_params: int
+    #: The ``INSERT`` construct with ``ON CONFLICT``; ``None`` where the dialect has none.
+    insert_of: Callable[[Table], Any] | None
+
+    def _learn(self, dialect: Dialect) -> None:
+        name = dialect.name
+        self.dialect = dialect
+        self.arrays = name == "postgresql"
+        self.locks_rows = name != "sqlite"
+        self.begins_on_write = name == "sqlite"
+        self.chunk_params = CHUNK_PARAMS.get(name, CHUNK_PARAMS_DEFAULT)
+        self.insert_of = _INSERTS.get(name)
+
+
+class DialectRowStatements(_OnDialect, RowStatements):
+    """The statements of the row guard for one table on one dialect: what the row flow
+    writes through (:class:`~fence.adapters._row_statements.RowStatementSet`).
+
+    Args:
+        table: the table; its rows are the fence scopes.
+        fence: the fence column name (see :class:`RowStatements`).
+        tombstone: the soft-delete flag.
+        key: the columns that name a row.
+        dialect: the dialect of the connections that run the statements.
+
+    Raises:
+        ConfigurationError: as :class:`RowStatements`.
+    """
+
+    def __init__(
+        self,
+        table: Table,
+        *,
+        fence: str | None,
+        tombstone: str | None,
+        key: Sequence[str] | None,
+        dialect: Dialect,
+    ) -> None:
+        super().__init__(table, fence=fence, tombstone=tombstone, key=key)
+        self._learn(dialect)
+        #: Sent before a batch's savepoint where the driver begins a transaction only
+        #: before a write. The write also takes SQLite's write lock, so the fences the
+        #: batch then reads stay as they are until it commits.
+        self.opener = self.open_write() if self.begins_on_write else None
+
+    # -- one row: the calls of the row flow -------------------------------------------
+
+    def checked_update(self, columns: tuple[str, ...], returning: bool) -> _Checked:
+        """Remember the update of ``columns`` (checked) with its value parameters' names."""
+        found = self.checked_updates[(columns, returning)] = (
+            self.update(columns, returning),
+            tuple(f"_v_{name}" for name in columns),
+        )
+        return found
+
+    def upsert_call(self, data: Mapping[str, Any], token: int, returning: bool) -> Call:
+        """:meth:`upsert`, its values inline."""
+        return self.upsert(token, data, returning), None
+
+    def raise_fence_call(
+        self, keyvals: Sequence[Any], token: int, delete: bool, returning: bool
+    ) -> Call:
+        """:meth:`raise_fence` with its parameters."""
+        stmt = self._cache.get(("raise", delete, returning))
+        if stmt is None:  # (a clause has no truth value)
+            stmt = self.raise_fence(delete=delete, returning=returning)
+        return stmt, self.params(keyvals, token, {})
+
+    def tombstone_call(
+        self, keyvals: Sequence[Any], token: int, delete: bool, returning: bool
+    ) -> Call:
+        """:meth:`insert_tombstone`, its values inline."""
+        stmt = self.insert_tombstone(keyvals, token, delete=delete, returning=returning)
+        return stmt, None
+
+    def probe_call(self, keyvals: Sequence[Any]) -> Call:
+        """:meth:`probe` with its parameters."""
+        return self.probe(), self.key_params(keyvals)
+
+    def is_dead(self, row: Row[Any]) -> bool:
+        """Whether a row a write returned is a tombstone."""
+        return self.tombstone is not None and bool(row._mapping[self.tombstone])
+
+    def _insert(self) -> Any:
+        if self.insert_of is None:
+            raise ConfigurationError(
+                "fenced inserts and upserts need ON CONFLICT: PostgreSQL or SQLite, not "
+                f"{self.dialect.name}"
+            )
+        return self.insert_of(self.table)
+
+    def upsert(self, token: int, values: Mapping[str, Any], returning: bool) -> Insert:
+        """``INSERT ... ON CONFLICT (key) DO UPDATE SET ... WHERE t.fence <= excluded.fence``.
+
+        A tombstone comes back to life when the token passes.
+        """
+        row = {**values, self.fence.key: token}
+        if self.tombstone is not None:
+            row[self.tombstone.key] = False
+        ins = self._insert().values(row)
+        stmt = ins.on_conflict_do_update(
+            index_elements=list(self.key),
+            set_={name: ins.excluded[name] for name in row if name not in self.key_names},
+            where=self.fence <= ins.excluded[self.fence.key],
+        )
+        return stmt.returning(*self.table.c) if returning else _counted(stmt)  # type: ignore[no-any-return]
+
+    def insert_tombstone(
+        self, keyvals: Sequence[Any], token: int, *, delete: bool, returning: bool
+    ) -> Insert:
+        """Insert a tombstone holding only the key and the fence, for a row that is absent.
+
+        It fences a key before any data exists (claim, delete, registering read). On a
+        conflict it raises the fence of the row that won the race, if the token passes.
+        """
+        assert self.tombstone is not None
+        row = dict(zip(self.key_names, keyvals, strict=True))
+        row[self.fence.key] = token
+        row[self.tombstone.key] = True
+        ins = self._insert().values(row)
+        set_ = {self.fence.key: ins.excluded[self.fence.key]}
+        if delete:
+            set_[self.tombstone.key] = ins.excluded[self.tombstone.key]
+        stmt = ins.on_conflict_do_update(
+            index_elements=list(self.key),
+            set_=set_,
+            where=self.fence <= ins.excluded[self.fence.key],
+        )
+        return stmt.returning(*self.table.c) if returning else _counted(stmt)  # type: ignore[no-any-return]
+
+    # -- many rows --------------------------------------------------------------------
+    #
+    # A batch takes one of two paths (see docs/sql-guard.md, "Batches"):
+    #
+    # - the set path (PostgreSQL): one statement whose rows come from one array parameter
+    #   per column (``unnest``), so its size never meets a limit on parameters or on the
+    #   depth of the statement;
+    # - the row path (SQLite, and PostgreSQL for what an array cannot carry): a read of every
+    #   fence first, then the single-row statement sent with ``executemany``, in a savepoint.
+
+    def item_sql(self, name: str) -> str | None:
+        """The SQL type to which a batch casts the array of column ``name``, or ``None``.
+
+        It is the cast SQLAlchemy itself puts on a single value of the column (``VARCHAR``
+        for a ``String(3)``: no length, so a long value fails on the column as it would in
+        a single-row write, where a cast to ``VARCHAR(3)[]`` would cut it silently); for a
+        type without such a cast, its DDL, with a string type's length dropped the same way.
+        ``None`` for a column an array cannot carry: an array type (``unnest`` would flatten
+        it) or a type that does not compile.
+        """
+        cache_key = ("item_sql", name)
+        if cache_key in self._cache:
+            found: str | None = self._cache[cache_key]
+            return found
+        found = _item_sql(self.table.c[name].type, self.dialect)
+        self._cache[cache_key] = found
+        return found
+
+    def processor(self, name: str) -> Any:
+        """The column type's bind processor (``None`` if values go to the driver as they are)."""
+        cache_key = ("processor", name)
+        if cache_key not in self._cache:
+            type_ = self.table.c[name].type
+            self._cache[cache_key] = type_.dialect_impl(self.dialect).bind_processor(self.dialect)
+        return self._cache[cache_key]
+
+    def _array(self, param: str, name: str) -> ColumnElement[Any]:
+        item = self.item_sql(name)
+        assert item is not None
+        return _array_param(param, item)
+
+    def _keys_match(self, params: Sequence[str]) -> ColumnElement[bool]:
+        """The rows whose keys are in the key arrays ``params`` (one per key column)."""
+        arrays = [self._array(p, c.key) for p, c in zip(params, self.key, strict=True)]
+        if len(arrays) == 1:
+            return self.key[0] == any_(arrays[0])
+        keys = func.unnest(*arrays).table_valued(*params).render_derived(name="fence_keys")
+        return tuple_(*self.key).in_(select(*keys.c))
+
+    def upsert_set(self, columns: tuple[str, ...]) -> Insert:
+        """The set path of ``upsert_many``: every row from arrays, gated (C6). PostgreSQL.
+
+        ``INSERT INTO t (...) SELECT ... FROM unnest(:_a0, ...) WHERE (SELECT count(*) FROM
+        t WHERE key = ANY(:_a<key>) AND (fence IS NULL OR fence > :_token)) = 0 ON CONFLICT
+        (key) DO UPDATE SET ... WHERE t.fence <= excluded.fence``. The gate is a one-time
+        filter, run before the first row is written; run the statement in a savepoint for the
+        race with a concurrent insert of an absent key. Parameters: ``_a<i>``, the list of
+        the values of ``columns[i]``, and ``_token``. Proven by its row count.
+        """
+        cache_key = ("upsert_set", columns)
+        found = self._cache.get(cache_key)
+        if found is None:
+            token = bindparam("_token", type_=self.fence.type)
+            params = [f"_a{i}" for i in range(len(columns))]
+            rows = (
+                func.unnest(*(self._array(p, n) for p, n in zip(params, columns, strict=True)))
+                .table_valued(*params)
+                .render_derived(name="fence_rows")
+            )
+            key_params = [params[columns.index(name)] for name in self.key_names]
+            blocking = (
+                select(func.count())
+                .select_from(self.table)
+                .where(
+                    self._keys_match(key_params),
+                    or_(self.fence.is_(None), self.fence > token),
+                )
+                .scalar_subquery()
+            )
+            names = [*columns, self.fence.key]
+            values: list[Any] = [*rows.c, token]
+            if self.tombstone is not None:
+                names.append(self.tombstone.key)
+                values.append(false())
+            gated = select(*values).where(blocking == 0)
+            ins = self._insert().from_select(names, gated)
+            stmt = ins.on_conflict_do_update(
+                index_elements=list(self.key),
+                set_={n: ins.excluded[n] for n in names if n not in self.key_names},
+                where=self.fence <= ins.excluded[self.fence.key],
+            )
+            found = self._cache[cache_key] = _counted(stmt)
+        return found  # type: ignore[no-any-return]
+
+    def update_set(self, columns: tuple[str, ...], flagged: tuple[bool, ...]) -> Update:
+        """The set path of ``update_many``: one statement, every row or none (C6). PostgreSQL.
+
+        ``UPDATE t SET c = rows.c, ..., fence = :_token FROM unnest(:_k0, ..., :_a0, ...)
+        AS rows WHERE t.key = rows.key AND fence <= :_token [AND NOT deleted] AND
+        (<rows that pass, locked>) = :_count``. A scalar sub-select locks every target row
+        (``FOR UPDATE``, in key order, so two batches cannot deadlock) and counts the rows
+        that pass; it is a one-time filter, run before the first row is written. Under READ
+        COMMITTED the locking read returns the newest version of each row, so the count sees
+        fences raised concurrently.
+
+        A column that only some rows set is ``flagged``: its array ``_s<i>`` of booleans
+        tells which rows set it (``CASE WHEN rows.s THEN rows.v ELSE t.c END``).
+
+        Parameters: ``_k<j>`` (the key values of column ``j``), ``_a<i>`` (the values of
+        ``columns[i]``), ``_s<i>`` for flagged columns, ``_token`` and ``_count``. Proven by
+        its row count.
+        """
+        cache_key = ("update_set", columns, flagged)
+        found = self._cache.get(cache_key)
+        if found is None:
+            token = bindparam("_token", type_=self.fence.type)
+            key_params = [f"_k{j}" for j in range(len(self.key))]
+            arrays = [self._array(p, c.key) for p, c in zip(key_params, self.key, strict=True)]
+            names = list(key_params)
+            for i, name in enumerate(columns):
+                arrays.append(self._array(f"_a{i}", name))
+                names.append(f"_a{i}")
+                if flagged[i]:
+                    arrays.append(_array_param(f"_s{i}", "BOOLEAN"))
+                    names.append(f"_s{i}")
+            rows = func.unnest(*arrays).table_valued(*names).render_derived(name="fence_rows")
+            locked = (
+                select(self.fence.label("f"), self._live().label("live"))
+                .where(self._keys_match(key_params))
+                .order_by(*self.key)
+                .with_for_update()
+                .subquery("fence_locked")
+            )
+            passing = (
+                select(func.count())
+                .select_from(locked)
+                .where(locked.c.f <= token, locked.c.live)
+                .scalar_subquery()
+            )
+            sets: dict[str, Any] = {}
+            for i, name in enumerate(columns):
+                value = rows.c[f"_a{i}"]
+                sets[name] = (
+                    case((rows.c[f"_s{i}"], value), else_=self.table.c[name])
+                    if flagged[i]
+                    else value
+                )
+            sets[self.fence.key] = token
+            matched = and_(*(c == rows.c[p] for c, p in zip(self.key, key_params, strict=True)))
+            stmt = (
+                update(self.table)
+                .where(
+                    matched,
+                    self.fence <= token,
+                    self._live(),
+                    passing == bindparam("_count", type_=Integer()),
+                )
+                .values(sets)
+            )
+            found = self._cache[cache_key] = _counted(stmt)
+        return found
+
+    def _array_values(self, name: str, values: list[Any]) -> list[Any] | None:
+        """``values`` as the column type binds them; ``None`` if they mix Python types."""
+        process = self.processor(name)
+        if process is not None:
+            values = [process(v) for v in values]
+        return None if one_kind(values) is False else values
+
+    def update_set_call(
+        self,
+        token: int,
+        items: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]],
+        types: Any = None,
+    ) -> tuple[Update, dict[str, Any]] | None:
+        """The set path's statement and parameters for ``update_many``, if it applies.
+
+        ``None`` (take the row path) off PostgreSQL, for a column an array cannot carry
+        (:meth:`item_sql`) and for a column whose values mix Python types. ``types`` is
+        not needed: the table knows its column types.
+        """
+        if not self.arrays:
+            return None
+        columns = tuple(sorted({name for _, values in items for name in values}))
+        if any(self.item_sql(n) is None for n in (*self.key_names, *columns)):
+            return None
+        params: dict[str, Any] = {"_token": token, "_count": len(items)}
+        for j, name in enumerate(self.key_names):
+            keys = self._array_values(name, [k[j] for k, _ in items])
+            if keys is None:
+                return None
+            params[f"_k{j}"] = keys
+        flagged = []
+        for i, name in enumerate(columns):
+            process = self.processor(name)
+            sets = [name in values for _, values in items]
+            column = [values.get(name) for _, values in items]
+            if process is not None:
+                column = [
+                    process(v) if set_ else None for v, set_ in zip(column, sets, strict=True)
+                ]
+            if one_kind(column) is False:
+                return None
+            params[f"_a{i}"] = column
+            flagged.append(not all(sets))
+            if flagged[-1]:
+                params[f"_s{i}"] = sets
+        return self.update_set(columns, tuple(flagged)), params
+
+    def upsert_set_call(
+        self,
+        token: int,
+        columns: tuple[str, ...],
+        rows: Sequence[Mapping[str, Any]],
+        types: Any = None,
+    ) -> tuple[Insert, dict[str, Any]] | None:
+        """The set path's statement and parameters for ``upsert_many``, if it applies.
+
+        ``None`` when :meth:`update_set_call` would be.
+        """
+        if not self.arrays:
+            return None
+        if any(self.item_sql(n) is None for n in columns):
+            return None
+        params: dict[str, Any] = {"_token": token}
+        for i, name in enumerate(columns):
+            values = self._array_values(name, [row[name] for row in rows])
+            if values is None:
+                return None
+            params[f"_a{i}"] = values
+        return self.upsert_set(columns), params
+
+    def upsert_row(self, columns: tuple[str, ...]) -> Insert:
+        """One row's fenced upsert with bind parameters, for ``executemany`` (the row path).
+
+        Parameters: ``_v_<column>`` and ``_token`` (see :meth:`params`). Proven by its row
+        count.
+        """
+        cache_key = ("upsert_row", columns)
+        found = self._cache.get(cache_key)
+        if found is None:
+            row: dict[str, Any] = {
+                name: bindparam(f"_v_{name}", type_=self.table.c[name].type) for name in columns
+            }
+            row[self.fence.key] = bindparam("_token", type_=self.fence.type)
+            if self.tombstone is not None:
+                row[self.tombstone.key] = False
+            ins = self._insert().values(row)
+            stmt = ins.on_conflict_do_update(
+                index_elements=list(self.key),
+                set_={name: ins.excluded[name] for name in row if name not in self.key_names},
+                where=self.fence <= ins.excluded[self.fence.key],
+            )
+            found = self._cache[cache_key] = _counted(stmt)
+        return found  # type: ignore[no-any-return]
+
+    def probe_set_call(
+        self, keys: Sequence[tuple[Any, ...]], *, lock: bool
+    ) -> tuple[Select[Any], dict[str, Any]] | None:
+        """On PostgreSQL, :meth:`probe_keys` for every key at once: one array per key column.
+
+        ``None`` (read in chunks) elsewhere, or if the keys cannot travel in arrays.
+        """
+        if not self.arrays:
+            return None
+        if any(self.item_sql(n) is None for n in self.key_names):
+            return None
+        params: dict[str, Any] = {}
+        for j, name in enumerate(self.key_names):
+            values = self._array_values(name, [k[j] for k in keys])
+            if values is None:
+                return None
+            params[f"_k{j}"] = values
+        cache_key = ("probe_set", lock)
+        found = self._cache.get(cache_key)
+        if found is None:
+            key_params = [f"_k{j}" for j in range(len(self.key))]
+            live = self.tombstone if self.tombstone is not None else false()
+            found = select(*self.key, self.fence, live).where(self._keys_match(key_params))
+            if lock:
+                found = found.order_by(*self.key).with_for_update()
+            self._cache[cache_key] = found
+        return found, params
+
+    # -- many rows: the calls of the row flow -----------------------------------------
+
+    def check_known(self, names: Iterable[str], types: Any) -> None:
+        """Nothing to check: :meth:`check_values` knows the table's columns."""
+
+    def upsert_rows(
+        self, token: int, columns: tuple[str, ...], rows: Sequence[Mapping[str, Any]]
+    ) -> ManyCall:
+        """:meth:`upsert_row` with the parameters of every row."""
+        params = [{**{f"_v_{n}": row[n] for n in columns}, "_token": token} for row in rows]
+        return self.upsert_row(columns), params
+
+    def probe_reads(self, keys: Sequence[tuple[Any, ...]], types: Any, *, lock: bool) -> list[Call]:
+        """:meth:`probe_set_call`, or :meth:`probe_keys` in chunks of :attr:`chunk_params`."""
+        call = self.probe_set_call(keys, lock=lock)
+        if call is not None:
+            return [call]
+        stmt = self.probe_keys(lock=lock)
+        width = len(self.key)
+        return [
+            (stmt, {"_keys": [k[0] for k in chunk] if width == 1 else list(chunk)})
+            for chunk in chunks(keys, self.chunk_params // width)
+        ]
 
 
 def _array_param(name: str, item: str) -> ColumnElement[Any]:
@@ -927,11 +1070,58 @@ class RegisterStatements:
         return found
 
 
+class DialectRegisterStatements(_OnDialect, RegisterStatements):
+    """The statements of a fence register table on one dialect: what the register flow
+    writes through (:class:`~fence.adapters._row_statements.RegisterStatementSet`).
+
+    Args:
+        table: the register table (see :func:`fence_register_table`).
+        dialect: the dialect of the connections that run the statements.
+    """
+
+    def __init__(self, table: Table, dialect: Dialect) -> None:
+        super().__init__(table)
+        self._learn(dialect)
+        self.opener = self.open_write() if self.begins_on_write else None
+
+    def claim_call(self, scope: str, token: int, returning: bool) -> Call:
+        """:meth:`claim`, its values inline."""
+        return self.claim(self.dialect.name, scope, token, returning), None
+
+    def claim_set_call(self, scopes: Sequence[str], token: int) -> Call | None:
+        """:meth:`claim_set` with its parameters, on PostgreSQL; ``None`` elsewhere."""
+        stmt = self.claim_set(self.dialect) if self.arrays else None
+        return None if stmt is None else (stmt, {"_scopes": list(scopes), "_token": token})
+
+    def claim_rows(self, scopes: Sequence[str], token: int) -> ManyCall:
+        """:meth:`claim_row` with the parameters of every scope."""
+        params = [{"_scope": scope, "_token": token} for scope in scopes]
+        return self.claim_row(self.dialect.name), params
+
+    def probe_call(self, scope: str) -> Call:
+        """:meth:`probe` (its scope inline)."""
+        return self.probe(scope), None
+
+    def probe_reads(self, scopes: Sequence[str], *, lock: bool) -> list[Call]:
+        """:meth:`probe_scopes_set`, or :meth:`probe_scopes` in chunks."""
+        whole = self.probe_scopes_set(self.dialect, lock=lock)
+        if whole is not None:
+            return [(whole, {"_scopes": list(scopes)})]
+        stmt = self.probe_scopes(lock=lock)
+        return [(stmt, {"_scopes": list(c)}) for c in chunks(scopes, self.chunk_params)]
+
+
 #: The register table used when none is given: ``fence_register``.
 DEFAULT_REGISTER = fence_register_table()
 
 _ROW_CACHE: weakref.WeakKeyDictionary[Table, dict[Any, RowStatements]] = weakref.WeakKeyDictionary()
 _REGISTER_CACHE: weakref.WeakKeyDictionary[Table, RegisterStatements] = weakref.WeakKeyDictionary()
+_DIALECT_ROW_CACHE: weakref.WeakKeyDictionary[Table, dict[Any, DialectRowStatements]] = (
+    weakref.WeakKeyDictionary()
+)
+_DIALECT_REGISTER_CACHE: weakref.WeakKeyDictionary[Table, dict[str, DialectRegisterStatements]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def row_statements(
@@ -946,9 +1136,45 @@ def row_statements(
     return found
 
 
+def dialect_row_statements(
+    table: Table,
+    fence: str | None,
+    tombstone: str | None,
+    key: Sequence[str] | None,
+    dialect: Dialect,
+) -> DialectRowStatements:
+    """The :class:`DialectRowStatements` of ``table``, built once per table, options and
+    dialect name.
+
+    Raises:
+        ConfigurationError: as :class:`RowStatements`.
+    """
+    options = (fence, tombstone, tuple(key) if key is not None else None, dialect.name)
+    per_table = _DIALECT_ROW_CACHE.setdefault(table, {})
+    found = per_table.get(options)
+    if found is None:
+        found = per_table[options] = DialectRowStatements(
+            table, fence=fence, tombstone=tombstone, key=key, dialect=dialect
+        )
+    return found
+
+
 def register_statements(table: Table) -> RegisterStatements:
     """The :class:`RegisterStatements` of ``table``, built once."""
     found = _REGISTER_CACHE.get(table)
     if found is None:
         found = _REGISTER_CACHE[table] = RegisterStatements(table)
+    return found
+
+
+def dialect_register_statements(table: Table, dialect: Dialect) -> DialectRegisterStatements:
+    """The :class:`DialectRegisterStatements` of ``table``, built once per dialect name.
+
+    Raises:
+        ConfigurationError: the table lacks the ``scope`` or ``fence`` column.
+    """
+    per_table = _DIALECT_REGISTER_CACHE.setdefault(table, {})
+    found = per_table.get(dialect.name)
+    if found is None:
+        found = per_table[dialect.name] = DialectRegisterStatements(table, dialect)
     return found
