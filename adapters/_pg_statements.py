@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 from psycopg import sql
 
 from fence._errors import ConfigurationError
+from fence._sql_dialect import DIALECTS
 
 from ._row_statements import Call, ManyCall, RowStatementsBase
 from ._sql_common import (
-    CHUNK_PARAMS,
     DEFAULT_FENCE_COLUMN,
     DEFAULT_REGISTER_TABLE,
     chunks,
@@ -127,7 +127,7 @@ class PgRowStatements(RowStatementsBase):
     #: psycopg begins the caller's transaction before any statement: no opener.
     opener = None
     #: Bind parameters per statement when a batch reads its rows by key in chunks.
-    chunk_params = CHUNK_PARAMS["postgresql"]
+    chunk_params = DIALECTS["postgresql"].max_params
 
     def __init__(
         self,

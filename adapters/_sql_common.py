@@ -22,10 +22,10 @@ from fence._errors import (
     StaleTokenError,
 )
 from fence._events import EventBus, EventKind
+from fence._sql_dialect import Fault, fault_of, sqlstate
 
 __all__ = [
     "ABSENT",
-    "CHUNK_PARAMS",
     "CHUNK_PARAMS_DEFAULT",
     "DEFAULT_FENCE_COLUMN",
     "DEFAULT_REGISTER_TABLE",
@@ -82,22 +82,18 @@ REGISTER_TABLE_DDL = (
     ")"
 )
 
-# SQLSTATEs that are never a verdict on the token (C5): the write did not happen and the
-# transaction may be retried as a whole.
-_RETRYABLE_SQLSTATES = {
-    "40001": ("SERIALIZATION", "serialization failure"),
-    "40P01": ("DEADLOCK", "deadlock detected"),
-    "55P03": ("LOCK_TIMEOUT", "lock not available"),
-    "57014": ("TIMEOUT", "statement cancelled or timed out"),
+# The driver errors that are never a verdict on the token (C5): the write did not happen and
+# the transaction may be retried as a whole. Which error is which is the dialect's reading
+# (fence._sql_dialect); the codes and words of the guards' errors are here.
+_RETRYABLE: dict[Fault, tuple[str, str]] = {
+    Fault.SERIALIZATION: ("SERIALIZATION", "serialization failure"),
+    Fault.DEADLOCK: ("DEADLOCK", "deadlock detected"),
+    Fault.LOCK_TIMEOUT: ("LOCK_TIMEOUT", "lock not available"),
+    Fault.CANCELED: ("TIMEOUT", "statement cancelled or timed out"),
 }
 
-# sqlite3 result codes: SQLITE_BUSY, SQLITE_LOCKED (extended codes keep the low byte).
-_SQLITE_BUSY_CODES = {5, 6}
-
-#: Bind parameters per statement when a batch reads its rows by key in chunks: SQLite's
-#: ``SQLITE_MAX_VARIABLE_NUMBER`` was 999 before 3.32, the lowest any build has had;
-#: PostgreSQL's protocol allows 65,535.
-CHUNK_PARAMS = {"sqlite": 999, "postgresql": 30_000}
+#: Bind parameters per statement when a batch reads its rows by key in chunks, on a
+#: database iofence has no dialect for (the others: ``SQLDialect.max_params``).
 CHUNK_PARAMS_DEFAULT = 999
 
 _T = TypeVar("_T")
@@ -327,7 +323,7 @@ def null_fence_error(scope: str) -> ConfigurationError:
 
 def missing_table(exc: BaseException) -> bool:
     """Whether a driver error says a table does not exist (PostgreSQL 42P01, SQLite)."""
-    return _sqlstate(exc) in ("42P01", "3F000") or "no such table" in str(exc)
+    return fault_of(exc) is Fault.MISSING_TABLE
 
 
 def missing_register_error(table: str) -> ConfigurationError:
@@ -349,22 +345,6 @@ def closed_connection_error(what: str = "the connection") -> BackendError:
     )
 
 
-def _sqlstate(exc: BaseException) -> str | None:
-    for candidate in (exc, getattr(exc, "orig", None), exc.__cause__):
-        state = getattr(candidate, "sqlstate", None)
-        if isinstance(state, str):
-            return state
-    return None
-
-
-def _sqlite_code(exc: BaseException) -> int | None:
-    for candidate in (exc, getattr(exc, "orig", None), exc.__cause__):
-        code = getattr(candidate, "sqlite_errorcode", None)
-        if isinstance(code, int):
-            return code & 0xFF
-    return None
-
-
 def translate_error(exc: BaseException, action: str, scope: str) -> FenceError:
     """Map a driver exception to the iofence error to raise (chain it with ``from``).
 
@@ -377,29 +357,30 @@ def translate_error(exc: BaseException, action: str, scope: str) -> FenceError:
         action: what the guard was doing, for the message (``"fenced update"``).
         scope: the scope it was doing it on.
     """
-    state = _sqlstate(exc)
+    fault = fault_of(exc)
+    state = sqlstate(exc)
     detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
     text = detail[0] if detail else type(exc).__name__
-    if state in _RETRYABLE_SQLSTATES:
-        code, what = _RETRYABLE_SQLSTATES[state]
+    if fault in _RETRYABLE:
+        code, what = _RETRYABLE[fault]
         return RetryableError(
             f"{action} on {scope}: {what} (SQLSTATE {state}); nothing was written and the "
             "token was not judged. Roll back and retry the whole transaction",
             code=code,
         )
-    if _sqlite_code(exc) in _SQLITE_BUSY_CODES:
+    if fault is Fault.BUSY:
         return RetryableError(
             f"{action} on {scope}: the SQLite database is locked by another writer ({text}); "
             "roll back and retry the whole transaction",
             code="BUSY",
         )
-    if state == "25P02":
+    if fault is Fault.ABORTED:
         return BackendError(
             f"{action} on {scope}: the transaction was already aborted by an earlier error; "
             "roll it back before writing",
             code="ABORTED",
         )
-    if (state is not None and state.startswith(("08", "57P"))) or _looks_disconnected(exc):
+    if fault is Fault.CONNECTION or _looks_disconnected(exc):
         return BackendError(
             f"{action} on {scope}: the connection is lost or closed ({text}); the "
             "transaction did not commit. Run it again on a new connection",

@@ -41,15 +41,14 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import CompileError
 from sqlalchemy.types import NullType, TypeDecorator, TypeEngine, UserDefinedType
 
 from fence._errors import ConfigurationError
+from fence._sql_dialect import DIALECTS
 
 from ._row_statements import Call, Key, ManyCall, RowStatementsBase
 from ._sql_common import (
-    CHUNK_PARAMS,
     CHUNK_PARAMS_DEFAULT,
     DEFAULT_FENCE_COLUMN,
     DEFAULT_REGISTER_TABLE,
@@ -430,17 +429,11 @@ class RowStatements(RowStatementsBase):
         return found
 
 
-_INSERTS: dict[str, Callable[[Table], Any]] = {
-    "postgresql": postgresql.insert,
-    "sqlite": sqlite.insert,
-}
-
-
 class _OnDialect:
     """What the guards' statements know of their SQL dialect, learnt once per dialect.
 
-    This is the one place where they branch on the dialect's name: the dialect object of
-    ``fence._sql_dialect`` can answer the same questions here.
+    The answers come from the dialect object of :mod:`fence._sql_dialect`; a database
+    iofence has no dialect for gets the plainest ones (no arrays, no ``ON CONFLICT``).
     """
 
     dialect: Dialect
@@ -458,13 +451,17 @@ class _OnDialect:
     insert_of: Callable[[Table], Any] | None
 
     def _learn(self, dialect: Dialect) -> None:
-        name = dialect.name
         self.dialect = dialect
-        self.arrays = name == "postgresql"
-        self.locks_rows = name != "sqlite"
-        self.begins_on_write = name == "sqlite"
-        self.chunk_params = CHUNK_PARAMS.get(name, CHUNK_PARAMS_DEFAULT)
-        self.insert_of = _INSERTS.get(name)
+        found = DIALECTS.get(dialect.name)
+        if found is None:
+            self.arrays, self.locks_rows, self.begins_on_write = False, True, False
+            self.chunk_params, self.insert_of = CHUNK_PARAMS_DEFAULT, None
+            return
+        self.arrays = found.batch_arrays
+        self.locks_rows = found.locks_rows
+        self.begins_on_write = found.begins_on_write
+        self.chunk_params = found.max_params
+        self.insert_of = found.insert
 
 
 class DialectRowStatements(_OnDialect, RowStatements):
@@ -961,11 +958,11 @@ class RegisterStatements:
         self._cache: dict[Any, Any] = {}
 
     def _base(self, dialect: str) -> Any:
-        if dialect == "postgresql":
-            return postgresql.insert(self.table)
-        if dialect == "sqlite":
-            return sqlite.insert(self.table)
-        raise ConfigurationError(f"a fence register needs PostgreSQL or SQLite, not {dialect}")
+        found = DIALECTS.get(dialect)
+        if found is None:
+            labels = " or ".join(d.label for d in DIALECTS.values())
+            raise ConfigurationError(f"a fence register needs {labels}, not {dialect}")
+        return found.insert(self.table)
 
     def _on_conflict(self, ins: Any) -> Any:
         """The claim of the rows ``ins`` inserts: each fence is raised to the token where it
@@ -1041,7 +1038,9 @@ class RegisterStatements:
         """
         cache_key = ("probe_scopes_set", dialect.name, lock)
         if cache_key not in self._cache:
-            item = _item_sql(self.scope.type, dialect) if dialect.name == "postgresql" else None
+            found_dialect = DIALECTS.get(dialect.name)
+            arrays = found_dialect is not None and found_dialect.batch_arrays
+            item = _item_sql(self.scope.type, dialect) if arrays else None
             found = None
             if item is not None:
                 found = select(self.scope, self.fence).where(

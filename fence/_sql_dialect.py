@@ -53,6 +53,7 @@ __all__ = [
     "SQLiteDialect",
     "dialect_for",
     "dialect_of_url",
+    "fault_of",
     "first_line",
     "set_sqlite_pragmas",
     "sqlite_code",
@@ -189,6 +190,11 @@ class SQLDialect:
         rowcount_after_fetch: with ``RETURNING``, the driver counts the rows as they are
             fetched (sqlite3), so the row count is known only once they are read.
         max_params: bound parameters one statement may carry, on every version.
+        batch_arrays: a batch's rows travel as one array per column (``unnest``).
+        locks_rows: ``SELECT ... FOR UPDATE`` locks the rows it reads (SQLite's write lock
+            covers the whole database instead).
+        begins_on_write: the driver begins a transaction only before a write (Python's
+            sqlite3), so a savepoint sent first would be a transaction of its own.
     """
 
     name: ClassVar[str]
@@ -208,6 +214,9 @@ class SQLDialect:
     returning: ClassVar[bool] = True
     rowcount_after_fetch: ClassVar[bool] = False
     max_params: ClassVar[int]
+    batch_arrays: ClassVar[bool] = False
+    locks_rows: ClassVar[bool] = True
+    begins_on_write: ClassVar[bool] = False
     #: SQLAlchemy's driver for an engine built from a URL that names none, sync and
     #: asyncio (``None``: SQLAlchemy's default).
     _drivers: ClassVar[tuple[str | None, str | None]] = (None, None)
@@ -250,6 +259,10 @@ class SQLDialect:
         Args:
             exc: the DB-API error, SQLAlchemy's wrapper of one, or any exception.
         """
+        raise NotImplementedError
+
+    def owns(self, exc: BaseException) -> bool:
+        """Whether ``exc`` carries this database's own error code (see :func:`fault_of`)."""
         raise NotImplementedError
 
     # -- engines --------------------------------------------------------------------------
@@ -305,6 +318,7 @@ class PostgreSQLDialect(SQLDialect):
     clock_sql = "clock_timestamp()"
     # The protocol allows 65,535 parameters per statement.
     max_params = 30_000
+    batch_arrays = True
     _drivers = ("psycopg", "psycopg")
 
     @functools.cached_property
@@ -352,6 +366,10 @@ class PostgreSQLDialect(SQLDialect):
             return Fault.CONNECTION
         return None
 
+    def owns(self, exc: BaseException) -> bool:
+        """See :meth:`SQLDialect.owns`: a SQLSTATE."""
+        return sqlstate(exc) is not None
+
     def socket_of(self, connection: Any) -> int | None:
         """See :meth:`SQLDialect.socket_of`: psycopg's; ``None`` for another driver."""
         try:
@@ -387,6 +405,8 @@ class SQLiteDialect(SQLDialect):
     rowcount_after_fetch = True
     # SQLITE_MAX_VARIABLE_NUMBER was 999 before 3.32, the lowest any build has had.
     max_params = 999
+    locks_rows = False
+    begins_on_write = True
     _drivers = (None, "aiosqlite")
 
     @functools.cached_property
@@ -421,9 +441,16 @@ class SQLiteDialect(SQLDialect):
             return Fault.MISSING_COLUMN
         if "unable to open database file" in str(_dbapi_error(exc)):
             return Fault.CANNOT_OPEN
-        if sqlite_code(exc) in _SQLITE_BUSY_CODES or "locked" in message:
+        code = sqlite_code(exc)
+        # The message only where no result code came with it: a constraint's name may say
+        # "locked" too.
+        if code in _SQLITE_BUSY_CODES or (code is None and "locked" in message):
             return Fault.BUSY
         return None
+
+    def owns(self, exc: BaseException) -> bool:
+        """See :meth:`SQLDialect.owns`: a SQLite result code."""
+        return sqlite_code(exc) is not None
 
     def engine_options(self, url: URL) -> dict[str, Any]:
         """See :meth:`SQLDialect.engine_options`: an in-memory database gets a
@@ -500,6 +527,16 @@ def dialect_for(name: str | SQLDialect) -> SQLDialect:
         labels = " and ".join(d.label for d in DIALECTS.values())
         raise ConfigurationError(f"the SQL lock manager supports {labels}, not {name!r}")
     return found
+
+
+def fault_of(exc: BaseException) -> Fault | None:
+    """What a driver error says, read by the dialect whose error code it carries; ``None``
+    for an error without one (see :meth:`SQLDialect.classify`). For code that holds no
+    dialect, such as a guard's error mapping shared by every driver."""
+    for dialect in DIALECTS.values():
+        if dialect.owns(exc):
+            return dialect.classify(exc)
+    return None
 
 
 def dialect_of_url(url: URL) -> SQLDialect | None:

@@ -46,6 +46,7 @@ from fence._sql_dialect import (
     SQLDialect,
     dialect_for,
     dialect_of_url,
+    fault_of,
     set_sqlite_pragmas,
 )
 from fence._sql_schema import lease_statements
@@ -219,6 +220,26 @@ def test_sqlite_classifies_busy_by_result_code() -> None:
     assert LITE.classify(error) is Fault.BUSY
     error.sqlite_errorcode = 6 | (1 << 8)  # type: ignore[attr-defined]  # an extended code
     assert LITE.classify(error) is Fault.BUSY
+
+
+def test_sqlite_result_code_wins_over_the_message() -> None:
+    """A constraint named ``locked_...`` is not a busy database: the message is read only
+    for an error that came without a result code."""
+    error = sqlite3.IntegrityError("CHECK constraint failed: locked_amount >= 0")
+    error.sqlite_errorcode = 19 | (1 << 8)  # type: ignore[attr-defined]  # SQLITE_CONSTRAINT_CHECK
+    assert LITE.classify(error) is None
+
+
+def test_fault_of_reads_an_error_by_the_dialect_whose_code_it_carries() -> None:
+    """The guards hold no dialect: each error goes to the dialect whose code it carries."""
+    serial = psycopg.errors.SerializationFailure("could not serialize access")
+    assert fault_of(_wrapped(sa_exc.OperationalError, serial)) is Fault.SERIALIZATION
+    busy = sqlite3.OperationalError("database is locked")
+    busy.sqlite_errorcode = 5  # type: ignore[attr-defined]
+    assert fault_of(_wrapped(sa_exc.OperationalError, busy)) is Fault.BUSY
+    # Without a code no dialect reads it, whatever its message says.
+    assert fault_of(sqlite3.OperationalError("database is locked")) is None
+    assert fault_of(OSError("no such table: t")) is None
 
 
 def test_retryable_faults_are_never_a_verdict() -> None:

@@ -23,13 +23,13 @@ from sqlalchemy import (
     Update,
     bindparam,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import operators
 from sqlalchemy.sql.elements import BooleanClauseList
 from sqlalchemy.sql.visitors import replacement_traverse
 
 from fence._errors import ConfigurationError
+from fence._sql_dialect import DIALECTS
 
 from .. import _sql_gate as gate
 from .._sql_gate import Kind
@@ -123,13 +123,13 @@ def _rewrite_hard_delete(stmt: Delete, info: TableInfo) -> Executable:
 
 
 def _dialect_insert(dialect: str) -> type[Any]:
-    if dialect == "postgresql":
-        return postgresql.Insert
-    if dialect == "sqlite":
-        return sqlite.Insert
-    raise ConfigurationError(
-        f"a fenced flush of new rows needs ON CONFLICT: PostgreSQL or SQLite, not {dialect}"
-    )
+    found = DIALECTS.get(dialect)
+    if found is None:
+        labels = " or ".join(d.label for d in DIALECTS.values())
+        raise ConfigurationError(
+            f"a fenced flush of new rows needs ON CONFLICT: {labels}, not {dialect}"
+        )
+    return found.insert_class
 
 
 def _as_upsert(stmt: Insert, dialect: str) -> Any:

@@ -22,6 +22,7 @@ from sqlalchemy.orm import exc as orm_exc
 from fence._errors import ReadLeaseError, Reason, UnfencedWriteError
 from fence._errors import StaleTokenError as _FenceStale
 from fence._events import EventBus, EventKind
+from fence._sql_dialect import DIALECTS
 
 from .. import _sql_gate as gate
 from .._sql_common import ABSENT, Probe, batch_rejection, probe_passes, probe_rejection
@@ -164,7 +165,12 @@ def after_cursor_execute(
     if current is None or current.rowcount is None:
         return
     compiled = getattr(context, "compiled", None)
-    if conn.dialect.name == "sqlite" and getattr(compiled, "effective_returning", None):
+    found = DIALECTS.get(conn.dialect.name)
+    if (
+        found is not None
+        and found.rowcount_after_fetch
+        and getattr(compiled, "effective_returning", None)
+    ):
         # sqlite3 counts the rows of a statement with RETURNING as they are fetched, and
         # the ORM fetches them after the hook judged the statement.
         current.late_count = True
