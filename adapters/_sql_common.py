@@ -24,6 +24,15 @@ from fence._errors import (
 from fence._events import EventBus, EventKind
 from fence._sql_dialect import Fault, fault_of, sqlstate
 
+from .ddl import (
+    DEFAULT_FENCE_COLUMN,
+    DEFAULT_REGISTER_TABLE,
+    DEFAULT_TOMBSTONE_COLUMN,
+    FENCE_COLUMN_DDL,
+    REGISTER_TABLE_DDL,
+    TOMBSTONE_COLUMN_DDL,
+)
+
 __all__ = [
     "ABSENT",
     "CHUNK_PARAMS_DEFAULT",
@@ -58,29 +67,6 @@ __all__ = [
     "unverifiable_write",
 ]
 
-#: The name the guards look for when no fence column is named.
-DEFAULT_FENCE_COLUMN = "fence"
-
-#: The conventional name of the soft-delete flag that turns a deleted row into a tombstone.
-DEFAULT_TOMBSTONE_COLUMN = "deleted"
-
-#: The default table of a fence register.
-DEFAULT_REGISTER_TABLE = "fence_register"
-
-#: The fence column, for an existing table (PostgreSQL and SQLite). Existing rows start at 0,
-#: so the first token accepted raises them.
-FENCE_COLUMN_DDL = "ALTER TABLE {table} ADD COLUMN fence BIGINT NOT NULL DEFAULT 0"
-
-#: The soft-delete flag that keeps a deleted row, and its fence, as a tombstone (C7).
-TOMBSTONE_COLUMN_DDL = "ALTER TABLE {table} ADD COLUMN deleted BOOLEAN NOT NULL DEFAULT FALSE"
-
-#: The fence register (PostgreSQL and SQLite): one row per fence scope, never deleted.
-REGISTER_TABLE_DDL = (
-    "CREATE TABLE IF NOT EXISTS {table} (\n"
-    "    scope VARCHAR(512) PRIMARY KEY,\n"
-    "    fence BIGINT NOT NULL\n"
-    ")"
-)
 
 # The driver errors that are never a verdict on the token (C5): the write did not happen and
 # the transaction may be retried as a whole. Which error is which is the dialect's reading

@@ -79,14 +79,10 @@ def _naming_the_extra() -> Iterator[None]:
 
 def sql_ddl() -> tuple[str, str, str]:
     """The SQL guard's DDL templates, each with a ``{table}`` field: the fence column, the
-    tombstone flag and the fence register (``fence.adapters.sql.FENCE_COLUMN_DDL``,
-    ``TOMBSTONE_COLUMN_DDL``, ``REGISTER_TABLE_DDL``).
-
-    Raises:
-        ModuleNotFoundError: SQLAlchemy is not installed.
-    """
+    tombstone flag and the fence register (``fence.adapters.ddl.FENCE_COLUMN_DDL``,
+    ``TOMBSTONE_COLUMN_DDL``, ``REGISTER_TABLE_DDL``). Loads no database driver."""
     with _naming_the_extra():
-        from fence.adapters.sql import (  # type: ignore[import-not-found, unused-ignore]
+        from fence.adapters.ddl import (  # type: ignore[import-not-found, unused-ignore]
             FENCE_COLUMN_DDL,
             REGISTER_TABLE_DDL,
             TOMBSTONE_COLUMN_DDL,

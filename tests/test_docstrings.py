@@ -18,6 +18,7 @@ PUBLIC_MODULES = [
     "fence.adapters",
     "fence.adapters.redis",
     "fence.adapters.sql",
+    "fence.adapters.ddl",
     "fence.adapters.psycopg",
     "fence.adapters.orm",
 ]
