@@ -11,9 +11,9 @@ module's name in ``name``.
 ``package-dir``). mypy run over the source tree knows that folder as ``adapters`` and cannot
 resolve ``fence.adapters`` from here, so these imports carry an ``import-not-found`` ignore
 and the guards' own types count as ``Any`` in that run. Laid out as installed (``adapters``
-inside ``fence``), they resolve, and ``tests/test_docs.py`` (``GUARD_USERS``) type-checks every user of
-this module against the guards' own types (``unused-ignore`` keeps that run quiet about the
-ignores).
+inside ``fence``), they resolve, and ``tests/test_docs.py`` (``GUARD_USERS``) type-checks
+every user of this module against the guards' own types (``unused-ignore`` keeps that run
+quiet about the ignores).
 """
 
 from __future__ import annotations
