@@ -59,8 +59,9 @@ WRITE_LUA = """
 --     single operation whose result is a number returns just that number: a table reply
 --     costs the server about a microsecond more, as much as the fence check itself);
 --   {0, i, reason, fence, issued, ...}: the token verdict on each rejected operation i,
---     reason STALE, MISSING, UNISSUED or UNVERIFIABLE, fence the stored fence ("" if none),
---     issued the issued counter ("" unless UNISSUED); nothing is written;
+--     reason STALE, MISSING, UNISSUED or UNVERIFIABLE, fence the stored fence ("" if none,
+--     {type} if the fence key holds another type), issued the issued counter ("" unless
+--     UNISSUED, {type} if it holds another type); nothing is written;
 --   {2, i, code, detail, ...}: operations Redis would refuse, whatever the token: code
 --     WRONGTYPE, NOT_INTEGER, OVERFLOW, STREAM_ID, STREAM_EXHAUSTED, TOO_LARGE or NOPERM
 --     (found by the checks), or ERROR with the server's own error as detail (a single
@@ -79,14 +80,30 @@ local match, sub, byte = string.match, string.sub, string.byte
 -- Values per HSET/RPUSH call: Lua's unpack fails near 8000 values ("too many results").
 local CHUNK = 1000
 
+-- What a fence or counter key holds: its string, false if it does not exist, or {type}
+-- when it holds another type (a list, a hash, ...), which no token can be compared with.
+-- Any other error is raised, as redis.call would raise it.
+local function stored(key)
+  local value = redis.pcall('GET', key)
+  if type(value) == 'table' then
+    if sub(value.err, 1, 9) ~= 'WRONGTYPE' then error(value) end
+    return {redis.call('TYPE', key)['ok']}
+  end
+  return value
+end
+
 -- The verdict of the fence (and the issuer counter) on this token: nil if it passes, else
 -- the reason; with the stored fence and, for UNISSUED, the counter.
 local function verdict(fkey, ikey, fstr)
-  if fstr and not match(fstr, '^%d+$') then return 'UNVERIFIABLE', '' end
+  if fstr and (type(fstr) == 'table' or not match(fstr, '^%d+$')) then
+    return 'UNVERIFIABLE', ''
+  end
   if fstr and tnum < tonumber(fstr) then return 'STALE', '' end
   if ikey then
-    local issued = redis.call('GET', ikey) or '0'
-    if not match(issued, '^%d+$') or tnum > tonumber(issued) then return 'UNISSUED', issued end
+    local issued = stored(ikey) or '0'
+    if type(issued) == 'table' or not match(issued, '^%d+$') or tnum > tonumber(issued) then
+      return 'UNISSUED', issued
+    end
   end
   return nil, ''
 end
@@ -150,7 +167,7 @@ end
 -- before anything was written, and the fence write's permission is checked up front.
 if n == 1 then
   local fkey, dkey = KEYS[1], KEYS[2]
-  local fstr = redis.call('GET', fkey)
+  local fstr = stored(fkey)
   local reason, issued = nil, ''
   -- A holder writing again finds its own token: equal passes (C4) with nothing to parse.
   if fstr ~= token or stride == 3 then
@@ -320,7 +337,7 @@ for i = 1, n do
 
   local fstr = fences[fkey]
   if fstr == nil then
-    fstr = redis.call('GET', fkey)
+    fstr = stored(fkey)
     fences[fkey] = fstr
   end
   local reason, issued = verdict(fkey, stride == 3 and KEYS[g + 3], fstr)
@@ -378,9 +395,15 @@ READ_LUA = """
 -- KEYS[1]  the fence key
 -- KEYS[2]  the data key
 -- ARGV[1]  "get" (a string value) or "hgetall" (a hash)
--- Returns {fence, value}: fence is the stored fence ("" if none); value is the string
--- (nil if absent) or the flat field/value array of the hash.
-local fence = redis.call('GET', KEYS[1]) or ''
+-- Returns {fence, value}: fence is the stored fence ("" if none; {type} and no value if
+-- the fence key holds another type, a list, a hash, ...); value is the string (nil if
+-- absent) or the flat field/value array of the hash.
+local fence = redis.pcall('GET', KEYS[1])
+if type(fence) == 'table' then
+  if string.sub(fence.err, 1, 9) ~= 'WRONGTYPE' then error(fence) end
+  return {{redis.call('TYPE', KEYS[1])['ok']}, false}
+end
+fence = fence or ''
 if ARGV[1] == 'hgetall' then
   return {fence, redis.call('HGETALL', KEYS[2])}
 end
@@ -394,14 +417,19 @@ SET_LUA = """
 -- KEYS[1] the fence key     KEYS[2] the data key
 -- ARGV[1] the token, a decimal string     ARGV[2] the value     ARGV[3] px (optional)
 -- Returns 1 when written, else {0, 1, reason, fence, ''} as the general write script,
--- with reason STALE or UNVERIFIABLE; nothing is written then. A SET cannot fail on the
--- data (any type is replaced, px is checked by the client); a failure of the server's
--- state (OOM, READONLY, ...) stops the first write, so it comes with nothing written; a user
--- that may not SET the fence key gets {2, 1, 'NOPERM', detail} before any write. A
--- fence write that fails after the value landed returns {3, 1, 'ERROR', error}.
+-- with reason STALE or UNVERIFIABLE (fence {type} if the fence key holds another type);
+-- nothing is written then. A SET cannot fail on the data (any type is replaced, px is
+-- checked by the client); a failure of the server's state (OOM, READONLY, ...) stops the
+-- first write, so it comes with nothing written; a user that may not SET the fence key
+-- gets {2, 1, 'NOPERM', detail} before any write. A fence write that fails after the
+-- value landed returns {3, 1, 'ERROR', error}.
 local token = ARGV[1]
-local fstr = redis.call('GET', KEYS[1])
+local fstr = redis.pcall('GET', KEYS[1])
 if fstr ~= token and fstr then
+  if type(fstr) == 'table' then  -- the fence key holds another type: no fence to compare
+    if string.sub(fstr.err, 1, 9) ~= 'WRONGTYPE' then error(fstr) end
+    return {0, 1, 'UNVERIFIABLE', {redis.call('TYPE', KEYS[1])['ok']}, ''}
+  end
   if not string.match(fstr, '^%d+$') then return {0, 1, 'UNVERIFIABLE', fstr, ''} end
   if tonumber(token) < tonumber(fstr) then return {0, 1, 'STALE', fstr, ''} end
 end
@@ -425,13 +453,18 @@ HSET_LUA = """
 -- KEYS[1] the fence key     KEYS[2] the data key
 -- ARGV[1] the token, a decimal string     ARGV[2..] field, value, ... (at most HSET_MAX_ARGS)
 -- Returns the number of fields added when written, else {0, 1, reason, fence, ''} as the
--- general write script (STALE or UNVERIFIABLE), or {2, 1, 'ERROR', error} when Redis
--- refused the HSET (a key of another type, the server's state), {2, 1, 'NOPERM', detail}
--- when the user may not write the fence key: nothing is written then.
+-- general write script (STALE or UNVERIFIABLE, fence {type} if the fence key holds another
+-- type), or {2, 1, 'ERROR', error} when Redis refused the HSET (a key of another type, the
+-- server's state), {2, 1, 'NOPERM', detail} when the user may not write the fence key:
+-- nothing is written then.
 -- A fence write that fails after the fields landed returns {3, 1, 'ERROR', error}.
 local token = ARGV[1]
-local fstr = redis.call('GET', KEYS[1])
+local fstr = redis.pcall('GET', KEYS[1])
 if fstr ~= token and fstr then
+  if type(fstr) == 'table' then  -- the fence key holds another type: no fence to compare
+    if string.sub(fstr.err, 1, 9) ~= 'WRONGTYPE' then error(fstr) end
+    return {0, 1, 'UNVERIFIABLE', {redis.call('TYPE', KEYS[1])['ok']}, ''}
+  end
   if not string.match(fstr, '^%d+$') then return {0, 1, 'UNVERIFIABLE', fstr, ''} end
   if tonumber(token) < tonumber(fstr) then return {0, 1, 'STALE', fstr, ''} end
 end
@@ -462,7 +495,7 @@ MANY_LUA = """
 -- that write was written) or {3, 1, 'ERROR', error}. Each write stands alone: a refused
 -- write does not stop the others.
 local out, a = {}, 1
-local match, call, pcall = string.match, redis.call, redis.pcall
+local match, sub, call, pcall = string.match, string.sub, redis.call, redis.pcall
 for i = 1, #KEYS / 2 do
   local fkey, dkey = KEYS[2 * i - 1], KEYS[2 * i]
   local token, kind = ARGV[a], ARGV[a + 1]
@@ -475,10 +508,13 @@ for i = 1, #KEYS / 2 do
     first, last = a + 2, a + 2
   end
   a = last + 1
-  local fstr = call('GET', fkey)
+  local fstr = pcall('GET', fkey)
   local reply
   if fstr ~= token and fstr then
-    if not match(fstr, '^%d+$') then
+    if type(fstr) == 'table' then  -- the fence key holds another type: no fence to compare
+      if sub(fstr.err, 1, 9) ~= 'WRONGTYPE' then error(fstr) end
+      reply = {0, 1, 'UNVERIFIABLE', {call('TYPE', fkey)['ok']}, ''}
+    elseif not match(fstr, '^%d+$') then
       reply = {0, 1, 'UNVERIFIABLE', fstr, ''}
     elseif tonumber(token) < tonumber(fstr) then
       reply = {0, 1, 'STALE', fstr, ''}

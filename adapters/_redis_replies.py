@@ -45,13 +45,14 @@ __all__ = [
     "pairs",
     "parse_fence",
     "pipeline_outcome",
+    "read_error",
     "server_state",
     "translate",
 ]
 
 
 def _int_or_none(raw: Any) -> int | None:
-    if raw is None or raw in ("", b""):
+    if raw is None or isinstance(raw, list) or raw in ("", b""):
         return None
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
     return int(text) if text.isdigit() else None
@@ -156,24 +157,47 @@ def decode(token: int, ops: Sequence[Op], reply: Any) -> list[Any] | FenceError:
     for at in range(1, len(reply), 4):
         op = ops[int(reply[at]) - 1]
         reason = _text(reply[at + 1])
-        fence = _int_or_none(reply[at + 2])
+        raw_fence, raw_issued = reply[at + 2], reply[at + 3]
+        fence = _int_or_none(raw_fence)
         if reason == "UNISSUED":
-            errors.append(
-                UnissuedTokenError(op.key, token, fence, issued=_int_or_none(reply[at + 3]) or 0)
-            )
+            message = None
+            if isinstance(raw_issued, list):
+                message = (
+                    f"{op.key}: token {token} cannot be shown to be issued: the issued counter"
+                    f" holds a {_text(raw_issued[0])}, not an integer; nothing was written"
+                )
+            issued = _int_or_none(raw_issued) or 0
+            errors.append(UnissuedTokenError(op.key, token, fence, issued=issued, message=message))
         else:
-            errors.append(StaleTokenError(op.key, token, fence, Reason(reason)))
+            message = _other_type(op.key, raw_fence) if isinstance(raw_fence, list) else None
+            errors.append(StaleTokenError(op.key, token, fence, Reason(reason), message=message))
     if len(ops) == 1:
         return errors[0]
     return batch_rejection(resource_of(errors[0].scope), token, errors)
 
 
+def _other_type(scope: str, held: Sequence[Any]) -> str:
+    """The message of a verdict on a fence key that holds another type (``held`` is the
+    script's ``{type}``)."""
+    return (
+        f"{scope}: the fence key holds a {_text(held[0])}, not a fence (an integer string);"
+        " refusing to guess, nothing was written"
+    )
+
+
 def parse_fence(scope: str, raw: Any) -> int | None:
     """The fence stored at a fence key, or ``None``; raise if it is not an integer.
+
+    Args:
+        scope: the key or scope the fence protects.
+        raw: what the fence key holds: a string, ``None`` or ``""`` for none, or the read
+            script's ``[type]`` for a key of another type.
 
     Raises:
         StaleTokenError: reason ``UNVERIFIABLE``, the fence key holds something else.
     """
+    if isinstance(raw, list):
+        raise StaleTokenError(scope, 0, None, Reason.UNVERIFIABLE, message=_other_type(scope, raw))
     if raw is None or raw in ("", b""):
         return None
     value = _int_or_none(raw)
@@ -243,6 +267,22 @@ def translate(err: RedisError, what: str) -> FenceError:
             )
         return BackendError(f"{what}: Redis refused the command: {text}", code="RESPONSE")
     return BackendError(f"{what}: Redis failed: {text}", code="BACKEND")
+
+
+def read_error(err: RedisError, scope: str) -> FenceError:
+    """:func:`translate` for a plain ``GET`` of the fence of ``scope``: a fence key of
+    another type (``WRONGTYPE``) holds no fence, and is ``UNVERIFIABLE`` as
+    :func:`parse_fence` has it."""
+    if isinstance(err, ResponseError) and str(err).startswith("WRONGTYPE"):
+        return StaleTokenError(
+            scope,
+            0,
+            None,
+            Reason.UNVERIFIABLE,
+            message=f"{scope}: the fence key holds another type than a string, not a fence"
+            " (an integer string); refusing to guess",
+        )
+    return translate(err, f"fence of {scope!r}")
 
 
 def pairs(flat: Any) -> dict[Any, Any]:

@@ -14,6 +14,10 @@ three callers:
   data key in the resource scope), refused with :class:`fence.InvalidResourceError`
   before any I/O.
 
+Every guard row runs once more on a fence key that holds another type (a list, a hash, a
+stream): no token can be compared with it, so the stale holder and the current holder are
+both refused as ``UNVERIFIABLE``, with nothing written.
+
 The guard rows use a client logged in as the guard's user of the ACL recipe
 (:func:`fence.adapters.redis.acl_rules`), which so is shown to be enough for every path.
 Raw rows are commands any client could send to the same keys: from the recipe's
@@ -518,6 +522,47 @@ async def _check_path(
     result = await _run(path, guard, key, CURRENT)
     assert path.landed(admin, key, result[0] if path.pipelined else result)
     assert admin.get(fence_key) == str(CURRENT).encode()
+
+
+#: What a fence key may hold instead of a fence, written raw.
+WRONG_TYPES: dict[str, Callable[[redis.Redis, str], Any]] = {
+    "list": lambda a, k: a.rpush(k, "x"),
+    "hash": lambda a, k: a.hset(k, "f", "x"),
+    "stream": lambda a, k: a.xadd(k, {"f": "x"}),
+}
+
+
+@pytest.mark.parametrize("wrong", WRONG_TYPES)
+@pytest.mark.parametrize("kind", KEY_KINDS[:2], ids=lambda kind: kind.name)
+@pytest.mark.parametrize("path", GUARD_PATHS, ids=lambda path: path.name)
+@pytest.mark.parametrize("flavor", ["sync", "asyncio"])
+async def test_guard_path_on_a_fence_key_of_another_type(
+    flavor: str, path: GuardPath, kind: KeyKind, wrong: str, users: Users, admin: redis.Redis
+) -> None:
+    """The three callers of one row, on a fence key that holds no fence: unbound, refused
+    before any I/O; a stale holder and the current holder, ``UNVERIFIABLE``, nothing
+    written (never a ``WRONGTYPE`` error of the backend)."""
+    key = kind.key
+    dead = _dead_client(flavor)
+    try:
+        with pytest.raises(InvalidTokenError):
+            await _run(path, _guard(flavor, dead, kind.scope), key, None)
+    finally:
+        await _close(dead)
+    client = _client(flavor, users.guard_url)
+    try:
+        guard = _guard(flavor, client, kind.scope)
+        fence_key = guard.layout.fence_key(key, data=not path.scope)
+        SEEDS[path.seed](admin, key)
+        WRONG_TYPES[wrong](admin, fence_key)
+        before = _state(admin)
+        for token in (STALE, CURRENT):
+            with pytest.raises(StaleTokenError) as caught:
+                await _run(path, guard, key, token)
+            assert (caught.value.reason, caught.value.fence) == (Reason.UNVERIFIABLE, None)
+            assert _state(admin) == before
+    finally:
+        await _close(client)
 
 
 # -- raw rows ------------------------------------------------------------------------------

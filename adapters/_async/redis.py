@@ -49,7 +49,14 @@ from .._redis_ops import (
     pipeline_calls,
     pipeline_replies,
 )
-from .._redis_replies import decode, pairs, parse_fence, pipeline_outcome, translate
+from .._redis_replies import (
+    decode,
+    pairs,
+    parse_fence,
+    pipeline_outcome,
+    read_error,
+    translate,
+)
 from .._redis_wire import RAISE_UNLISTED, Wire, takes_command_name
 
 __all__ = ["AsyncFencedPipeline", "AsyncRedisBatch", "AsyncRedisGuard"]
@@ -334,7 +341,8 @@ class AsyncRedisGuard:
         """The fence of ``scope``, or ``None`` if nothing was ever fenced there.
 
         Raises:
-            StaleTokenError: ``UNVERIFIABLE``, the fence key holds no integer.
+            StaleTokenError: ``UNVERIFIABLE``, the fence key holds no integer (or is of
+                another type).
             BackendError: Redis failed.
         """
         fence_key = self.layout.fence_key(scope, data=False)
@@ -342,11 +350,11 @@ class AsyncRedisGuard:
             raw = await self.client.get(fence_key)
         except RedisError as err:
             if not closed_connection(err):  # a read is always safe to send again
-                raise translate(err, f"fence of {scope!r}") from err
+                raise read_error(err, scope) from err
             try:
                 raw = await self.client.get(fence_key)
             except RedisError as again:
-                raise translate(again, f"fence of {scope!r}") from again
+                raise read_error(again, scope) from again
         return parse_fence(scope, raw)
 
     async def read_for_update(self, key: str, *, token: int) -> Any:

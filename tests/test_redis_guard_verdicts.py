@@ -1,0 +1,197 @@
+"""What cannot hide the Redis guard's verdict. Sync and asyncio, on the suite's
+redis-server.
+
+- A fence key that holds another type (a list, a hash, a stream, ...) is no fence a token
+  can be compared with: the write is refused as ``UNVERIFIABLE`` with nothing written,
+  never a ``WRONGTYPE`` error of the backend.
+
+These are rows of the write-path catalogue too (``tests/test_write_paths_redis.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from fence import (
+    BackendError,
+    Reason,
+    StaleTokenError,
+)
+from fence.adapters.redis import (
+    AsyncRedisGuard,
+    RedisGuard,
+    UnissuedTokenError,
+    WriteRefusedError,
+)
+
+pytestmark = pytest.mark.redis
+
+FLAVORS = ["sync", "asyncio"]
+
+
+@pytest.fixture
+def admin(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def _client(flavor: str, url: str, **options: Any) -> Any:
+    cls = redis.asyncio.Redis if flavor == "asyncio" else redis.Redis
+    return cls.from_url(url, **options)
+
+
+def _dead_client(flavor: str, **options: Any) -> Any:
+    """A client whose server does not exist: any I/O raises a connection error."""
+    cls = redis.asyncio.Redis if flavor == "asyncio" else redis.Redis
+    return cls(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0), **options)
+
+
+def _guard_class(flavor: str) -> Any:
+    return AsyncRedisGuard if flavor == "asyncio" else RedisGuard
+
+
+async def _close(client: Any) -> None:
+    closing = client.aclose() if isinstance(client, redis.asyncio.Redis) else client.close()
+    if inspect.isawaitable(closing):
+        await closing
+
+
+async def _settle(result: Any) -> Any:
+    return await result if inspect.isawaitable(result) else result
+
+
+def _state(admin: redis.Redis) -> dict[bytes, Any]:
+    """Every key with its serialized value and ttl: equal states mean nothing changed."""
+    return {key: (admin.dump(key), admin.pttl(key)) for key in sorted(admin.keys("*"))}
+
+
+def _raise_pipelined(outcomes: list[Any]) -> list[Any]:
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
+    return outcomes
+
+
+async def _pipelined(pipeline: Any) -> list[Any]:
+    return _raise_pipelined(await _settle(pipeline.execute()))
+
+
+#: Every guard method that reaches the storage, as ``(guard, key, token) -> awaitable or
+#: result``; a pipelined write's error is raised as a direct call's would be.
+CALLS: dict[str, Callable[[Any, Any, int], Any]] = {
+    "set": lambda g, k, t: g.set(k, "new", token=t),
+    "set must_exist": lambda g, k, t: g.set(k, "new", token=t, must_exist=True),
+    "set ttl": lambda g, k, t: g.set(k, "new", token=t, ttl=60),
+    "hset": lambda g, k, t: g.hset(k, {"f": "new"}, token=t),
+    "incr": lambda g, k, t: g.incr(k, 2, token=t),
+    "rpush": lambda g, k, t: g.rpush(k, "new", token=t),
+    "xadd": lambda g, k, t: g.xadd(k, {"f": "new"}, token=t),
+    "delete": lambda g, k, t: g.delete(k, token=t),
+    "claim": lambda g, k, t: g.claim(k, t),
+    "read_for_update": lambda g, k, t: g.read_for_update(k, token=t),
+    "hgetall_for_update": lambda g, k, t: g.hgetall_for_update(k, token=t),
+    "batch": lambda g, k, t: g.batch(t).set(k, "new").delete(k).execute(),
+    "batch claim": lambda g, k, t: g.batch(t).claim(k).execute(),
+    "pipeline set": lambda g, k, t: _pipelined(g.pipeline().set(k, "new", token=t)),
+    "pipeline hset": lambda g, k, t: _pipelined(g.pipeline().hset(k, {"f": 1}, token=t)),
+    "pipeline incr": lambda g, k, t: _pipelined(g.pipeline().incr(k, token=t)),
+    "pipeline claim": lambda g, k, t: _pipelined(g.pipeline().claim(k, token=t)),
+    "get": lambda g, k, t: g.get(k),
+    "hgetall": lambda g, k, t: g.hgetall(k),
+    "fence": lambda g, k, t: g.fence(k),
+}
+
+
+# -- a fence key of another type ---------------------------------------------------------------
+
+#: What a fence key may hold by accident or malice, written raw.
+WRONG_TYPES: dict[str, Callable[[redis.Redis, str], Any]] = {
+    "list": lambda a, k: a.rpush(k, "x"),
+    "hash": lambda a, k: a.hset(k, "f", "x"),
+    "stream": lambda a, k: a.xadd(k, {"f": "x"}),
+    "set": lambda a, k: a.sadd(k, "x"),
+    "zset": lambda a, k: a.zadd(k, {"x": 1}),
+}
+
+
+@pytest.mark.parametrize("kind", WRONG_TYPES)
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_a_fence_key_of_another_type_is_unverifiable(
+    flavor: str, kind: str, redis_url: str, admin: redis.Redis
+) -> None:
+    client = _client(flavor, redis_url)
+    try:
+        for scope, fence_key in (
+            ("key", "fence:{w}:key:{w}:k"),
+            ("resource", "fence:{w}:fence"),
+        ):
+            admin.flushall()
+            admin.set("{w}:k", "old")
+            WRONG_TYPES[kind](admin, fence_key)
+            guard = _guard_class(flavor)(client, scope=scope)
+            before = _state(admin)
+            for name, call in CALLS.items():
+                key = "w" if scope == "resource" and "claim" in name else "{w}:k"
+                with pytest.raises(StaleTokenError) as caught:
+                    await _settle(call(guard, key, 25))
+                error = caught.value
+                assert error.reason is Reason.UNVERIFIABLE, name
+                assert error.fence is None, name
+                shown = str(error.rejected[0] if error.rejected else error)
+                assert (kind if name != "fence" else "another type") in shown, name
+                assert _state(admin) == before, name
+    finally:
+        await _close(client)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_an_issued_counter_of_another_type_is_unverifiable(
+    flavor: str, redis_url: str, admin: redis.Redis
+) -> None:
+    client = _client(flavor, redis_url)
+    try:
+        admin.rpush("fence:{w}:token", "x")
+        guard = _guard_class(flavor)(client, scope="resource", check_issuer=True)
+        before = _state(admin)
+        for call in (
+            lambda: guard.set("{w}:k", "new", token=5),
+            lambda: guard.claim("w", 5),
+            lambda: guard.batch(5).set("{w}:k", "new").execute(),
+        ):
+            with pytest.raises(UnissuedTokenError) as caught:
+                await _settle(call())
+            assert caught.value.reason is Reason.UNVERIFIABLE
+        assert _state(admin) == before
+    finally:
+        await _close(client)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_a_data_key_of_another_type_is_still_the_callers_data(
+    flavor: str, redis_url: str, admin: redis.Redis
+) -> None:
+    """Only the fence key is the guard's: a data key of the wrong type for the operation
+    is refused as before (WriteRefusedError for a write, the backend's error for a plain
+    read), and a set replaces it, as SET does."""
+    client = _client(flavor, redis_url)
+    try:
+        guard = _guard_class(flavor)(client)
+        admin.rpush("{d}:k", "x")
+        with pytest.raises(WriteRefusedError) as refused:
+            await _settle(guard.hset("{d}:k", {"f": 1}, token=5))
+        assert refused.value.refused[0].reason == "WRONGTYPE"
+        with pytest.raises(BackendError, match="WRONGTYPE"):
+            await _settle(guard.get("{d}:k"))
+        await _settle(guard.set("{d}:k", "v", token=5))
+        assert admin.get("{d}:k") == b"v"
+    finally:
+        await _close(client)
