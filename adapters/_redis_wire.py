@@ -28,10 +28,62 @@ from typing import Any
 
 import redis
 import redis.asyncio
+import redis.asyncio.client
+import redis.asyncio.cluster
+import redis.client
+import redis.cluster
 
+from fence import ConfigurationError
 from fence._lua import Script
 
-__all__ = ["RAISE_UNLISTED", "Wire", "pack_calls", "takes_command_name"]
+__all__ = [
+    "PIPELINES",
+    "RAISE_UNLISTED",
+    "Wire",
+    "pack_calls",
+    "refuse_pipeline",
+    "takes_command_name",
+]
+
+#: redis-py's pipelines and transactions (``MULTI``/``EXEC``), standalone and cluster, sync
+#: and asyncio. A command sent on one is queued and answered only by its ``execute()``.
+PIPELINES: tuple[type, ...] = (
+    redis.client.Pipeline,
+    redis.asyncio.client.Pipeline,
+    redis.cluster.ClusterPipeline,
+    redis.asyncio.cluster.ClusterPipeline,
+)
+
+
+def refuse_pipeline(client: object, guard: str) -> None:
+    """Refuse a pipeline or a transaction as a guard's client, before any I/O.
+
+    On a pipeline the guard's ``EVALSHA`` would only be queued: the write method would
+    return before the script ran (a stale ``set`` returned ``None``, as an accepted one
+    does), and the verdict would come back as a raw reply of the pipeline's
+    ``execute()``, which the guard never reads and the caller cannot tell from a result.
+    Nothing sound can be returned at the call, so the client is refused instead; the
+    guard's own :meth:`pipeline` and :meth:`batch` send several fenced writes in one round
+    trip with a verdict for each.
+
+    Args:
+        client: the client the guard was given.
+        guard: the guard class's name, for the message.
+
+    Raises:
+        ConfigurationError: ``client`` is one of :data:`PIPELINES` (or a subclass).
+    """
+    if isinstance(client, PIPELINES):
+        raise ConfigurationError(
+            f"{guard} needs a Redis client, not a {type(client).__name__}: a command sent on"
+            " a pipeline or a transaction is only queued, so the guard would never see the"
+            " script's verdict (a stale write would return None, its refusal left unread in"
+            " the pipeline's execute()). Give the guard the client the pipeline came from;"
+            " for several fenced writes in one round trip use guard.pipeline() (each write"
+            " with its own token and verdict) or guard.batch(token) (all or nothing in one"
+            " script, where you would use MULTI/EXEC)."
+        )
+
 
 #: The methods ``execute_command`` runs through, in the redis-py versions the guard
 #: supports. A client class whose copy of any of them is not redis-py's own keeps the

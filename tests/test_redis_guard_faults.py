@@ -15,7 +15,7 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from fence import BackendError, Reason, RetryableError, StaleTokenError
+from fence import BackendError, ConfigurationError, Reason, RetryableError, StaleTokenError
 from fence.adapters.redis import AsyncRedisGuard, CrossSlotError, RedisGuard, slot_of
 from tests.servers import RedisServer, free_port
 
@@ -245,6 +245,29 @@ async def test_async_cluster_client_fenced_writes(cluster_server: RedisServer) -
         assert results == [1]
         with pytest.raises(CrossSlotError):
             await guard.batch(5).set("{acct:5}:a", 1).set("{acct:6}:a", 1).execute()
+    finally:
+        await client.aclose()
+
+
+def test_a_guard_on_a_cluster_pipeline_is_refused(cluster_server: RedisServer) -> None:
+    """A cluster pipeline queues as any other: its commands would hide every verdict."""
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster_server.port)
+    try:
+        pipeline = client.pipeline()
+        with pytest.raises(ConfigurationError, match=r"guard\.pipeline\(\)"):
+            RedisGuard(pipeline)
+        assert len(pipeline) == 0
+    finally:
+        client.close()
+
+
+async def test_async_guard_on_a_cluster_pipeline_is_refused(cluster_server: RedisServer) -> None:
+    client = redis.asyncio.cluster.RedisCluster(host="127.0.0.1", port=cluster_server.port)
+    try:
+        pipeline = client.pipeline()
+        with pytest.raises(ConfigurationError, match=r"guard\.pipeline\(\)"):
+            AsyncRedisGuard(pipeline)
+        assert len(pipeline) == 0
     finally:
         await client.aclose()
 

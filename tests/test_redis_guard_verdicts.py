@@ -1,6 +1,9 @@
 """What cannot hide the Redis guard's verdict. Sync and asyncio, on the suite's
 redis-server.
 
+- A pipeline or a transaction only queues what it is sent: a guard built on one would
+  return ``None`` for a stale write and leave the refusal in ``pipeline.execute()``. The
+  guard refuses such a client when it is built, before any I/O.
 - A fence key that holds another type (a list, a hash, a stream, ...) is no fence a token
   can be compared with: the write is refused as ``UNVERIFIABLE`` with nothing written,
   never a ``WRONGTYPE`` error of the backend.
@@ -22,6 +25,7 @@ from redis.retry import Retry
 
 from fence import (
     BackendError,
+    ConfigurationError,
     Reason,
     StaleTokenError,
 )
@@ -109,6 +113,55 @@ CALLS: dict[str, Callable[[Any, Any, int], Any]] = {
     "hgetall": lambda g, k, t: g.hgetall(k),
     "fence": lambda g, k, t: g.fence(k),
 }
+
+
+# -- a pipeline or a transaction is refused ----------------------------------------------
+
+
+@pytest.mark.parametrize("transaction", [False, True], ids=["pipeline", "transaction"])
+@pytest.mark.parametrize("client_flavor", FLAVORS)
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_a_guard_on_a_pipeline_is_refused_before_any_io(
+    flavor: str, client_flavor: str, transaction: bool
+) -> None:
+    """Whichever guard and whichever pipeline: a queued command returns no verdict."""
+    dead = _dead_client(client_flavor)
+    try:
+        pipeline = dead.pipeline(transaction=transaction)
+        with pytest.raises(ConfigurationError, match="pipeline") as caught:
+            _guard_class(flavor)(pipeline)
+        message = str(caught.value)
+        assert "guard.pipeline()" in message
+        assert "guard.batch(token)" in message
+        assert len(pipeline) == 0
+    finally:
+        await _close(dead)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_a_stale_write_cannot_hide_in_a_pipeline(
+    flavor: str, redis_url: str, admin: redis.Redis
+) -> None:
+    """The hole the refusal closes: on a pipeline a stale set returned ``None`` and its
+    verdict came back as a raw reply of ``execute()``. The guard's own pipeline and batch
+    give each write its verdict."""
+    client = _client(flavor, redis_url)
+    try:
+        guard = _guard_class(flavor)(client)
+        await _settle(guard.set("{p}:k", "v", token=20))
+        before = _state(admin)
+        pipeline = client.pipeline()
+        with pytest.raises(ConfigurationError):
+            _guard_class(flavor)(pipeline)
+        assert len(pipeline) == 0
+        (outcome,) = await _settle(guard.pipeline().set("{p}:k", "stale", token=10).execute())
+        assert isinstance(outcome, StaleTokenError)
+        assert outcome.reason is Reason.STALE
+        with pytest.raises(StaleTokenError):
+            await _settle(guard.batch(10).set("{p}:k", "stale").execute())
+        assert _state(admin) == before
+    finally:
+        await _close(client)
 
 
 # -- a fence key of another type ---------------------------------------------------------------

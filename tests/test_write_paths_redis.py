@@ -14,6 +14,10 @@ three callers:
   data key in the resource scope), refused with :class:`fence.InvalidResourceError`
   before any I/O.
 
+A guard cannot be built on a pipeline or a transaction of redis-py, whose queued commands
+would hide every verdict: the client rows show it refused before any I/O, so no caller
+writes through one.
+
 Every guard row runs once more on a fence key that holds another type (a list, a hash, a
 stream): no token can be compared with it, so the stale holder and the current holder are
 both refused as ``UNVERIFIABLE``, with nothing written.
@@ -41,6 +45,7 @@ from redis.exceptions import NoPermissionError
 from redis.retry import Retry
 
 from fence import (
+    ConfigurationError,
     InvalidResourceError,
     InvalidTokenError,
     ReadLeaseError,
@@ -522,6 +527,34 @@ async def _check_path(
     result = await _run(path, guard, key, CURRENT)
     assert path.landed(admin, key, result[0] if path.pipelined else result)
     assert admin.get(fence_key) == str(CURRENT).encode()
+
+
+@pytest.mark.parametrize("transaction", [False, True], ids=["pipeline", "transaction"])
+@pytest.mark.parametrize("flavor", ["sync", "asyncio"])
+async def test_guard_on_a_pipeline_is_refused(
+    flavor: str, transaction: bool, users: Users, admin: redis.Redis
+) -> None:
+    """Client rows: a guard built on ``client.pipeline()`` would queue its script and
+    return before the verdict (a stale set returned ``None``). Refused when the guard is
+    built, for every caller alike, with nothing queued and nothing written."""
+    client = _client(flavor, users.guard_url)
+    try:
+        SEEDS["string"](admin, "{wp:1}:k")
+        admin.set("fence:{wp:1}:key:{wp:1}:k", FENCE)
+        before = _state(admin)
+        pipeline = client.pipeline(transaction=transaction)
+        for scope in ("key", "resource"):
+            with pytest.raises(ConfigurationError, match="pipeline"):
+                _guard(flavor, pipeline, scope)
+        assert len(pipeline) == 0
+        await _settle(pipeline.execute())
+        assert _state(admin) == before
+    finally:
+        await _close(client)
+
+
+async def _settle(result: Any) -> Any:
+    return await result if inspect.isawaitable(result) else result
 
 
 #: What a fence key may hold instead of a fence, written raw.

@@ -57,7 +57,7 @@ from .._redis_replies import (
     read_error,
     translate,
 )
-from .._redis_wire import RAISE_UNLISTED, Wire, takes_command_name
+from .._redis_wire import RAISE_UNLISTED, Wire, refuse_pipeline, takes_command_name
 
 __all__ = ["AsyncFencedPipeline", "AsyncRedisBatch", "AsyncRedisGuard"]
 
@@ -113,7 +113,9 @@ class AsyncRedisGuard:
             :data:`fence.default_bus`).
 
     Raises:
-        ConfigurationError: an empty prefix, a prefix with braces or an unknown scope.
+        ConfigurationError: an empty prefix, a prefix with braces or an unknown scope; a
+            pipeline or a transaction (``client.pipeline()``) as the client, whose queued
+            commands would hide every verdict: use :meth:`pipeline` or :meth:`batch`.
 
     Example::
 
@@ -133,6 +135,7 @@ class AsyncRedisGuard:
         check_issuer: bool = False,
         events: EventBus | None = None,
     ) -> None:
+        refuse_pipeline(client, type(self).__name__)
         self.client = client
         cluster = isinstance(client, redis.asyncio.cluster.RedisCluster)
         self.layout = KeyLayout(prefix, scope, cluster=cluster)

@@ -59,7 +59,7 @@ from .._redis_replies import (
     read_error,
     translate,
 )
-from .._redis_wire import RAISE_UNLISTED, Wire, takes_command_name
+from .._redis_wire import RAISE_UNLISTED, Wire, refuse_pipeline, takes_command_name
 
 __all__ = ["FencedPipeline", "RedisBatch", "RedisGuard"]
 
@@ -115,7 +115,9 @@ class RedisGuard:
             :data:`fence.default_bus`).
 
     Raises:
-        ConfigurationError: an empty prefix, a prefix with braces or an unknown scope.
+        ConfigurationError: an empty prefix, a prefix with braces or an unknown scope; a
+            pipeline or a transaction (``client.pipeline()``) as the client, whose queued
+            commands would hide every verdict: use :meth:`pipeline` or :meth:`batch`.
 
     Example::
 
@@ -135,6 +137,7 @@ class RedisGuard:
         check_issuer: bool = False,
         events: EventBus | None = None,
     ) -> None:
+        refuse_pipeline(client, type(self).__name__)
         self.client = client
         cluster = isinstance(client, redis.cluster.RedisCluster)
         self.layout = KeyLayout(prefix, scope, cluster=cluster)
