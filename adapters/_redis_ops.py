@@ -4,8 +4,9 @@ An operation (:class:`Op`) is built and checked by the guard's methods before an
 arguments are validated here (ttl, integer range, stream id, sizes). :func:`command` picks
 the leanest script of ``_redis_lua.py`` for one write (``SET``, ``HSET`` or the general
 ``WRITE``) and builds its ``KEYS`` and ``ARGV``; :func:`encode` does it for a batch,
-:func:`many_part` for one write of a pipeline's ``MANY`` call. The fence keys come from
-:class:`fence._redis_keys.KeyLayout`.
+:func:`many_part` for one write of a pipeline's ``MANY`` call. The keys come from
+:class:`fence._redis_keys.KeyLayout` (``wire_keys``), as the bytes the client sends: the
+checks judged those bytes, and the packer passes bytes through without encoding them again.
 
 Tokens and other integers go as decimal strings (``_redis_lua.py`` says why).
 """
@@ -202,7 +203,7 @@ _OPCODES = {
 
 def encode(
     layout: KeyLayout, token: int, ops: Sequence[Op], *, issuer: bool, one_slot: bool
-) -> tuple[list[str], list[Any]]:
+) -> tuple[list[bytes], list[Any]]:
     """Build the ``KEYS`` and ``ARGV`` of one :data:`WRITE` call.
 
     Args:
@@ -215,18 +216,19 @@ def encode(
     Raises:
         CrossSlotError: ``one_slot`` and the keys span several slots.
     """
-    keys: list[str] = []
+    keys: list[bytes] = []
     # Numbers and fixed words go as bytes: redis-py passes bytes through but encodes every
     # str and int on each call, which is most of the client's cost of a fenced write.
     argv: list[Any] = [b"%d" % token, b"%d" % len(ops), b"3" if issuer else b"2"]
     for op in ops:
-        fence = layout.fence_key(op.key, data=op.code != "claim")
+        claim = op.code == "claim"
+        fence, key = layout.wire_keys(op.key, data=not claim)
         keys.append(fence)
         # A claim touches no data; its scope may be a bare resource name, which is no key
         # the guard's ACL user may have (KEYS must be accessible). Its fence key stands in.
-        keys.append(fence if op.code == "claim" else op.key)
+        keys.append(fence if claim else key)
         if issuer:
-            keys.append(layout.issuer_key(op.key))
+            keys.append(layout.wire_name(layout.issuer_key(op.key)))
         argv += (
             _OPCODES.get(op.code) or op.code,
             b"1" if op.must_exist else b"0",
@@ -240,7 +242,7 @@ def encode(
 
 def command(
     layout: KeyLayout, token: int, op: Op, *, issuer: bool
-) -> tuple[Script, list[str], list[Any]]:
+) -> tuple[Script, list[bytes], list[Any]]:
     """The script, ``KEYS`` and ``ARGV`` of one fenced write, the leanest that does it.
 
     A plain set and a small hset have scripts of their own with half the arguments of the
@@ -251,10 +253,10 @@ def command(
     if not (op.must_exist or issuer):
         if op.code == "set":
             value, px = op.args
-            keys = [layout.fence_key(op.key), op.key]
+            keys = list(layout.wire_keys(op.key))
             return SET, keys, ([b"%d" % token, value, px] if px else [b"%d" % token, value])
         if op.code == "hset" and len(op.args) <= HSET_MAX_ARGS:
-            return HSET, [layout.fence_key(op.key), op.key], [b"%d" % token, *op.args]
+            return HSET, list(layout.wire_keys(op.key)), [b"%d" % token, *op.args]
     keys, argv = encode(layout, token, (op,), issuer=issuer, one_slot=False)
     return WRITE, keys, argv
 
@@ -269,11 +271,11 @@ def many_part(layout: KeyLayout, token: int, op: Op, *, issuer: bool) -> list[An
         return None
     if op.code == "set":
         value, px = op.args
-        head = [layout.fence_key(op.key), op.key, b"%d" % token]
+        head = [*layout.wire_keys(op.key), b"%d" % token]
         return [*head, b"p", value, px] if px else [*head, b"s", value]
     if op.code == "hset" and len(op.args) <= HSET_MAX_ARGS:
-        key = op.key
-        return [layout.fence_key(key), key, b"%d" % token, b"h", b"%d" % len(op.args), *op.args]
+        fence, key = layout.wire_keys(op.key)
+        return [fence, key, b"%d" % token, b"h", b"%d" % len(op.args), *op.args]
     return None
 
 

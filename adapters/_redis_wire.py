@@ -4,10 +4,11 @@ A fenced write is one ``EVALSHA``. Through ``execute_command`` redis-py spends m
 client's time on the way to the socket than the script costs the server: it encodes every
 argument, builds the command piece by piece, and wraps the call in layers a fenced write
 does not need (a response callback lookup, per-command hooks). The guard packs its own
-calls instead: the ``EVALSHA <sha> <numkeys>`` head once per call shape, the arguments
-with the client's own encoder, and sends them on a connection of the client's own pool
-with the connection's own retry policy, as ``execute_command`` does
-(``adapters/_async/redis.py``, ``_round_trip``).
+calls instead: the ``EVALSHA <sha> <numkeys>`` head once per call shape, the keys as the
+bytes the key layout judged (``KeyLayout.wire_keys``, in the client's encoding, once per
+key: :func:`client_encoding`), the other arguments with the client's own encoder, and sends
+them on a connection of the client's own pool with the connection's own retry policy, as
+``execute_command`` does (``adapters/_async/redis.py``, ``_round_trip``).
 
 It does so only for the client kinds whose ``execute_command`` path it reproduces: a
 ``redis.Redis`` or ``redis.asyncio.Redis`` (or a subclass that overrides nothing on that
@@ -15,7 +16,8 @@ path) with a connection pool, no pinned single connection, no client-side cache,
 redis-py's own metrics and debug log (``redis.client`` at ``DEBUG``) off. Every other
 client (a cluster client, a subclass or an instrumentation wrapper around
 ``execute_command``, a single-connection client) keeps ``execute_command``, one
-``EVALSHA`` per write as before.
+``EVALSHA`` per write as before. A pipeline or a transaction is no client for a guard at
+all: it would queue the call and hide its verdict (:func:`refuse_pipeline`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "PIPELINES",
     "RAISE_UNLISTED",
     "Wire",
+    "client_encoding",
     "pack_calls",
     "refuse_pipeline",
     "takes_command_name",
@@ -53,6 +56,14 @@ PIPELINES: tuple[type, ...] = (
     redis.cluster.ClusterPipeline,
     redis.asyncio.cluster.ClusterPipeline,
 )
+
+
+def client_encoding(client: Any) -> tuple[str, str]:
+    """The encoding in which ``client`` sends a ``str``, and its error policy: redis-py's
+    ``encoding`` and ``encoding_errors``, from the client's encoder (its pool's, or a
+    cluster client's own), which every connection of the client shares."""
+    encoder = client.get_encoder()
+    return encoder.encoding, encoder.encoding_errors
 
 
 def refuse_pipeline(client: object, guard: str) -> None:

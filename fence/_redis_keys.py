@@ -36,7 +36,10 @@ Only the lock, readers, queue and void keys carry a ttl. Counters and fences nev
 The prefix reserves a namespace: every key that starts with it belongs to fences, token
 counters and lock state. A guard refuses such a key as a data key (a write there could
 reset a fence), and, in the resource scope, a data key without a hash tag (its register
-would not be its resource's). The Lua scripts name the same keys from the ones they are
+would not be its resource's). The namespace is a set of bytes on the server: the keys
+whose bytes start with the prefix in UTF-8, as the lock managers send it and the ACL
+recipe names it; the guard judges each key as the bytes its client sends
+(:meth:`KeyLayout.wire_keys`). The Lua scripts name the same keys from the ones they are
 given (``fence._redis_scripts``, ``fence._quorum``, ``adapters/_redis_lua.py``).
 """
 
@@ -352,22 +355,52 @@ class KeyLayout:
     managers' keys: the layout refuses such a data key, and, in the resource scope, a data
     key without a hash tag (its register would not be its resource's).
 
+    A client sends a ``str`` key in its own encoding (redis-py's ``encoding`` and
+    ``encoding_errors``), and that is what the server stores and matches. The guard's keys
+    go as :meth:`wire_keys` gives them: encoded once, judged as those bytes, and sent as
+    they are. A key the encoding would change (a character it drops, replaces or cannot
+    send) is refused: two names would reach Redis as one key with two fences, and a
+    dropped character could move a key into the namespace.
+
     Args:
         prefix: the key prefix; must match the lock manager's. Not empty, no braces.
         scope: a :class:`FenceScope`.
         cluster: whether the client is a cluster client (keys whose resource contains
             ``}`` cannot share a slot with their fence there).
+        encoding: the encoding the client sends a ``str`` in (redis-py's ``encoding``).
+        errors: its error policy (redis-py's ``encoding_errors``).
 
     Raises:
-        ConfigurationError: an empty prefix, a prefix with braces or an unknown scope.
+        ConfigurationError: an empty prefix, a prefix with braces or an unknown scope; an
+            encoding that would not send the prefix as its UTF-8 bytes, where the lock
+            managers and the ACL recipe have the namespace (``utf-16``, a prefix it
+            cannot represent, an unknown encoding).
     """
 
-    __slots__ = ("_fence_keys", "cluster", "per_resource", "prefix", "scope")
+    __slots__ = (
+        "_fence_keys",
+        "_namespace",
+        "_wire_keys",
+        "cluster",
+        "encoding",
+        "errors",
+        "per_resource",
+        "prefix",
+        "scope",
+    )
 
     #: Fence keys remembered per data key: a hot key costs one dict lookup, not a parse.
     CACHE_SIZE = 4096
 
-    def __init__(self, prefix: str, scope: FenceScope | str, *, cluster: bool) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        scope: FenceScope | str,
+        *,
+        cluster: bool,
+        encoding: str = "utf-8",
+        errors: str = "strict",
+    ) -> None:
         validate_prefix(prefix, reserved=True)
         try:
             self.scope = FenceScope(scope)
@@ -378,7 +411,10 @@ class KeyLayout:
         self.prefix = prefix
         self.per_resource = self.scope is FenceScope.RESOURCE
         self.cluster = cluster
+        self.encoding, self.errors = encoding, errors
+        self._namespace = _prefix_bytes(prefix, encoding, errors)
         self._fence_keys: dict[str, str] = {}
+        self._wire_keys: dict[str, tuple[bytes, bytes]] = {}
 
     def resource(self, key: str) -> str:
         """The resource of ``key``; on a cluster, refuse one whose fence cannot share its slot.
@@ -446,6 +482,109 @@ class KeyLayout:
     def issuer_key(self, key: str) -> str:
         """The lock manager's issued-token counter for the resource of ``key``."""
         return resource_base(self.prefix, self.resource(key)) + _COUNTER
+
+    def wire_keys(self, key: str, *, data: bool = True) -> tuple[bytes, bytes]:
+        """The fence key of ``key`` and ``key`` itself, as the bytes the client sends.
+
+        The guard sends these bytes as they are, so what is judged here is what the server
+        gets: the namespace check runs on the key's bytes, and no subclass of ``str`` can
+        show the checks one name and the encoder another.
+
+        Args:
+            key: a data key; or, with ``data=False``, a scope (see :meth:`fence_key`).
+            data: whether ``key`` is a data key.
+
+        Raises:
+            InvalidResourceError: as :meth:`fence_key`; or the key's bytes lie in the fence
+                namespace, or the client's encoding would change the key (see the class).
+            CrossSlotError: as :meth:`resource`.
+        """
+        found = self._wire_keys.get(key) if data and type(key) is str else None
+        if found is not None:
+            return found
+        if isinstance(key, str):
+            key = str.__str__(key)  # a plain str: no method of a subclass takes part
+        fence = self.fence_key(key, data=data)
+        sent, whole = self._encode(key)
+        if sent is not None and sent.startswith(self._namespace):
+            raise InvalidResourceError(
+                f"key {key!r} lies in the fence namespace as the client sends it: its"
+                f" encoding {self.encoding!r} (errors={self.errors!r}) makes it {sent!r},"
+                f" which starts with the prefix {self.prefix!r}, reserved for fences, token"
+                " counters and lock state.",
+                value=key,
+            )
+        if not whole or sent is None:
+            raise self._changed(key, sent)
+        pair = (self._whole(fence, key), sent)
+        if data:
+            if len(self._wire_keys) >= self.CACHE_SIZE:
+                self._wire_keys.clear()
+            self._wire_keys[key] = pair
+        return pair
+
+    def wire_name(self, name: str) -> bytes:
+        """A key the layout built (:meth:`issuer_key`), as the bytes the client sends.
+
+        Raises:
+            InvalidResourceError: the client's encoding would change it.
+        """
+        return self._whole(name, name)
+
+    def _encode(self, name: str) -> tuple[bytes | None, bool]:
+        """``name`` as the client encodes it (``None`` if it cannot), and whether the
+        encoding keeps it whole: the bytes decode back to ``name``, so that no other name
+        is sent as the same bytes."""
+        try:
+            sent = name.encode(self.encoding, self.errors)
+        except (UnicodeError, TypeError):
+            return None, False
+        try:
+            return sent, sent.decode(self.encoding, self.errors) == name
+        except (UnicodeError, TypeError):
+            return sent, False
+
+    def _whole(self, name: str, key: object) -> bytes:
+        """``name`` as the client sends it, if the encoding keeps it whole (see
+        :meth:`_encode`); ``key`` is the data key or scope it was built for."""
+        sent, whole = self._encode(name)
+        if not whole or sent is None:
+            raise self._changed(key, sent)
+        return sent
+
+    def _changed(self, key: object, sent: bytes | None) -> InvalidResourceError:
+        """The error for a key the client's encoding would not send as it is."""
+        shown = "cannot send it" if sent is None else f"would send it as {sent!r}"
+        return InvalidResourceError(
+            f"key {key!r} cannot be sent as it is: the client's encoding {self.encoding!r}"
+            f" (errors={self.errors!r}) {shown}, a name that other keys share or that is"
+            " not this one, so its fence could not be told apart. Use keys the encoding"
+            " represents exactly, or a client with the default encoding, UTF-8.",
+            value=key,
+        )
+
+
+def _prefix_bytes(prefix: str, encoding: str, errors: str) -> bytes:
+    """The prefix's UTF-8 bytes, if a client with this encoding sends it so.
+
+    Raises:
+        ConfigurationError: the client would send the prefix as other bytes, or cannot.
+    """
+    namespace = prefix.encode("utf-8", "surrogatepass")
+    try:
+        sent: bytes | None = prefix.encode(encoding, errors)
+    except (LookupError, UnicodeError, TypeError):
+        sent = None
+    if sent != namespace:
+        raise ConfigurationError(
+            f"a client with encoding {encoding!r} (errors={errors!r}) would send the prefix"
+            f" {prefix!r} as {sent!r}, not as {namespace!r}, the bytes by which the lock"
+            " managers and the ACL recipe name the fence namespace: every fence of the"
+            " guard would lie outside it. Use a client with an encoding that sends the"
+            " prefix as UTF-8 does (the default, UTF-8; latin-1 or ASCII for an ASCII"
+            " prefix)."
+        )
+    return namespace
 
 
 def _tagged_example(key: str, *, bare: bool = False) -> str:

@@ -4,6 +4,9 @@ redis-server.
 - A pipeline or a transaction only queues what it is sent: a guard built on one would
   return ``None`` for a stale write and leave the refusal in ``pipeline.execute()``. The
   guard refuses such a client when it is built, before any I/O.
+- A key is judged as the bytes the client sends: an encoding that drops or replaces
+  characters must not move a key into the fence namespace (C12), nor make two names one
+  key with two fences.
 - A fence key that holds another type (a list, a hash, a stream, ...) is no fence a token
   can be compared with: the write is refused as ``UNVERIFIABLE`` with nothing written,
   never a ``WRONGTYPE`` error of the backend.
@@ -26,6 +29,7 @@ from redis.retry import Retry
 from fence import (
     BackendError,
     ConfigurationError,
+    InvalidResourceError,
     Reason,
     StaleTokenError,
 )
@@ -162,6 +166,172 @@ async def test_a_stale_write_cannot_hide_in_a_pipeline(
         assert _state(admin) == before
     finally:
         await _close(client)
+
+
+# -- keys as the bytes the client sends ----------------------------------------------------
+
+
+@pytest.mark.parametrize("errors", ["ignore", "replace"])
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_an_encoding_cannot_move_a_key_into_the_fence_namespace(
+    flavor: str, errors: str, redis_url: str, admin: redis.Redis
+) -> None:
+    """With ``encoding_errors="ignore"`` the 'é' is dropped on the way and the rest is a
+    per-key fence: the key is judged as the bytes the client sends."""
+    admin.set("{a}:k", "old")
+    admin.set("fence:{a}:key:{a}:k", 20)
+    client = _client(flavor, redis_url, encoding="ascii", encoding_errors=errors)
+    try:
+        guard = _guard_class(flavor)(client)
+        before = _state(admin)
+        key = "\u00e9fence:{a}:key:{a}:k" if errors == "ignore" else "fence:{a}:key:{a}:k"
+        for name, call in CALLS.items():
+            with pytest.raises(InvalidResourceError, match="fence namespace") as caught:
+                await _settle(call(guard, key, 1))
+            assert caught.value.value == key, name
+        assert _state(admin) == before
+        # The fenced key itself is still fenced.
+        with pytest.raises(StaleTokenError):
+            await _settle(guard.set("{a}:k", "stale", token=10))
+        assert _state(admin) == before
+    finally:
+        await _close(client)
+
+
+@pytest.mark.parametrize("errors", ["ignore", "replace", "backslashreplace"])
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_a_key_the_encoding_would_change_is_refused(
+    flavor: str, errors: str, redis_url: str, admin: redis.Redis
+) -> None:
+    """Under a lossy encoding two names reach Redis as one key: ``{é}a`` is sent as
+    ``{}a`` with 'ignore', whose hash tag is empty. Fenced by its name, that one key would
+    have two fences, and a stale holder could write it through the other name."""
+    client = _client(flavor, redis_url, encoding="ascii", encoding_errors=errors)
+    dead = _dead_client(flavor, encoding="ascii", encoding_errors=errors)
+    try:
+        guard = _guard_class(flavor)(client)
+        dead_guard = _guard_class(flavor)(dead)
+        for name, call in CALLS.items():
+            for key in ("{\u00e9}a", "{a}:\u00e9"):
+                with pytest.raises(InvalidResourceError, match="encoding") as caught:
+                    await _settle(call(dead_guard, key, 1))
+                assert caught.value.value == key, name
+        # Its ASCII twin is an ordinary key: fenced by its own name, as ever.
+        await _settle(guard.set("{}a", "new", token=20))
+        with pytest.raises(StaleTokenError):
+            await _settle(guard.set("{}a", "stale", token=10))
+        assert admin.get("{}a") == b"new"
+        assert admin.get("fence:{{}a}:key:{}a") == b"20"
+    finally:
+        await _close(client)
+        await _close(dead)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_a_key_is_fenced_as_the_bytes_the_client_sends(
+    flavor: str, redis_url: str, admin: redis.Redis
+) -> None:
+    """A latin-1 client sends 'é' as one byte: the key and its fence are those bytes."""
+    client = _client(flavor, redis_url, encoding="latin-1")
+    try:
+        guard = _guard_class(flavor)(client)
+        await _settle(guard.set("{caf\u00e9}:k", "new", token=20))
+        assert admin.get(b"{caf\xe9}:k") == b"new"
+        assert admin.get(b"fence:{caf\xe9}:key:{caf\xe9}:k") == b"20"
+        assert guard.layout.wire_keys("{caf\u00e9}:k") == (
+            b"fence:{caf\xe9}:key:{caf\xe9}:k",
+            b"{caf\xe9}:k",
+        )
+        with pytest.raises(StaleTokenError) as caught:
+            await _settle(guard.set("{caf\u00e9}:k", "stale", token=10))
+        assert (caught.value.reason, caught.value.fence) == (Reason.STALE, 20)
+        assert await _settle(guard.get("{caf\u00e9}:k")) == (b"new", 20)
+        assert await _settle(guard.fence("{caf\u00e9}:k")) == 20
+        resource = _guard_class(flavor)(client, scope="resource", check_issuer=True)
+        admin.set(b"fence:{caf\xe9}:token", 30)
+        await _settle(resource.claim("caf\u00e9", 30))
+        assert admin.get(b"fence:{caf\xe9}:fence") == b"30"
+        with pytest.raises(UnissuedTokenError):
+            await _settle(resource.set("{caf\u00e9}:k", "x", token=31))
+        assert admin.get(b"{caf\xe9}:k") == b"new"
+    finally:
+        await _close(client)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-16-le"])
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_a_client_that_would_move_the_namespace_is_refused(
+    flavor: str, encoding: str
+) -> None:
+    """The fence namespace is the prefix's UTF-8 bytes, as the lock managers and the ACL
+    recipe name it; a client that sends the prefix otherwise would put every fence of
+    the guard outside it."""
+    dead = _dead_client(flavor, encoding=encoding)
+    try:
+        with pytest.raises(ConfigurationError, match="encoding"):
+            _guard_class(flavor)(dead)
+    finally:
+        await _close(dead)
+    dead = _dead_client(flavor, encoding="ascii")
+    try:
+        with pytest.raises(ConfigurationError, match="encoding"):
+            _guard_class(flavor)(dead, prefix="f\u00e9nce:")
+    finally:
+        await _close(dead)
+
+
+class _Disguised(str):
+    """A str whose own ``encode`` says it is a fence key."""
+
+    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return b"fence:{a}:key:{a}:k"
+
+    def startswith(self, *args: Any) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_the_bytes_checked_are_the_bytes_sent(
+    flavor: str, redis_url: str, admin: redis.Redis
+) -> None:
+    """A str subclass cannot show one name to the check and send another."""
+    client = _client(flavor, redis_url)
+    try:
+        guard = _guard_class(flavor)(client)
+        await _settle(guard.set("{a}:k", "old", token=20))
+        await _settle(guard.set(_Disguised("{a}:k"), "new", token=21))
+        assert admin.get("{a}:k") == b"new"
+        assert admin.get("fence:{a}:key:{a}:k") == b"21"
+    finally:
+        await _close(client)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        b"fence:{a}:key:{a}:k",
+        b"{a}:k",
+        memoryview(b"fence:{a}:fence"),
+        bytearray(b"fence:{a}:token"),
+        12,
+        1.5,
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_a_key_that_is_no_str_is_refused_before_any_io(flavor: str, key: Any) -> None:
+    """redis-py sends bytes, memoryviews, ints and floats as keys too; the guard takes a
+    str only, whatever bytes the key would be, inside the fence namespace or out."""
+    dead = _dead_client(flavor)
+    try:
+        guard = _guard_class(flavor)(dead)
+        numbered = _guard_class(flavor)(dead, prefix="1")  # 12 and 1.5 would lie in it
+        for call in CALLS.values():
+            for each in (guard, numbered):
+                with pytest.raises(InvalidResourceError, match="must be a str"):
+                    await _settle(call(each, key, 1))
+    finally:
+        await _close(dead)
 
 
 # -- a fence key of another type ---------------------------------------------------------------

@@ -14,6 +14,11 @@ three callers:
   data key in the resource scope), refused with :class:`fence.InvalidResourceError`
   before any I/O.
 
+Keys are judged as the bytes the client sends: some kinds of key come with a client
+encoding of their own (a latin-1 key is fenced as its latin-1 bytes; an encoding that
+drops a character cannot move a key into the fence namespace, nor send two names as one
+key), and keys that are no ``str`` (bytes, memoryviews, numbers) are refused.
+
 A guard cannot be built on a pipeline or a transaction of redis-py, whose queued commands
 would hide every verdict: the client rows show it refused before any I/O, so no caller
 writes through one.
@@ -84,12 +89,12 @@ class GuardPath:
     name: str
     call: Callable[[Any, str, Any], Any]
     seed: str
-    landed: Callable[[redis.Redis, str, Any], bool]
+    landed: Callable[[redis.Redis, Any, Any], bool]
     scope: bool = False
     pipelined: bool = False
 
 
-def _unchanged(admin: redis.Redis, key: str, _result: Any) -> bool:
+def _unchanged(admin: redis.Redis, key: Any, _result: Any) -> bool:
     return admin.get(key) == b"old"
 
 
@@ -262,7 +267,7 @@ GUARD_PATHS = [
 ]
 
 #: What a key holds before a call, written raw by the admin client.
-SEEDS: dict[str, Callable[[redis.Redis, str], Any]] = {
+SEEDS: dict[str, Callable[[redis.Redis, Any], Any]] = {
     "string": lambda a, k: a.set(k, "old"),
     "int": lambda a, k: a.set(k, 7),
     "hash": lambda a, k: a.hset(k, "f", "old"),
@@ -281,17 +286,31 @@ class KeyKind:
         key: an example key.
         reserved: the key lies in the fence namespace: every path refuses it.
         untagged: a key without a hash tag: data paths refuse it in the resource scope.
+        encoding: the client's ``encoding`` and ``encoding_errors``.
+        refusal: what every path's ``InvalidResourceError`` says, for a key refused for
+            another reason than the namespace or the hash tag.
     """
 
     name: str
     scope: str
-    key: str
+    key: Any
     reserved: bool = False
     untagged: bool = False
+    encoding: tuple[str, str] = ("utf-8", "strict")
+    refusal: str | None = None
 
     def refused(self, path: GuardPath) -> bool:
         """Whether ``path`` must refuse this key before any I/O."""
-        return self.reserved or (self.untagged and self.scope == "resource" and not path.scope)
+        return (
+            self.reserved
+            or self.refusal is not None
+            or (self.untagged and self.scope == "resource" and not path.scope)
+        )
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The client's options for this kind."""
+        return {"encoding": self.encoding[0], "encoding_errors": self.encoding[1]}
 
 
 KEY_KINDS = [
@@ -305,6 +324,47 @@ KEY_KINDS = [
     KeyKind("fence register", "resource", "fence:{wp:1}:fence", reserved=True),
     KeyKind("manager counter", "key", "fence:{wp:1}:token", reserved=True),
     KeyKind("manager lock", "resource", "fence:{wp:1}:lock", reserved=True),
+    # As the client sends them: a latin-1 client sends 'é' as one byte, key and fence alike.
+    KeyKind("latin-1", "key", "{wp:1}:k\u00e9", encoding=("latin-1", "strict")),
+    KeyKind(
+        "latin-1 in resource scope", "resource", "{wp:\u00e9}:k", encoding=("latin-1", "strict")
+    ),
+    # With encoding_errors="ignore" the 'é' is dropped on the way: what is left is a fence.
+    KeyKind(
+        "a fence key behind a dropped character",
+        "key",
+        "\u00e9fence:{wp:1}:key:{wp:1}:k",
+        reserved=True,
+        encoding=("ascii", "ignore"),
+    ),
+    KeyKind(
+        "a register behind a dropped character",
+        "resource",
+        "\u00e9fence:{wp:1}:fence",
+        reserved=True,
+        encoding=("ascii", "ignore"),
+    ),
+    # Sent as '{wp:1}:k' and '{wp:?}:k': names other keys have too, with other fences.
+    KeyKind(
+        "a dropped character",
+        "key",
+        "{wp:1}:k\u00e9",
+        encoding=("ascii", "ignore"),
+        refusal="encoding",
+    ),
+    KeyKind(
+        "a replaced character",
+        "resource",
+        "{wp:\u00e9}:k",
+        encoding=("ascii", "replace"),
+        refusal="encoding",
+    ),
+    # redis-py sends these as keys too; the guard takes a str only.
+    KeyKind("bytes in the namespace", "key", b"fence:{wp:1}:key:{wp:1}:k", refusal="must be a str"),
+    KeyKind("bytes", "resource", b"{wp:1}:k", refusal="must be a str"),
+    KeyKind("memoryview", "key", memoryview(b"fence:{wp:1}:fence"), refusal="must be a str"),
+    KeyKind("int", "key", 12, refusal="must be a str"),
+    KeyKind("float", "resource", 1.5, refusal="must be a str"),
 ]
 
 
@@ -413,17 +473,19 @@ def admin(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
-def _dead_client(flavor: str, counting: bool = False) -> Any:
+def _dead_client(flavor: str, counting: bool = False, **options: Any) -> Any:
     """A client whose server does not exist: any I/O raises a connection error."""
+    retry = Retry(NoBackoff(), 0)
     if counting:
-        return counting_client(flavor, "redis://127.0.0.1:1", retry=Retry(NoBackoff(), 0))
+        return counting_client(flavor, "redis://127.0.0.1:1", retry=retry, **options)
     if flavor == "asyncio":
-        return redis.asyncio.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
-    return redis.Redis(host="127.0.0.1", port=1, retry=Retry(NoBackoff(), 0))
+        return redis.asyncio.Redis(host="127.0.0.1", port=1, retry=retry, **options)
+    return redis.Redis(host="127.0.0.1", port=1, retry=retry, **options)
 
 
-def _client(flavor: str, url: str) -> Any:
-    return redis.asyncio.Redis.from_url(url) if flavor == "asyncio" else redis.Redis.from_url(url)
+def _client(flavor: str, url: str, **options: Any) -> Any:
+    cls = redis.asyncio.Redis if flavor == "asyncio" else redis.Redis
+    return cls.from_url(url, **options)
 
 
 async def _close(client: Any) -> None:
@@ -462,7 +524,7 @@ def _state(admin: redis.Redis) -> dict[bytes, Any]:
 async def test_guard_path(
     flavor: str, path: GuardPath, kind: KeyKind, users: Users, admin: redis.Redis
 ) -> None:
-    client = _client(flavor, users.guard_url)
+    client = _client(flavor, users.guard_url, **kind.options)
     try:
         await _check_path(flavor, path, kind, client, admin)
     finally:
@@ -496,7 +558,7 @@ async def _check_path(
 ) -> None:
     """The three callers of one row: unbound, a stale holder, the current holder."""
     key = kind.key
-    dead = _dead_client(flavor, counting)
+    dead = _dead_client(flavor, counting, **kind.options)
     try:
         dead_guard = _guard(flavor, dead, kind.scope)
         # Unbound: no token, refused before any I/O (no connection error).
@@ -506,16 +568,18 @@ async def _check_path(
         with pytest.raises(ReadLeaseError):
             await _run(path, dead_guard, key, ReadToken(CURRENT))
         if kind.refused(path):
+            refusal = kind.refusal or r"fence namespace|hash tag"
             for token in (STALE, CURRENT):
-                with pytest.raises(InvalidResourceError, match=r"fence namespace|hash tag"):
+                with pytest.raises(InvalidResourceError, match=refusal):
                     await _run(path, dead_guard, key, token)
             return
     finally:
         await _close(dead)
 
     guard = _guard(flavor, client, kind.scope)
-    fence_key = guard.layout.fence_key(key, data=not path.scope)
-    SEEDS[path.seed](admin, key)
+    # The key and its fence as the client sends them; the admin client reads those bytes.
+    fence_key, sent = guard.layout.wire_keys(key, data=not path.scope)
+    SEEDS[path.seed](admin, sent)
     admin.set(fence_key, FENCE)
     before = _state(admin)
     # A stale holder: refused, nothing written.
@@ -525,7 +589,7 @@ async def _check_path(
     assert _state(admin) == before
     # The current holder: written, and the fence ends at its token.
     result = await _run(path, guard, key, CURRENT)
-    assert path.landed(admin, key, result[0] if path.pipelined else result)
+    assert path.landed(admin, sent, result[0] if path.pipelined else result)
     assert admin.get(fence_key) == str(CURRENT).encode()
 
 

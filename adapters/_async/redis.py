@@ -57,7 +57,13 @@ from .._redis_replies import (
     read_error,
     translate,
 )
-from .._redis_wire import RAISE_UNLISTED, Wire, refuse_pipeline, takes_command_name
+from .._redis_wire import (
+    RAISE_UNLISTED,
+    Wire,
+    client_encoding,
+    refuse_pipeline,
+    takes_command_name,
+)
 
 __all__ = ["AsyncFencedPipeline", "AsyncRedisBatch", "AsyncRedisGuard"]
 
@@ -138,7 +144,8 @@ class AsyncRedisGuard:
         refuse_pipeline(client, type(self).__name__)
         self.client = client
         cluster = isinstance(client, redis.asyncio.cluster.RedisCluster)
-        self.layout = KeyLayout(prefix, scope, cluster=cluster)
+        encoding, errors = client_encoding(client)
+        self.layout = KeyLayout(prefix, scope, cluster=cluster, encoding=encoding, errors=errors)
         self.check_issuer = bool(check_issuer)
         self.events = events or default_bus
         self._owns_client = False
@@ -348,7 +355,7 @@ class AsyncRedisGuard:
                 another type).
             BackendError: Redis failed.
         """
-        fence_key = self.layout.fence_key(scope, data=False)
+        fence_key = self.layout.wire_keys(scope, data=False)[0]
         try:
             raw = await self.client.get(fence_key)
         except RedisError as err:
@@ -481,12 +488,12 @@ class AsyncRedisGuard:
         return outcome
 
     async def _read(self, key: str, kind: str) -> tuple[int | None, Any]:
-        keys = [self.layout.fence_key(key), key]
+        keys = list(self.layout.wire_keys(key))
         reply = await self._eval(READ, keys, [kind], key, repeat=True)
         return parse_fence(key, reply[0]), reply[1]
 
     async def _eval(
-        self, script: Script, keys: list[str], argv: list[Any], what: str, *, repeat: bool
+        self, script: Script, keys: list[bytes], argv: list[Any], what: str, *, repeat: bool
     ) -> Any:
         """One ``EVALSHA``; on a failure, :meth:`_recover`."""
         try:
@@ -498,7 +505,7 @@ class AsyncRedisGuard:
         self,
         err: RedisError,
         script: Script,
-        keys: list[str],
+        keys: list[bytes],
         argv: list[Any],
         what: str,
         repeat: bool,
@@ -533,7 +540,7 @@ class AsyncRedisGuard:
             except RedisError as again:
                 err = again
 
-    def _call(self, script: Script, keys: list[str], argv: list[Any]) -> Any:
+    def _call(self, script: Script, keys: list[bytes], argv: list[Any]) -> Any:
         """One ``EVALSHA`` (awaitable for the asyncio guard): packed by the guard and sent on
         a connection of the client's pool (:mod:`fence.adapters._redis_wire`), or through
         ``execute_command`` for a client kind that path does not cover. Raises redis-py's
@@ -618,7 +625,8 @@ class AsyncRedisBatch:
         self.guard = guard
         self.token = token
         self.ops: list[Op] = []
-        # Streams that got an automatic id in this batch (and were not replaced since).
+        # Streams that got an automatic id in this batch (and were not replaced since). Only
+        # str keys: any other key is refused by execute(), with every other key check.
         self._auto_ids: set[str] = set()
 
     def __len__(self) -> int:
@@ -629,7 +637,8 @@ class AsyncRedisBatch:
     ) -> AsyncRedisBatch:
         """Add a fenced set; see :meth:`AsyncRedisGuard.set`."""
         self.ops.append(op_set(key, value, ttl, must_exist))
-        self._auto_ids.discard(key)
+        if self._auto_ids and isinstance(key, str):
+            self._auto_ids.discard(key)
         return self
 
     def hset(
@@ -642,7 +651,8 @@ class AsyncRedisBatch:
     def delete(self, key: str) -> AsyncRedisBatch:
         """Add a fenced delete that leaves a tombstone; see :meth:`AsyncRedisGuard.delete`."""
         self.ops.append(op_delete(key))
-        self._auto_ids.discard(key)
+        if self._auto_ids and isinstance(key, str):
+            self._auto_ids.discard(key)
         return self
 
     def incr(self, key: str, amount: int = 1, *, must_exist: bool = False) -> AsyncRedisBatch:
@@ -673,14 +683,15 @@ class AsyncRedisBatch:
                 one lies above it cannot be checked before the first write.
         """
         op = op_xadd(key, fields, id, maxlen, must_exist)
-        if op.args[0] != "*" and key in self._auto_ids:
+        named = isinstance(key, str)
+        if op.args[0] != "*" and named and key in self._auto_ids:
             raise ConfigurationError(
                 f"xadd {key!r} id={id!r} follows an xadd with id='*' on the same stream in"
                 " this batch: the id the server picks for '*' cannot be predicted, so this"
                 " batch could fail halfway. Use '*' for both, explicit ids for both, or two"
                 " batches."
             )
-        if op.args[0] == "*":
+        if op.args[0] == "*" and named:
             self._auto_ids.add(key)
         self.ops.append(op)
         return self

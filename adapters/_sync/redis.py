@@ -59,7 +59,13 @@ from .._redis_replies import (
     read_error,
     translate,
 )
-from .._redis_wire import RAISE_UNLISTED, Wire, refuse_pipeline, takes_command_name
+from .._redis_wire import (
+    RAISE_UNLISTED,
+    Wire,
+    client_encoding,
+    refuse_pipeline,
+    takes_command_name,
+)
 
 __all__ = ["FencedPipeline", "RedisBatch", "RedisGuard"]
 
@@ -140,7 +146,8 @@ class RedisGuard:
         refuse_pipeline(client, type(self).__name__)
         self.client = client
         cluster = isinstance(client, redis.cluster.RedisCluster)
-        self.layout = KeyLayout(prefix, scope, cluster=cluster)
+        encoding, errors = client_encoding(client)
+        self.layout = KeyLayout(prefix, scope, cluster=cluster, encoding=encoding, errors=errors)
         self.check_issuer = bool(check_issuer)
         self.events = events or default_bus
         self._owns_client = False
@@ -350,7 +357,7 @@ class RedisGuard:
                 another type).
             BackendError: Redis failed.
         """
-        fence_key = self.layout.fence_key(scope, data=False)
+        fence_key = self.layout.wire_keys(scope, data=False)[0]
         try:
             raw = self.client.get(fence_key)
         except RedisError as err:
@@ -483,12 +490,12 @@ class RedisGuard:
         return outcome
 
     def _read(self, key: str, kind: str) -> tuple[int | None, Any]:
-        keys = [self.layout.fence_key(key), key]
+        keys = list(self.layout.wire_keys(key))
         reply = self._eval(READ, keys, [kind], key, repeat=True)
         return parse_fence(key, reply[0]), reply[1]
 
     def _eval(
-        self, script: Script, keys: list[str], argv: list[Any], what: str, *, repeat: bool
+        self, script: Script, keys: list[bytes], argv: list[Any], what: str, *, repeat: bool
     ) -> Any:
         """One ``EVALSHA``; on a failure, :meth:`_recover`."""
         try:
@@ -500,7 +507,7 @@ class RedisGuard:
         self,
         err: RedisError,
         script: Script,
-        keys: list[str],
+        keys: list[bytes],
         argv: list[Any],
         what: str,
         repeat: bool,
@@ -535,7 +542,7 @@ class RedisGuard:
             except RedisError as again:
                 err = again
 
-    def _call(self, script: Script, keys: list[str], argv: list[Any]) -> Any:
+    def _call(self, script: Script, keys: list[bytes], argv: list[Any]) -> Any:
         """One ``EVALSHA`` (awaitable for the asyncio guard): packed by the guard and sent on
         a connection of the client's pool (:mod:`fence.adapters._redis_wire`), or through
         ``execute_command`` for a client kind that path does not cover. Raises redis-py's
@@ -620,7 +627,8 @@ class RedisBatch:
         self.guard = guard
         self.token = token
         self.ops: list[Op] = []
-        # Streams that got an automatic id in this batch (and were not replaced since).
+        # Streams that got an automatic id in this batch (and were not replaced since). Only
+        # str keys: any other key is refused by execute(), with every other key check.
         self._auto_ids: set[str] = set()
 
     def __len__(self) -> int:
@@ -631,7 +639,8 @@ class RedisBatch:
     ) -> RedisBatch:
         """Add a fenced set; see :meth:`RedisGuard.set`."""
         self.ops.append(op_set(key, value, ttl, must_exist))
-        self._auto_ids.discard(key)
+        if self._auto_ids and isinstance(key, str):
+            self._auto_ids.discard(key)
         return self
 
     def hset(self, key: str, mapping: Mapping[Any, Any], *, must_exist: bool = False) -> RedisBatch:
@@ -642,7 +651,8 @@ class RedisBatch:
     def delete(self, key: str) -> RedisBatch:
         """Add a fenced delete that leaves a tombstone; see :meth:`RedisGuard.delete`."""
         self.ops.append(op_delete(key))
-        self._auto_ids.discard(key)
+        if self._auto_ids and isinstance(key, str):
+            self._auto_ids.discard(key)
         return self
 
     def incr(self, key: str, amount: int = 1, *, must_exist: bool = False) -> RedisBatch:
@@ -673,14 +683,15 @@ class RedisBatch:
                 one lies above it cannot be checked before the first write.
         """
         op = op_xadd(key, fields, id, maxlen, must_exist)
-        if op.args[0] != "*" and key in self._auto_ids:
+        named = isinstance(key, str)
+        if op.args[0] != "*" and named and key in self._auto_ids:
             raise ConfigurationError(
                 f"xadd {key!r} id={id!r} follows an xadd with id='*' on the same stream in"
                 " this batch: the id the server picks for '*' cannot be predicted, so this"
                 " batch could fail halfway. Use '*' for both, explicit ids for both, or two"
                 " batches."
             )
-        if op.args[0] == "*":
+        if op.args[0] == "*" and named:
             self._auto_ids.add(key)
         self.ops.append(op)
         return self
