@@ -14,6 +14,10 @@ a fence key, is an ordinary command to it. What it can do is refuse commands by 
 Key patterns are Redis globs. A pattern that could match a key in the fence namespace, or
 an application key pattern that could match a fenced data key, is refused: the check
 intersects the two globs exactly as Redis matches them (``stringmatchlen``, byte-wise).
+
+These rules are Redis's part of rule C14 (the storage is the last judge): Redis has no
+triggers on keys, but it refuses by user, so with them every write to fenced keys that
+lands comes from the guard's scripts, which judge its token inside the server.
 """
 
 from __future__ import annotations

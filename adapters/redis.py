@@ -18,8 +18,10 @@ I/O (C9): keys in the fence namespace and, in the resource scope, data keys with
 tag are refused; an operation Redis would refuse on the data raises
 :class:`WriteRefusedError` with nothing written, in a batch as for a single write (C6).
 Raw commands on the guard's keys are refused by Redis only for users set up with
-:func:`acl_rules`. See ``docs/redis-guard.md`` for the key layout, the rule for every
-write path, the ACL recipe, the issuer check and the write-only fencing hole.
+:func:`acl_rules`, the server-side judge on Redis (C14). A pipeline or a transaction is
+refused as the client, and keys are judged as the bytes the client sends. See
+``docs/redis-guard.md`` for the key layout, the rule for every write path, the ACL
+recipe, the issuer check and the write-only fencing hole.
 """
 
 from __future__ import annotations
