@@ -228,6 +228,21 @@ async def test_a_key_the_encoding_would_change_is_refused(
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
+async def test_a_key_the_client_cannot_send_is_refused_before_any_io(flavor: str) -> None:
+    """A lone surrogate has no UTF-8: refused with the other key checks, not left to fail
+    in the client's encoder."""
+    dead = _dead_client(flavor)
+    try:
+        guard = _guard_class(flavor)(dead)
+        for name, call in CALLS.items():
+            with pytest.raises(InvalidResourceError, match="cannot send it") as caught:
+                await _settle(call(guard, "{a}:\ud800", 1))
+            assert caught.value.value == "{a}:\ud800", name
+    finally:
+        await _close(dead)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
 async def test_a_key_is_fenced_as_the_bytes_the_client_sends(
     flavor: str, redis_url: str, admin: redis.Redis
 ) -> None:
