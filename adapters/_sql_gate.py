@@ -16,8 +16,11 @@ table of joined inheritance). The gate sits on the engine events of every
 
 Two execution options pass the gate: :data:`UNFENCED`, the documented opt-out for a
 deliberate unfenced write, and :data:`OWN`, which marks the guards' and the hook's own
-statements. Installing the gate is idempotent; importing ``fence.adapters.sql`` or
-``fence.adapters.orm`` does it.
+statements. Neither passes a statement of a transaction the session hook found refused
+(:data:`REFUSED`): every statement on its connections is refused, before either step,
+until it is rolled back (``exec_driver_sql``, which has no step 1, at step 2). Installing
+the gate is idempotent; importing ``fence.adapters.sql`` or ``fence.adapters.orm`` does
+it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ from typing import Any
 from sqlalchemy import Column, Engine, Table, event
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.dml import UpdateBase
+from sqlalchemy.sql.elements import (
+    ReleaseSavepointClause,
+    RollbackToSavepointClause,
+    SavepointClause,
+)
 from sqlalchemy.sql.selectable import Alias
 
 from fence._errors import TokenRequiredError, UnfencedWriteError
@@ -41,6 +49,7 @@ from ._sql_statements import DEFAULT_REGISTER, OPTIONAL_INFO, REGISTER_INFO, fen
 
 __all__ = [
     "OWN",
+    "REFUSED",
     "UNFENCED",
     "Guarded",
     "Kind",
@@ -204,13 +213,23 @@ Hook = Callable[
 #: name (lower case) that says whether the binding names it as unfenced.
 BindingOf = Callable[[Connection], Callable[[Target], bool] | None]
 
-_hooks: dict[str, Any] = {"execute": None, "binding": None}
+#: The session hook's answer to "does this connection serve a transaction that was
+#: refused?": the error to raise for any statement on it, or ``None``.
+RefusedOf = Callable[[Connection], Exception | None]
+
+_hooks: dict[str, Any] = {"execute": None, "binding": None, "refused": None}
+
+#: The transactions the session hook found refused, by weak reference to its records
+#: (``_orm.refusal``). Every statement of the process asks whether the set is empty; only
+#: while it is not does the hook look for the statement's transaction in it.
+REFUSED: set[weakref.ref[Any]] = set()
 
 
-def set_hooks(execute: Hook, binding: BindingOf) -> None:
+def set_hooks(execute: Hook, binding: BindingOf, refused: RefusedOf) -> None:
     """Install the session hook's parts of the gate (``_orm.install`` calls it)."""
     _hooks["execute"] = execute
     _hooks["binding"] = binding
+    _hooks["refused"] = refused
 
 
 def _binding(conn: Connection) -> Callable[[Target], bool] | None:
@@ -268,6 +287,24 @@ def unfenced_table_refusal(target: str, path: str) -> UnfencedWriteError:
 # -- the two listeners --------------------------------------------------------------------
 
 
+_SAVEPOINT_CLAUSES = (SavepointClause, RollbackToSavepointClause, ReleaseSavepointClause)
+
+
+def _refuse_if_refused(conn: Connection, elem: Any) -> None:
+    """Raise the session hook's error if ``conn`` serves a transaction it found refused.
+
+    Checked before the opt-outs: a refused transaction refuses everything until it is
+    rolled back. A savepoint writes nothing, and SQLAlchemy rolls a failed flush back to
+    one, so it passes.
+    """
+    if isinstance(elem, _SAVEPOINT_CLAUSES):
+        return
+    refused: RefusedOf = _hooks["refused"]
+    err = refused(conn)
+    if err is not None:
+        raise err
+
+
 def _passes(options: Mapping[str, Any]) -> bool:
     return bool(options.get(OWN) or options.get(UNFENCED))
 
@@ -279,6 +316,8 @@ def _before_execute(
     params: dict[str, Any],
     execution_options: Mapping[str, Any],
 ) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+    if REFUSED:
+        _refuse_if_refused(conn, elem)
     if _passes(execution_options):
         return elem, multiparams, params
     hook: Hook | None = _hooks["execute"]
@@ -303,6 +342,8 @@ def _before_cursor_execute(
     context: Any,
     executemany: bool,
 ) -> None:
+    if REFUSED and (context is None or context.compiled is None):
+        _refuse_if_refused(conn, None)  # exec_driver_sql, which has no before_execute
     elem = None
     if context is not None:
         if _passes(context.execution_options):

@@ -58,6 +58,7 @@ from fence._errors import (
     RetryableError,
     StaleTokenError,
     TokenRequiredError,
+    TransactionRefusedError,
     UnfencedWriteError,
 )
 from fence._events import Event, EventBus, EventKind, default_bus, log_events
@@ -168,6 +169,7 @@ __all__ = [
     "SystemClock",
     "TokenMode",
     "TokenRequiredError",
+    "TransactionRefusedError",
     "UnfencedWriteError",
     "ZooKeeperLockManager",
     "accepts",

@@ -26,6 +26,7 @@ __all__ = [
     "RetryableError",
     "StaleTokenError",
     "TokenRequiredError",
+    "TransactionRefusedError",
     "UnfencedWriteError",
 ]
 
@@ -215,6 +216,31 @@ class ReadLeaseError(UnfencedWriteError):
         self.token = token
 
 
+class TransactionRefusedError(FenceError):
+    """A statement or the commit of a transaction that was refused before (C8, C9).
+
+    Once a transaction bound to a lease is refused (its claim refused or failed, one of its
+    fenced writes refused, or its lease found lost at commit) it holds no claim the
+    storage can trust. Code that caught that first error and carried on would write, and
+    commit, without one; so every later statement of the transaction, and its commit,
+    raise this error until the transaction is rolled back, as SQLAlchemy's
+    ``PendingRollbackError`` does after a failed flush. The rollback ends it; the next
+    transaction claims again::
+
+        A (token 33)  BEGIN; claim 33 -> refused (fence 34)    StaleTokenError
+        A catches it; session.add(row); session.commit()       TransactionRefusedError
+        A: session.rollback()                                  the next transaction claims again
+
+    Attributes:
+        first: the error that refused the transaction first (a :class:`StaleTokenError`,
+            a :class:`LeaseLostError`, or the error of a claim that failed).
+    """
+
+    def __init__(self, message: str, *, first: FenceError | None = None) -> None:
+        super().__init__(message)
+        self.first = first
+
+
 class LeaseExpiredError(FenceError):
     """The lease has less time left than the caller asked for, or none (C10).
 
@@ -334,6 +360,7 @@ for _cls in (
     StaleTokenError,
     TokenRequiredError,
     UnfencedWriteError,
+    TransactionRefusedError,
     LeaseExpiredError,
     LeaseLostError,
     LockUpgradeError,

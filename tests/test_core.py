@@ -29,6 +29,7 @@ from fence import (
     StaleTokenError,
     TokenMode,
     TokenRequiredError,
+    TransactionRefusedError,
     accepts,
     client_deadline,
     issue_token,
@@ -205,6 +206,7 @@ ERRORS: list[FenceError] = [
     AcquireTimeout("busy", resource="r", timeout=1.5),
     BackendError("down", code="CONNECTION", retryable=True),
     RetryableError("40001", code="SERIALIZATION"),
+    TransactionRefusedError("refused", first=StaleTokenError("s", 3, 4, Reason.STALE)),
 ]
 
 
@@ -212,6 +214,8 @@ def _state(err: BaseException) -> dict[str, Any]:
     state = dict(err.__dict__)
     if "rejected" in state:
         state["rejected"] = [_state(e) for e in state["rejected"]]
+    if state.get("first") is not None:
+        state["first"] = _state(state["first"])
     return {"type": type(err), "args": err.args, **state}
 
 

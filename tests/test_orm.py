@@ -17,7 +17,7 @@ from sqlalchemy import Engine, Integer, create_engine, event, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from fence import EventBus, EventKind, Reason, TokenRequiredError
+from fence import EventBus, EventKind, Reason, TokenRequiredError, TransactionRefusedError
 from fence.adapters._orm.claim import _STATE_KEY, _UNREAD
 from fence.adapters._pg_statements import PgRegisterStatements
 from fence.adapters._sql_statements import register_statements
@@ -147,6 +147,9 @@ def test_flushes_report_events(engine: Engine, env: Env) -> None:
 
 
 def test_a_flush_inside_a_savepoint_is_fenced(engine: Engine, env: Env) -> None:
+    """A stale flush inside a savepoint is refused and rolled back to its savepoint; the
+    refusal outlives the savepoint: the transaction commits nothing, an earlier savepoint's
+    write included, until it is rolled back."""
     with Session(engine) as s:
         bind(s, token=5, claim=False)
         with s.begin_nested():
@@ -162,7 +165,12 @@ def test_a_flush_inside_a_savepoint_is_fenced(engine: Engine, env: Env) -> None:
         with pytest.raises(StaleTokenError):
             stale_savepoint()
         bind(s, token=5, claim=False)
-        s.commit()  # the first savepoint's write; the rolled-back one left nothing
+        with pytest.raises(TransactionRefusedError):
+            s.commit()
+        s.rollback()
+        with s.begin_nested():
+            s.get(env.Item, 1).v = 10
+        s.commit()  # the new transaction's write; the refused one left nothing
     with engine.connect() as conn:
         table = env.Item.__table__
         rows = conn.execute(select(table.c.id, table.c.v, table.c.fence).order_by("id")).all()

@@ -7,7 +7,9 @@ both. The hook works at three points:
   unfenced models in a bound session (C9), before any I/O; ``after_begin`` claims the
   bound scope in a fence register (C8) before the first read; ``before_commit`` checks the
   lease; ``do_orm_execute`` fences ORM-enabled ``update()`` / ``delete()`` and refuses
-  bulk paths; the transaction events mark the span of each flush.
+  bulk paths; the transaction events mark the span of each flush. Once a claim, a fenced
+  write or the lease check refuses a transaction, every later statement of it and its
+  commit are refused until it is rolled back (``refusal``).
 - Mapper events (``before_insert`` / ``before_update``) set the fence attribute to the
   token, so the ORM writes it and keeps it in the identity map.
 - The gate's engine hook (``_sql_gate``) hands this package every insert, update and
@@ -25,6 +27,8 @@ The statements and the verdicts come from the SQL row guard (``_sql_statements``
 - ``fenced``: which tables and mapped classes have a fence, found once; the typed columns.
 - ``binding``: :func:`bind` and the :class:`SessionBinding`, found from a session or a
   connection.
+- ``refusal``: a refused transaction stays refused until it is rolled back
+  (:class:`TransactionRefusedError`).
 - ``span``: the span of a flush, and what a flush may write (``before_flush``).
 - ``verdicts``: the ORM's :class:`StaleTokenError`; each fenced statement judged by its
   row count; refusals.
@@ -62,6 +66,8 @@ from .claim import (
 from .criteria import INCLUDE_TOMBSTONES, do_orm_execute, session_statement
 from .fenced import fence_column, mapper_constructed, mapper_info, table_info, tombstone_column
 from .flush import fenced_version
+from .refusal import TransactionRefusedError, before_connection_commit, refused_of
+from .refusal import before_commit as refused_before_commit
 from .span import (
     after_transaction_create,
     after_transaction_end,
@@ -82,6 +88,7 @@ __all__ = [
     "OPTIONAL_INFO",
     "SessionBinding",
     "StaleTokenError",
+    "TransactionRefusedError",
     "bind",
     "binding",
     "check_lease",
@@ -111,11 +118,12 @@ def install() -> None:
         return
     _INSTALLED = True
     gate.install()
-    gate.set_hooks(session_statement, allows_of)
+    gate.set_hooks(session_statement, allows_of, refused_of)
     event.listen(Session, "before_flush", before_flush)
     event.listen(Session, "after_transaction_create", after_transaction_create)
     event.listen(Session, "after_transaction_end", after_transaction_end)
     event.listen(Session, "after_begin", after_begin)
+    event.listen(Session, "before_commit", refused_before_commit)  # before the lease check
     event.listen(Session, "before_commit", before_commit)
     event.listen(Session, "do_orm_execute", do_orm_execute)
     event.listen(Mapper, "before_insert", set_fence)
@@ -127,6 +135,8 @@ def install() -> None:
     event.listen(Engine, "before_cursor_execute", claim_before_statement)
     event.listen(Engine, "commit", claim_before_commit)
     event.listen(Engine, "prepare_twophase", claim_before_commit)
+    event.listen(Engine, "commit", before_connection_commit)
+    event.listen(Engine, "prepare_twophase", before_connection_commit)
     event.listen(Engine, "rollback", claim_before_rollback)
     event.listen(Engine, "rollback_twophase", claim_before_rollback)
     event.listen(Pool, "reset", claim_before_reset)

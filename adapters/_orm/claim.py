@@ -33,7 +33,7 @@ from .._sql_common import missing_register_error, missing_table, translate_error
 from .._sql_gate import OWN_OPTIONS
 from .._sql_statements import register_statements
 from .._sync.sql import FenceRegister
-from . import libpq
+from . import libpq, refusal
 from .binding import BINDING_KEY, READ_CHECK_KEY, SESSION_OF, SessionBinding, session_of
 from .verdicts import SOURCE, StaleTokenError
 
@@ -74,6 +74,15 @@ def after_begin(session: Session, transaction: SessionTransaction, connection: C
     found: SessionBinding | None = session.info.get(BINDING_KEY)
     if found is None or not found.claim or transaction.nested:
         return
+    try:
+        _begin(session, connection, found)
+    except FenceError as err:  # refused, or failed: the transaction holds no claim
+        refusal.refuse(session, err)
+        raise
+
+
+def _begin(session: Session, connection: Connection, found: SessionBinding) -> None:
+    """The claim (or a read binding's check) at the start of a transaction."""
     if found.read_only:
         _check_read(connection, found)
         session.info[READ_CHECK_KEY] = connection
@@ -265,7 +274,11 @@ def claim_before_statement(
     if _UNREAD:
         state = _state_on(conn)
         if state is not None and (found := state.found) is not None:
-            _judge_claim(conn, found, _read_claim(state, found))
+            try:
+                _judge_claim(conn, found, _read_claim(state, found))
+            except FenceError as err:
+                refusal.refuse_on(conn, err)
+                raise
 
 
 def claim_before_commit(conn: Connection, *_xid: Any) -> None:
@@ -355,6 +368,15 @@ def before_commit(session: Session) -> None:
     found: SessionBinding | None = session.info.get(BINDING_KEY)
     if found is None:
         return
+    try:
+        _check_before_commit(session, found)
+    except FenceError as err:  # a claim refused late, a stale read, a lost lease
+        refusal.refuse(session, err)
+        raise
+
+
+def _check_before_commit(session: Session, found: SessionBinding) -> None:
+    """The claims still in flight, a read binding's second check, and the lease."""
     # A claim whose transaction sent nothing else is judged here, before the flush and the
     # commit: SQLAlchemy 2.0.28 loses a refusal raised inside a two-phase prepare in a
     # rollback of its own there (IllegalStateChangeError).

@@ -19,9 +19,11 @@ from sqlalchemy.orm import Mapper, ORMExecuteState, with_loader_criteria
 from sqlalchemy.sql.dml import UpdateBase
 
 from fence._errors import ConfigurationError, UnfencedWriteError
+from fence._errors import StaleTokenError as _FenceStale
 
 from .. import _sql_gate as gate
 from .._sql_gate import OWN_OPTIONS, Kind
+from . import refusal
 from .binding import BINDING_KEY, SessionBinding, bound, session_of
 from .fenced import Dependent, MapperInfo, TableInfo, mapper_info, table_info
 from .flush import flush_statement
@@ -153,6 +155,7 @@ def do_orm_execute(state: ORMExecuteState) -> Result[Any] | None:
         return None
     if not (state.is_update or state.is_delete or state.is_insert):
         return None
+    refusal.check(state.session)  # before the verdicts on the write itself
     stmt: Any = state.statement
     mapper = state.bind_mapper
     minfo = mapper_info(mapper) if mapper is not None else None
@@ -189,14 +192,22 @@ def do_orm_execute(state: ORMExecuteState) -> Result[Any] | None:
                 f"class {guarded.owner}",
                 scope=guarded.table.name,
             )
-        return _dependent_criteria(state, stmt, minfo, minfo.dependents[table], found)
+        try:
+            return _dependent_criteria(state, stmt, minfo, minfo.dependents[table], found)
+        except _FenceStale as err:
+            refusal.refuse(state.session, err)
+            raise
     info = table_info(table)
     assert info is not None
     token = found.token
     _refuse_managed_values(stmt, info)
     fenced, judge_live = _fenced_criteria(stmt, info, token, found, mapper)
-    result = state.invoke_statement(statement=fenced.execution_options(**OWN_OPTIONS))
-    judge_orm(state, info, stmt.whereclause, result, found, mapper, judge_live)
+    try:
+        result = state.invoke_statement(statement=fenced.execution_options(**OWN_OPTIONS))
+        judge_orm(state, info, stmt.whereclause, result, found, mapper, judge_live)
+    except _FenceStale as err:
+        refusal.refuse(state.session, err)
+        raise
     return result
 
 

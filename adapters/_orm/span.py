@@ -1,11 +1,11 @@
 """The span of a flush: which flush of which session runs now, and what it may write.
 
 ``before_flush`` refuses writes without a token, and writes of unfenced models in a bound
-session (C9), before any I/O. A flush (and a legacy bulk save) runs in an inner
-transaction of the session: its start and end mark the span (:data:`CURRENT`) in which the
-engine hook rewrites statements (``flush``) and judges them (``verdicts``). The mapper
-events set the fence attribute to the token, so the ORM writes it and keeps it in the
-identity map.
+session (C9), before any I/O, and every flush of a refused transaction (``refusal``). A
+flush (and a legacy bulk save) runs in an inner transaction of the session: its start and
+end mark the span (:data:`CURRENT`) in which the engine hook rewrites statements
+(``flush``) and judges them (``verdicts``). The mapper events set the fence attribute to
+the token, so the ORM writes it and keeps it in the identity map.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from sqlalchemy.orm.attributes import flag_modified, instance_state
 from fence._errors import ConfigurationError, TokenRequiredError
 
 from .. import _sql_gate as gate
+from . import refusal
 from .binding import BINDING_KEY, READ_CHECK_KEY, SessionBinding
 from .fenced import MapperInfo, mapper_info, tables_of
 
@@ -65,9 +66,11 @@ def after_transaction_end(session: Session, transaction: SessionTransaction) -> 
         CURRENT.set(None)
     if transaction.parent is None:
         session.info.pop(READ_CHECK_KEY, None)
+        refusal.end(session)
 
 
 def before_flush(session: Session, flush_context: Any, instances: Any) -> None:
+    refusal.check(session)
     found: SessionBinding | None = session.info.get(BINDING_KEY)
     seen: dict[Mapper[Any], MapperInfo | None] = {}
     for obj, touched in _changes(session):

@@ -27,6 +27,7 @@ from fence._sql_dialect import DIALECTS
 from .. import _sql_gate as gate
 from .._sql_common import ABSENT, Probe, batch_rejection, probe_passes, probe_rejection
 from .._sql_statements import RowStatements
+from . import refusal
 from .binding import SessionBinding, bound
 from .fenced import TableInfo, mapper_of
 from .span import CURRENT
@@ -189,9 +190,24 @@ def after_execute(
     judge = JUDGE.get(elem)
     if judge is None:
         return
-    if judge.kind == "criteria":
-        judge_criteria(conn, judge, result)
-        return
+    try:
+        if judge.kind == "criteria":
+            judge_criteria(conn, judge, result)
+        else:
+            _judge_flush(conn, judge, multiparams, params, result)
+    except _FenceStale as err:
+        refusal.refuse_on(conn, err)
+        raise
+
+
+def _judge_flush(
+    conn: Connection,
+    judge: Rewrite,
+    multiparams: list[dict[str, Any]],
+    params: dict[str, Any],
+    result: Any,
+) -> None:
+    """Judge a rewritten flush statement by its row count (C5, C6)."""
     current = CURRENT.get()
     if current is None:
         return

@@ -9,12 +9,12 @@ import secrets
 from typing import Any
 
 import pytest
-from sqlalchemy import Integer, select
+from sqlalchemy import Integer, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.ext.asyncio.session import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from fence import ConfigurationError, LeaseLostError
+from fence import ConfigurationError, LeaseLostError, TransactionRefusedError
 from fence._async.memory import AsyncMemoryLockManager
 from fence.adapters.orm import (
     AsyncUnitOfWork,
@@ -123,6 +123,39 @@ async def test_a_stale_unit_of_work_is_refused_at_the_claim(engine: AsyncEngine,
             await stale()
         assert not ran  # refused before the block's first read
         assert caught.value.scope == "account:1"
+
+
+async def test_a_block_that_swallows_a_refusal_commits_nothing(
+    engine: AsyncEngine, env: Env
+) -> None:
+    """The block catches a refused write, as retry code catches a ``StaleDataError``, and
+    carries on: the unit of work's commit is refused, nothing is written, and the lease is
+    released."""
+    table = env.Account.__table__
+    newest = 2**53 - 1
+    async with engine.begin() as conn:  # the row was fenced by a newer holder
+        bump = update(table).values(fence=newest).execution_options(unfenced=True)
+        await conn.execute(bump)
+    async with AsyncMemoryLockManager(ttl=5) as manager:
+        uow = AsyncUnitOfWork(manager, async_sessionmaker(engine), register=env.register)
+
+        async def swallowing() -> None:
+            async with uow("account:1") as session:
+                try:
+                    await session.execute(
+                        update(env.Account).where(env.Account.id == 1).values(balance=5)
+                    )
+                except StaleTokenError:
+                    pass
+                session.add(env.Account(id=2, balance=7))  # a new row: a fenced upsert
+
+        with pytest.raises(TransactionRefusedError) as caught:
+            await swallowing()
+        assert isinstance(caught.value.first, StaleTokenError)
+        assert await manager.inspect("account:1") is None
+    async with engine.connect() as conn:
+        rows = (await conn.execute(select(table.c.id, table.c.balance, table.c.fence))).all()
+    assert [tuple(r) for r in rows] == [(1, 0, newest)]
 
 
 async def test_a_lost_lease_stops_the_work_before_commit(engine: AsyncEngine, env: Env) -> None:

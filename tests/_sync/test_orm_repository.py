@@ -11,10 +11,10 @@ import time
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, Integer, select
+from sqlalchemy import Engine, Integer, select, update
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from fence import ConfigurationError, LeaseLostError
+from fence import ConfigurationError, LeaseLostError, TransactionRefusedError
 from fence._sync.memory import MemoryLockManager
 from fence.adapters.orm import (
     StaleTokenError,
@@ -123,6 +123,37 @@ def test_a_stale_unit_of_work_is_refused_at_the_claim(engine: Engine, env: Env) 
             stale()
         assert not ran  # refused before the block's first read
         assert caught.value.scope == "account:1"
+
+
+def test_a_block_that_swallows_a_refusal_commits_nothing(engine: Engine, env: Env) -> None:
+    """The block catches a refused write, as retry code catches a ``StaleDataError``, and
+    carries on: the unit of work's commit is refused, nothing is written, and the lease is
+    released."""
+    table = env.Account.__table__
+    newest = 2**53 - 1
+    with engine.begin() as conn:  # the row was fenced by a newer holder
+        bump = update(table).values(fence=newest).execution_options(unfenced=True)
+        conn.execute(bump)
+    with MemoryLockManager(ttl=5) as manager:
+        uow = UnitOfWork(manager, sessionmaker(engine), register=env.register)
+
+        def swallowing() -> None:
+            with uow("account:1") as session:
+                try:
+                    session.execute(
+                        update(env.Account).where(env.Account.id == 1).values(balance=5)
+                    )
+                except StaleTokenError:
+                    pass
+                session.add(env.Account(id=2, balance=7))  # a new row: a fenced upsert
+
+        with pytest.raises(TransactionRefusedError) as caught:
+            swallowing()
+        assert isinstance(caught.value.first, StaleTokenError)
+        assert manager.inspect("account:1") is None
+    with engine.connect() as conn:
+        rows = (conn.execute(select(table.c.id, table.c.balance, table.c.fence))).all()
+    assert [tuple(r) for r in rows] == [(1, 0, newest)]
 
 
 def test_a_lost_lease_stops_the_work_before_commit(engine: Engine, env: Env) -> None:
