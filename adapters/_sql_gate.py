@@ -12,11 +12,16 @@ table of joined inheritance). The gate sits on the engine events of every
 2. ``before_cursor_execute`` sees the SQL text about to be sent, also for
    ``exec_driver_sql`` (which has no statement object) and for statements whose writes
    hide in a common table expression. It reads the text (``_sql_lex``) and refuses a
-   write to fenced storage that step 1 did not judge.
+   write to fenced storage that step 1 did not judge: every write of the text but one of
+   the statement's own table. A data-modifying CTE riding on a statement (wherever it
+   hangs; also one that writes the statement's own table again) is judged as a
+   statement of its own would be, except that a bound session cannot fence it: the hook
+   fences a statement's own table, and the rows a CTE writes are not counted.
 
 Two execution options pass the gate: :data:`UNFENCED`, the documented opt-out for a
 deliberate unfenced write, and :data:`OWN`, which marks the guards' and the hook's own
-statements. Neither passes a statement of a transaction the session hook found refused
+statements (a user's statement the hook fenced, :data:`FENCED_OPTIONS`, passes step 1
+only). Neither passes a statement of a transaction the session hook found refused
 (:data:`REFUSED`): every statement on its connections is refused, before either step,
 until it is rolled back (``exec_driver_sql``, which has no step 1, at step 2). Installing
 the gate is idempotent; importing ``fence.adapters.sql`` or ``fence.adapters.orm`` does
@@ -34,13 +39,15 @@ from typing import Any
 
 from sqlalchemy import Column, Engine, Table, event
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql import visitors
 from sqlalchemy.sql.dml import UpdateBase
 from sqlalchemy.sql.elements import (
     ReleaseSavepointClause,
     RollbackToSavepointClause,
     SavepointClause,
+    TextClause,
 )
-from sqlalchemy.sql.selectable import Alias
+from sqlalchemy.sql.selectable import CTE, Alias, TextualSelect
 
 from fence._errors import TokenRequiredError, UnfencedWriteError
 
@@ -70,6 +77,12 @@ OWN = "iofence"
 
 #: ``{OWN: True}``, passed to ``execute()`` by the guards.
 OWN_OPTIONS: Mapping[str, Any] = {OWN: True}
+
+#: ``{OWN: "fenced"}``, on a user's statement the session hook fenced (an ORM
+#: ``update()`` / ``delete()`` of a bound session, with its fence predicate): the first
+#: listener passes it, and the second still reads its text for any write besides its own
+#: table (a data-modifying CTE riding on it, wherever it hangs).
+FENCED_OPTIONS: Mapping[str, Any] = {OWN: "fenced"}
 
 
 class Kind(enum.Enum):
@@ -274,6 +287,18 @@ def raw_refusal(guarded: Guarded | None, target: str, path: str) -> UnfencedWrit
     )
 
 
+def cte_refusal(guarded: Guarded, path: str) -> UnfencedWriteError:
+    """The error for a data-modifying CTE that writes fenced storage in a bound session."""
+    return UnfencedWriteError(
+        f"{path} writes {guarded.describe()} in a session bound to a lease: the hook "
+        "fences a statement's own table, not the writes of a CTE riding on it (their rows "
+        "are not counted, so they cannot be judged), and a fence register is written only "
+        "by FenceRegister and the claim. Write that table with a statement of its own, or "
+        "mark a deliberate unfenced write with .execution_options(unfenced=True)",
+        scope=guarded.table.name,
+    )
+
+
 def unfenced_table_refusal(target: str, path: str) -> UnfencedWriteError:
     """The error for a bound session writing a table that has no fence."""
     return UnfencedWriteError(
@@ -346,27 +371,32 @@ def _before_cursor_execute(
         _refuse_if_refused(conn, None)  # exec_driver_sql, which has no before_execute
     elem = None
     if context is not None:
-        if _passes(context.execution_options):
-            return
+        options = context.execution_options
+        if options.get(OWN) is True or options.get(UNFENCED):
+            return  # FENCED_OPTIONS go on: the hook judged only the statement's own table
         compiled = context.compiled
         elem = compiled.statement if compiled is not None else None
     writes = write_targets(statement)
     if not writes.writes:
         return
-    # The table of an insert, update or delete statement was judged by _before_execute; a
-    # second table written by the same text (a data-modifying CTE) was not.
-    judged = target_table(elem) if isinstance(elem, UpdateBase) else None
-    path = "raw SQL" if elem is None or not isinstance(elem, UpdateBase) else "a statement"
+    # The table of an insert, update or delete statement was judged by _before_execute (or
+    # fenced by the session hook); every other write of its text was not: a data-modifying
+    # CTE, also one that writes that same table once more.
+    others = writes.occurrences
+    if isinstance(elem, UpdateBase):
+        others = _without_own(others, target_table(elem))
+        if not others and not writes.unknown:
+            return
+    raw = elem is None or isinstance(elem, TextClause | TextualSelect)
+    path = "raw SQL" if raw else _cte_path(elem)
     allows = _binding(conn)
-    for target in writes.targets:
-        if judged is not None and target.name == judged.name.lower():
-            continue
+    for target in dict.fromkeys(others):
         guarded = _lookup(target)
         if allows is None:
             if guarded is not None and not (guarded.kind is Kind.FENCED and guarded.optional):
                 raise unbound_refusal(guarded, path)
         elif guarded is not None:
-            raise raw_refusal(guarded, target.name, path)
+            raise raw_refusal(guarded, target.name, path) if raw else cte_refusal(guarded, path)
         elif not allows(target):
             raise unfenced_table_refusal(target.name, path)
     if writes.unknown:
@@ -376,6 +406,45 @@ def _before_cursor_execute(
             guarded = _lookup(Target(None, name))
             if guarded is not None and not (guarded.kind is Kind.FENCED and guarded.optional):
                 raise unbound_refusal(guarded, f"{path} whose writes cannot be read")
+
+
+def _without_own(writes: tuple[Target, ...], table: Table | None) -> tuple[Target, ...]:
+    """``writes`` less one write of ``table`` (a statement writes its own table once),
+    named with its schema if one is, else by its name alone."""
+    if table is None:
+        return writes
+    name = table.name.lower()
+    schema = table.schema.lower() if table.schema else None
+    for loose in (False, True):
+        for i, target in enumerate(writes):
+            if target.name == name and (
+                target.schema == schema or (loose and (target.schema is None or schema is None))
+            ):
+                return writes[:i] + writes[i + 1 :]
+    return writes
+
+
+def _cte_path(elem: Any) -> str:
+    """How an error names a statement object whose text writes more than its own table."""
+    keyword = getattr(getattr(elem, "keyword", None), "value", None)  # UNION, EXCEPT, ...
+    kind = str(keyword or type(elem).__name__).lower()
+    return f"a data-modifying CTE riding on {kind}()"
+
+
+def writing_ctes(elem: Any) -> list[CTE]:
+    """The data-modifying CTEs of a statement object, wherever they hang (added to it, in
+    a subquery, a ``values()``, another CTE), and those of SQL text (``text().cte()``)
+    that the lexer finds writing."""
+    found = []
+    for item in visitors.iterate(elem):
+        if isinstance(item, CTE):
+            inner = item.element
+            text = inner.element if isinstance(inner, TextualSelect) else None
+            if isinstance(inner, UpdateBase) or (
+                isinstance(text, TextClause) and write_targets(text.text).writes
+            ):
+                found.append(item)
+    return list(dict.fromkeys(found))
 
 
 def _column_attached(column: Column[Any], table: Any) -> None:

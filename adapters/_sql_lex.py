@@ -43,11 +43,14 @@ class Writes:
         unknown: it writes something the lexer cannot name (``CALL``, ``DO``,
             ``EXECUTE``, a write keyword in a shape it does not know).
         names: every identifier in it, folded to lower case (for an unknown write).
+        occurrences: each write it names, in the order of the text: a table written by
+            a statement and by a data-modifying CTE of that statement is there twice.
     """
 
     targets: frozenset[Target]
     unknown: bool
     names: frozenset[str]
+    occurrences: tuple[Target, ...] = ()
 
     @property
     def writes(self) -> bool:
@@ -184,8 +187,8 @@ def _word(tokens: list[tuple[str, str]], i: int) -> str | None:
     return tokens[i][1] if i < len(tokens) and tokens[i][0] == "word" else None
 
 
-def _scan(tokens: list[tuple[str, str]]) -> tuple[set[Target], bool, set[str]]:
-    targets: set[Target] = set()
+def _scan(tokens: list[tuple[str, str]]) -> tuple[list[Target], bool, set[str]]:
+    targets: list[Target] = []  # each write, in order
     names: set[str] = set()
     unknown = False
     at_start = True  # the first word of a statement
@@ -196,7 +199,7 @@ def _scan(tokens: list[tuple[str, str]]) -> tuple[set[Target], bool, set[str]]:
                 continue  # a string constant (or a function body, which runs when called)
             inner = _Lexer(value)
             t, u, n = _scan(inner.tokens)
-            targets |= t
+            targets += t
             unknown = unknown or u or inner.unclosed
             names |= n
             continue
@@ -230,7 +233,7 @@ def _scan(tokens: list[tuple[str, str]]) -> tuple[set[Target], bool, set[str]]:
             if target is None:
                 unknown = True
             else:
-                targets.add(target)
+                targets.append(target)
         elif value == "update":
             j = i + 1
             if _word(tokens, j) == "or" and _word(tokens, j + 1) in _SQLITE_CONFLICT:
@@ -244,7 +247,7 @@ def _scan(tokens: list[tuple[str, str]]) -> tuple[set[Target], bool, set[str]]:
             if target is None:
                 unknown = True
             else:
-                targets.add(target)
+                targets.append(target)
         elif value in ("delete", "merge"):
             j = i + 1
             expected = "from" if value == "delete" else "into"
@@ -255,7 +258,7 @@ def _scan(tokens: list[tuple[str, str]]) -> tuple[set[Target], bool, set[str]]:
             if target is None:
                 unknown = True
             else:
-                targets.add(target)
+                targets.append(target)
         elif value == "truncate" and first:
             j = _skip(tokens, i + 1, "table", "only")
             while True:
@@ -263,7 +266,7 @@ def _scan(tokens: list[tuple[str, str]]) -> tuple[set[Target], bool, set[str]]:
                 if target is None:
                     unknown = True
                     break
-                targets.add(target)
+                targets.append(target)
                 if j < len(tokens) and tokens[j] == ("punct", "*"):
                     j += 1
                 if j < len(tokens) and tokens[j] == ("punct", ","):
@@ -286,7 +289,7 @@ def _scan(tokens: list[tuple[str, str]]) -> tuple[set[Target], bool, set[str]]:
                 if target is None:
                     unknown = True
                 else:
-                    targets.add(target)
+                    targets.append(target)
     return targets, unknown, names
 
 
@@ -320,7 +323,8 @@ def write_targets(sql: str) -> Writes:
         if not targets and not unknown and not lexer.unclosed:
             found = NOTHING
         else:
-            found = Writes(frozenset(targets), unknown or lexer.unclosed, frozenset(names))
+            unknown = unknown or lexer.unclosed
+            found = Writes(frozenset(targets), unknown, frozenset(names), tuple(targets))
     if len(_CACHE) >= _CACHE_SIZE:
         _CACHE.clear()
     _CACHE[sql] = found

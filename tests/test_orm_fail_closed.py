@@ -23,9 +23,13 @@ from sqlalchemy import (
     String,
     Table,
     create_engine,
+    delete,
     event,
+    exists,
+    insert,
     select,
     text,
+    union,
     update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -37,6 +41,7 @@ from fence import (
     UnfencedWriteError,
 )
 from fence._sync.memory import MemoryLockManager
+from fence.adapters._sql_gate import writing_ctes
 from fence.adapters.orm import (
     FENCE_INFO,
     UnitOfWork,
@@ -271,6 +276,126 @@ def test_the_unit_of_work_passes_unfenced_on(env: Env) -> None:
             found.v = 5
     with env.engine.connect() as conn:
         assert conn.execute(select(env.Audit.__table__.c.msg)).scalar() == "ok"
+
+
+# -- 6. a data-modifying CTE riding on a fenced statement -------------------------------------
+
+
+def _cte_writes(env: Env, what: str) -> Any:
+    """A CTE that overwrites a row a newer holder fenced, writes a table the binding does
+    not name as unfenced, or lowers a register row."""
+    if what == "a newer row":
+        typed = env.Typed.__table__
+        stmt = update(typed).where(typed.c.id == 1).values(v=66, fence=1).returning(typed.c.id)
+    elif what == "an unnamed table":
+        audit = env.Audit.__table__
+        stmt = insert(audit).values(id=9, msg="cte").returning(audit.c.id)
+    else:
+        reg = env.register
+        stmt = update(reg).values(fence=0).returning(reg.c.scope)
+    return stmt.cte("w")
+
+
+@pytest.mark.parametrize("what", ["a newer row", "an unnamed table", "the register"])
+@pytest.mark.parametrize("via", ["orm", "core"])
+def test_a_data_modifying_cte_on_a_fenced_statement_is_refused(
+    env: Env, what: str, via: str
+) -> None:
+    """``update(Model)...add_cte(update(other)...cte())`` in a bound session ran the CTE
+    unfenced: the hook fenced the statement's own table and sent the rest as it was."""
+    typed = env.Typed.__table__
+    with Session(env.engine) as s:  # a newer holder writes the row the CTE overwrites
+        bind(s, token=20, claim=False)
+        s.execute(update(typed).where(typed.c.id == 1).values(v=2))
+        s.commit()
+    before = _state(env)
+    animal = env.Animal.__table__
+    with Session(env.engine) as s:
+        bind(s, token=30, scope="w", register=env.register)
+        if via == "orm":
+            stmt = update(env.Animal).where(env.Animal.id == 1).values(name="x")
+        else:
+            stmt = update(animal).where(animal.c.id == 1).values(name="x")
+        with pytest.raises(UnfencedWriteError, match="CTE"):
+            s.execute(stmt.add_cte(_cte_writes(env, what)))
+        s.rollback()
+    assert _state(env) == before
+
+
+def _shapes() -> dict[str, tuple[Any, int]]:
+    """Statements with CTEs hanging in each place SQLAlchemy allows, and how many of them
+    write."""
+    md = MetaData()
+    a = Table("a", md, Column("id", Integer, primary_key=True), Column("v", Integer))
+    b = Table("b", md, Column("id", Integer, primary_key=True), Column("v", Integer))
+    w = update(b).values(v=1).returning(b.c.id).cte("w")
+    reads = select(b.c.id).cte("r")
+    textual = text("UPDATE b SET v = 1 RETURNING id").columns(b.c.id).cte("t")
+    textual_read = text("SELECT id FROM b").columns(b.c.id).cte("tr")
+    nesting = update(b).values(v=2).returning(b.c.id).cte("n", nesting=True)
+    return {
+        "add_cte": (update(a).values(v=2).add_cte(w), 1),
+        "add_cte(nest_here=True)": (delete(a).add_cte(w, nest_here=True), 1),
+        "WHERE subquery": (update(a).where(a.c.id.in_(select(w.c.id))).values(v=2), 1),
+        "values()": (update(a).values(v=select(w.c.id).scalar_subquery()), 1),
+        "RETURNING": (update(a).values(v=2).returning(select(w.c.id).scalar_subquery()), 1),
+        "insert().from_select()": (insert(a).from_select(["id"], select(w.c.id)), 1),
+        "union": (union(select(a.c.id), select(w.c.id)), 1),
+        "exists": (select(exists(select(w.c.id))), 1),
+        "a CTE inside a CTE": (select(select(w.c.id).cte("outer")), 1),
+        "nesting, in a subquery": (select(select(nesting.c.id).subquery()), 1),
+        "textual": (select(textual), 1),
+        "two": (update(a).values(v=2).add_cte(w).where(a.c.id.in_(select(nesting.c.id))), 2),
+        "a read CTE": (update(a).values(v=2).add_cte(reads), 0),
+        "a textual read": (select(textual_read), 0),
+    }
+
+
+@pytest.mark.parametrize("shape", list(_shapes()))
+def test_the_gate_finds_the_writing_ctes_of_a_statement_wherever_they_hang(shape: str) -> None:
+    stmt, writing = _shapes()[shape]
+    assert len(writing_ctes(stmt)) == writing
+
+
+def test_a_cte_on_a_joined_subclass_update_is_refused_before_any_io(env: Env) -> None:
+    """The statement of a joined subclass runs as two (the fence rows first): the CTE is
+    refused before the first one, so a commit afterwards has nothing to keep."""
+    with Session(env.engine) as s:
+        bind(s, token=30, claim=False)
+        stmt = update(env.Dog).where(env.Dog.id == 1).values(bark="cte")
+        with pytest.raises(UnfencedWriteError, match="CTE"):
+            s.execute(stmt.add_cte(_cte_writes(env, "the register")))
+        s.commit()
+    assert env.dog() == (10, "rex", "woof")
+
+
+@pytest.mark.postgres
+def test_a_cte_writing_a_table_named_unfenced_rides_along(postgres_url: str) -> None:
+    """As a statement of its own would: the binding names the table as unfenced (on
+    PostgreSQL; SQLite runs no data-modifying CTE)."""
+    engine = create_engine(postgres_url)
+    try:
+        env = Env(engine)
+        audit = env.Audit.__table__
+        with Session(engine) as s:
+            bind(s, token=30, scope="w", register=env.register, unfenced=[env.Audit])
+            cte = insert(audit).values(id=9, msg="cte").returning(audit.c.id).cte("w")
+            s.execute(update(env.Typed).where(env.Typed.id == 1).values(v=3).add_cte(cte))
+            s.commit()
+        with engine.connect() as conn:
+            assert conn.execute(select(audit.c.msg)).scalar_one() == "cte"
+            typed = env.Typed.__table__
+            assert tuple(conn.execute(select(typed.c.v, typed.c.fence)).one()) == (3, 30)
+    finally:
+        engine.dispose()
+
+
+def _state(env: Env) -> list[list[tuple[Any, ...]]]:
+    with env.engine.connect() as conn:
+        tables = (env.Typed.__table__, env.Audit.__table__, env.register, env.Animal.__table__)
+        return [
+            [tuple(r) for r in conn.execute(select(t).order_by(*t.primary_key))] for t in tables
+        ]
 
 
 # -- an unknown flush statement ---------------------------------------------------------------

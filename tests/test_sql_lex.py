@@ -93,3 +93,21 @@ def test_names_of_an_unknown_write_include_its_body() -> None:
     found = write_targets("DO $$BEGIN PERFORM f(); EXECUTE 'x' || 'y'; END$$")
     assert found.unknown
     assert "perform" in found.names
+
+
+@pytest.mark.parametrize(
+    ("sql", "occurrences"),
+    [
+        ("UPDATE a SET x = 1", ["a"]),
+        ("INSERT INTO a (id) VALUES (1) ON CONFLICT (id) DO UPDATE SET x = 1", ["a"]),
+        ("UPDATE a SET x = (SELECT y FROM a FOR UPDATE)", ["a"]),
+        ("WITH w AS (UPDATE a SET x = 1 RETURNING id) UPDATE a SET y = 2", ["a", "a"]),
+        ("WITH w AS (DELETE FROM b RETURNING id) INSERT INTO a SELECT id FROM w", ["b", "a"]),
+        ("INSERT INTO a WITH w AS (UPDATE a SET x = 1 RETURNING id) SELECT id FROM w", ["a", "a"]),
+        ("SELECT 1 FROM a FOR UPDATE", []),
+    ],
+)
+def test_each_write_is_counted(sql: str, occurrences: list[str]) -> None:
+    """A statement that writes its own table twice (a data-modifying CTE of its table) is
+    told from one that writes it once."""
+    assert [t.name for t in write_targets(sql).occurrences] == occurrences

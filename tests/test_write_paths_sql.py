@@ -4,8 +4,9 @@ One row per path a user (or a typo) can take to fenced storage through SQLAlchem
 flush (insert, update, delete, upsert, merge, cascades, relationship changes), the bulk
 methods, ORM-enabled ``insert`` / ``update`` / ``delete`` with and without a parameter
 list, Core through ``session.execute`` and ``session.connection()``, ``text()``,
-``exec_driver_sql``, data-modifying CTEs, each inheritance form, composite keys,
-schema-qualified tables and a fence column adopted by its name.
+``exec_driver_sql``, data-modifying CTEs (riding on each kind of statement, wherever they
+hang), each inheritance form, composite keys, schema-qualified tables and a fence column
+adopted by its name.
 
 Each row runs three times, against the same seeded rows (every fence at 10):
 
@@ -38,11 +39,16 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    column,
     create_engine,
     delete,
+    exists,
     insert,
+    literal,
+    literal_column,
     select,
     text,
+    union,
     update,
 )
 from sqlalchemy.orm import (
@@ -357,6 +363,134 @@ def _tname(m: Models, name: str) -> str:
     return _table(m, name).fullname
 
 
+# -- data-modifying CTEs riding on statements ---------------------------------------------
+# Each CTE writes one row (or the register) and returns the keys it wrote. A CTE cannot be
+# fenced (its rows are not counted), so each path is refused, whatever the statement it
+# hangs on; on SQLite, which runs no data-modifying CTE, before it errs.
+
+
+def _writer(m: Models, name: str, nesting: bool = False) -> Any:
+    """A data-modifying CTE: ``Plain`` row 1 or ``Acct`` row 2 written down to fence 1,
+    the register's rows lowered to 0, or the log rewritten. Its values are literals, so
+    that their names cannot meet those of the statement it rides on."""
+    one, sixty_six, zero = literal_column("1"), literal_column("66"), literal_column("0")
+    if name == "register":
+        reg = m.register
+        return update(reg).values(fence=zero).returning(reg.c.scope).cte("w", nesting=nesting)
+    table = _table(m, name)
+    if name == "Log":
+        stmt = update(table).values(msg=literal_column("'cte'"))
+    elif name == "Acct":
+        stmt = update(table).where(table.c.id == 2).values(v=sixty_six, fence=one)
+    else:
+        stmt = update(table).where(table.c.id == 1).values(v=sixty_six, fence=one)
+    return stmt.returning(table.c.id).cte("w", nesting=nesting)
+
+
+def _orm_update(m: Models) -> Any:
+    return update(m.Acct).where(m.Acct.id == 1).values(v=9)
+
+
+def _core_update(m: Models) -> Any:
+    acct = _table(m, "Acct")
+    return update(acct).where(acct.c.id == 1).values(v=9)
+
+
+def _keys_of(cte: Any) -> Any:
+    """The keys a CTE returns, as a subquery; the writes of ``register`` are no keys."""
+    column = cte.c.scope if "scope" in cte.c else cte.c.id
+    return select(literal_column("0")).where(column.is_not(None))
+
+
+CTE_SHAPES: dict[str, Callable[[Session, Models], Any]] = {
+    "ORM update().add_cte() on another fenced table": lambda s, m: s.execute(
+        _orm_update(m).add_cte(_writer(m, "Plain"))
+    ),
+    "ORM update().add_cte() on its own table": lambda s, m: s.execute(
+        _orm_update(m).add_cte(_writer(m, "Acct"))
+    ),
+    "ORM update().add_cte() lowering the register": lambda s, m: s.execute(
+        _orm_update(m).add_cte(_writer(m, "register"))
+    ),
+    "ORM update().add_cte() on a table without a fence": lambda s, m: s.execute(
+        _orm_update(m).add_cte(_writer(m, "Log"))
+    ),
+    "ORM update().add_cte(nest_here=True)": lambda s, m: s.execute(
+        _orm_update(m).add_cte(_writer(m, "Plain"), nest_here=True)
+    ),
+    "ORM delete().add_cte()": lambda s, m: s.execute(
+        delete(m.Acct).where(m.Acct.id == 1).add_cte(_writer(m, "Plain"))
+    ),
+    "ORM update(), the CTE in a WHERE subquery": lambda s, m: s.execute(
+        update(m.Acct).where(m.Acct.id.in_(select(_writer(m, "Plain").c.id))).values(v=9)
+    ),
+    "ORM update(), the CTE in values()": lambda s, m: s.execute(
+        update(m.Acct)
+        .where(m.Acct.id == 1)
+        .values(v=select(_writer(m, "Plain").c.id).scalar_subquery())
+    ),
+    "ORM update(), the CTE in a UNION in WHERE": lambda s, m: s.execute(
+        update(m.Acct)
+        .where(m.Acct.id.in_(union(select(literal(1)), select(_writer(m, "Plain").c.id))))
+        .values(v=9)
+    ),
+    "ORM update(), the CTE in EXISTS": lambda s, m: s.execute(
+        _orm_update(m).where(exists(_keys_of(_writer(m, "register"))))
+    ),
+    "ORM update(), the CTE inside a CTE": lambda s, m: s.execute(
+        _orm_update(m).add_cte(select(_writer(m, "Plain").c.id).cte("outer"))
+    ),
+    "ORM update(), a nesting CTE in a subquery": lambda s, m: s.execute(
+        update(m.Acct)
+        .where(m.Acct.id.in_(select(_writer(m, "Plain", nesting=True).c.id).subquery().select()))
+        .values(v=9)
+    ),
+    "joined: ORM update().add_cte()": lambda s, m: s.execute(
+        update(m.Dog).where(m.Dog.id == 1).values(bark="q").add_cte(_writer(m, "Plain"))
+    ),
+    "Core update().add_cte() on its own table via session.connection()": lambda s, m: (
+        s.connection().execute(_core_update(m).add_cte(_writer(m, "Acct")))
+    ),
+    "Core update().add_cte() on another fenced table via session.connection()": lambda s, m: (
+        s.connection().execute(_core_update(m).add_cte(_writer(m, "Plain")))
+    ),
+    "Core delete().add_cte() lowering the register via session.execute": lambda s, m: s.execute(
+        delete(_table(m, "Acct")).where(_table(m, "Acct").c.id == 2).add_cte(_writer(m, "register"))
+    ),
+    "SELECT with a CTE lowering the register": lambda s, m: s.execute(
+        select(_writer(m, "register"))
+    ),
+    "a UNION with a data-modifying CTE": lambda s, m: s.execute(
+        union(select(literal(1)), select(_writer(m, "Acct").c.id))
+    ),
+    "SELECT EXISTS of a data-modifying CTE": lambda s, m: s.execute(
+        select(exists(select(_writer(m, "Plain").c.id)))
+    ),
+    "SELECT from a textual data-modifying CTE": lambda s, m: s.execute(
+        select(
+            text(f"UPDATE {_tname(m, 'Plain')} SET v = 66, fence = 1 RETURNING id")
+            .columns(column("id"))
+            .cte("w")
+        )
+    ),
+}
+
+
+def _insert_from_cte(s: Session, m: Models) -> None:
+    # Into a table the session may write, from a SELECT on a CTE that writes a fenced one.
+    log = _table(m, "Log")
+    cte = _writer(m, "Plain")
+    s.execute(insert(log).from_select(["id", "msg"], select(cte.c.id + 100, literal("x"))))
+
+
+def _cte_on_engine(s: Session, m: Models) -> None:
+    # On a connection of its own: a table without a fence, and a CTE lowering the register.
+    log = _table(m, "Log")
+    with s.get_bind().connect() as conn:  # type: ignore[union-attr]
+        conn.execute(update(log).values(msg="x").add_cte(_writer(m, "register")))
+        conn.commit()
+
+
 PATHS: list[WritePath] = [
     # the flush
     WritePath("flush insert", lambda s, m: s.add(m.Acct(id=3, v=3)), stale="fenced"),
@@ -461,6 +595,19 @@ PATHS: list[WritePath] = [
         _select_with_cte,
         current="refused",
         dialects=("postgres",),
+    ),
+    # data-modifying CTEs riding on statements
+    *(WritePath(name, run, current="refused") for name, run in CTE_SHAPES.items()),
+    WritePath(
+        "ORM insert().from_select() of a model without a fence, from a CTE on a fenced table",
+        _insert_from_cte,
+        current="refused",
+        bind_args={"unfenced": ["Log"]},
+    ),
+    WritePath(
+        "Core update() with a CTE lowering the register, on a connection of its own",
+        _cte_on_engine,
+        current="refused",
     ),
     # inheritance
     WritePath(

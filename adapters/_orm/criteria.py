@@ -22,7 +22,7 @@ from fence._errors import ConfigurationError, UnfencedWriteError
 from fence._errors import StaleTokenError as _FenceStale
 
 from .. import _sql_gate as gate
-from .._sql_gate import OWN_OPTIONS, Kind
+from .._sql_gate import FENCED_OPTIONS, Kind
 from . import refusal
 from .binding import BINDING_KEY, SessionBinding, bound, session_of
 from .fenced import Dependent, MapperInfo, TableInfo, mapper_info, table_info
@@ -203,7 +203,7 @@ def do_orm_execute(state: ORMExecuteState) -> Result[Any] | None:
     _refuse_managed_values(stmt, info)
     fenced, judge_live = _fenced_criteria(stmt, info, token, found, mapper)
     try:
-        result = state.invoke_statement(statement=fenced.execution_options(**OWN_OPTIONS))
+        result = state.invoke_statement(statement=fenced.execution_options(**FENCED_OPTIONS))
         judge_orm(state, info, stmt.whereclause, result, found, mapper, judge_live)
     except _FenceStale as err:
         refusal.refuse(state.session, err)
@@ -238,6 +238,9 @@ def _fenced_criteria(
         if criteria is not None:
             soft = soft.where(criteria)
         soft = soft.where(*gate_terms).values({fence: token, info.tombstone: True})
+        # The CTEs added to the delete ride on its soft delete, where the gate reads them.
+        for cte, opts in zip(stmt._independent_ctes, stmt._independent_ctes_opts, strict=True):
+            soft = soft.add_cte(cte, nest_here=opts.nesting)
         return soft.execution_options(**stmt.get_execution_options()), False
     return stmt.where(*gate_terms, info.live()).values({fence: token}), True
 
@@ -262,6 +265,14 @@ def _dependent_criteria(
     token = found.token
     mapper = state.bind_mapper
     assert mapper is not None
+    if gate.writing_ctes(stmt):
+        raise UnfencedWriteError(
+            f"session.execute() of {type(stmt).__name__.lower()}({mapper.class_.__name__}) "
+            "carries a data-modifying CTE: the statement of a joined subclass runs as two "
+            "statements, and the hook fences their own tables, not a CTE's writes. Write "
+            "that table with a statement of its own",
+            scope=info.table.name,
+        )
     is_delete = isinstance(stmt, Delete)
     keys = _matched_keys(mapper, info, stmt.whereclause)
     fence = info.fence
@@ -282,11 +293,11 @@ def _dependent_criteria(
         update(info.table)
         .where(info.keys_in(keys), blocking == 0)
         .values(values)
-        .execution_options(**OWN_OPTIONS)
+        .execution_options(**FENCED_OPTIONS)
     )
     conn = state.session.connection(bind_arguments=state.bind_arguments)
     raised = conn.execute(raise_fences)
     if raised.rowcount == 0:
         judge_orm(state, info, None, raised, found, mapper, not is_delete, keys=keys)
     passing = dep.exists(info, fence == token)
-    return state.invoke_statement(statement=stmt.where(passing).execution_options(**OWN_OPTIONS))
+    return state.invoke_statement(statement=stmt.where(passing).execution_options(**FENCED_OPTIONS))
