@@ -614,6 +614,36 @@ def test_a_commit_or_prepare_on_the_sessions_connection_meets_the_claim(
 
 
 @pytest.mark.postgres
+def test_a_claim_refused_as_its_transaction_ends_refuses_what_follows(claimed: Claimed) -> None:
+    """The claim's reply, read at the commit, refuses the transaction; so do a commit or a
+    two-phase prepare on the session's connection, around the session."""
+    engine, env = claimed
+    table = env.Item.__table__
+    for end in ("session", "connection", "prepare"):
+        with Session(engine, twophase=end == "prepare") as s:
+            bind(s, token=5, scope="item:1", register=env.register)
+            conn = s.connection()  # the claim is in flight
+            with pytest.raises(StaleTokenError) as first:
+                s.commit()
+            with pytest.raises(TransactionRefusedError) as caught:
+                conn.execute(text(f"SELECT v FROM {table.name}"))
+            assert caught.value.first is first.value
+            transaction: Any = conn.get_transaction()
+            if end == "session":
+                finish = s.commit
+            else:
+                finish = transaction.prepare if end == "prepare" else conn.commit
+            with pytest.raises(TransactionRefusedError):
+                finish()
+            s.rollback()
+        with Session(engine) as s:  # the one connection is clean again
+            bind(s, token=6, scope="item:1", register=env.register)
+            assert s.get(env.Item, 1) is not None
+            s.commit()
+    assert (_fence(engine, env), _value(engine, env)) == (6, 60)
+
+
+@pytest.mark.postgres
 def test_the_driver_reached_around_sqlalchemy_sends_nothing_while_the_claim_is_in_flight(
     claimed: Claimed,
 ) -> None:
