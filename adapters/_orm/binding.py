@@ -178,6 +178,11 @@ def bind(
     Without the claim a stale write that lands between this session's read and its write
     is accepted, then overwritten.
 
+    A transaction that was refused (its claim refused or failed, a fenced write refused,
+    the lease lost at commit) stays refused: every later statement of it and its commit
+    raise :class:`TransactionRefusedError` until ``session.rollback()``; the next
+    transaction claims again.
+
     Bound to a read lease (C13: ``manager.read_lock``, or ``mode="read"``), the session is
     read-only: every write path above (flush, ORM and Core statements, raw SQL, bulk
     paths, tables named in ``unfenced``) raises :class:`fence.ReadLeaseError` before any

@@ -61,7 +61,8 @@ class StaleTokenError(_FenceStale, orm_exc.StaleDataError):
     :class:`sqlalchemy.orm.exc.StaleDataError`, so code that handles optimistic
     concurrency failures today handles fencing rejections too. The session is left as
     after any failed flush: call ``session.rollback()`` and run the unit of work again
-    under a new lease.
+    under a new lease. Until then the transaction stays refused: its statements and its
+    commit raise :class:`TransactionRefusedError`.
 
     Attributes:
         mapper: the mapper of the rejected row (``None`` for a register claim); dropped

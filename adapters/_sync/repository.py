@@ -40,7 +40,10 @@ class UnitOfWork:
     session, binds it to the lease (:func:`fence.adapters.orm.bind`), starts the
     transaction so that the claim runs before the block's first read (C8), runs the block,
     checks the lease and commits, and always closes the session and releases the lease.
-    An error in the block rolls the transaction back.
+    An error in the block rolls the transaction back. A refusal the block catches (a
+    ``StaleTokenError`` of a write, say) still refuses the transaction: every later
+    statement and the commit raise :class:`fence.TransactionRefusedError`, and nothing is
+    committed.
 
     When the lease is lost while the block runs (a renewal failed, or the lease reached
     its deadline without one), the task running the block is cancelled and
@@ -120,6 +123,8 @@ class UnitOfWork:
             AcquireTimeout: the lock was not free within ``timeout``.
             StaleTokenError: the claim or a write was refused (a newer holder wrote); for
                 a read: a writer newer than the lease wrote.
+            TransactionRefusedError: the block caught such a refusal and went on; its
+                transaction stayed refused, so nothing was committed.
             ReadLeaseError: the block wrote under a read lease (before any I/O).
             LeaseLostError: the lease was lost before commit; nothing was committed.
             BackendError: the lock manager or the database failed.
