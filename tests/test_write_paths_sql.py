@@ -457,6 +457,14 @@ CTE_SHAPES: dict[str, Callable[[Session, Models], Any]] = {
     "Core delete().add_cte() lowering the register via session.execute": lambda s, m: s.execute(
         delete(_table(m, "Acct")).where(_table(m, "Acct").c.id == 2).add_cte(_writer(m, "register"))
     ),
+    "legacy Query.update(), the CTE in filter()": lambda s, m: (
+        s.query(m.Acct)
+        .filter(m.Acct.id.in_(select(_writer(m, "Plain").c.id)))
+        .update({"v": 9}, synchronize_session=False)
+    ),
+    "ORM select(Cls).add_cte()": lambda s, m: s.execute(
+        select(m.Acct).add_cte(_writer(m, "Acct"))
+    ).all(),
     "SELECT with a CTE lowering the register": lambda s, m: s.execute(
         select(_writer(m, "register"))
     ),
