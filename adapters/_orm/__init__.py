@@ -28,7 +28,7 @@ The statements and the verdicts come from the SQL row guard (``_sql_statements``
 - ``binding``: :func:`bind` and the :class:`SessionBinding`, found from a session or a
   connection.
 - ``refusal``: a refused transaction stays refused until it is rolled back
-  (:class:`TransactionRefusedError`).
+  (:class:`fence.TransactionRefusedError`).
 - ``span``: the span of a flush, and what a flush may write (``before_flush``).
 - ``verdicts``: the ORM's :class:`StaleTokenError`; each fenced statement judged by its
   row count; refusals.
@@ -66,8 +66,8 @@ from .claim import (
 from .criteria import INCLUDE_TOMBSTONES, do_orm_execute, session_statement
 from .fenced import fence_column, mapper_constructed, mapper_info, table_info, tombstone_column
 from .flush import fenced_version
-from .refusal import TransactionRefusedError, before_connection_commit, refused_of
 from .refusal import before_commit as refused_before_commit
+from .refusal import before_connection_commit, refused_of
 from .span import (
     after_transaction_create,
     after_transaction_end,
@@ -88,7 +88,6 @@ __all__ = [
     "OPTIONAL_INFO",
     "SessionBinding",
     "StaleTokenError",
-    "TransactionRefusedError",
     "bind",
     "binding",
     "check_lease",

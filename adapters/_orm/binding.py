@@ -180,7 +180,7 @@ def bind(
 
     A transaction that was refused (its claim refused or failed, a fenced write refused,
     the lease lost at commit) stays refused: every later statement of it and its commit
-    raise :class:`TransactionRefusedError` until ``session.rollback()``; the next
+    raise :class:`fence.TransactionRefusedError` until ``session.rollback()``; the next
     transaction claims again.
 
     Bound to a read lease (C13: ``manager.read_lock``, or ``mode="read"``), the session is

@@ -74,6 +74,7 @@ def after_begin(session: Session, transaction: SessionTransaction, connection: C
     found: SessionBinding | None = session.info.get(BINDING_KEY)
     if found is None or not found.claim or transaction.nested:
         return
+    refusal.check(session)  # a refused transaction claims nothing more
     try:
         _begin(session, connection, found)
     except FenceError as err:  # refused, or failed: the transaction holds no claim

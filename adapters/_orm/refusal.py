@@ -14,9 +14,8 @@ would otherwise write, and commit, under a token the storage no longer accepts, 
 claim. So the session remembers the first refusal (:class:`Refusal`, in
 ``session.info``), and every later statement of the transaction (through the session or
 on any of its connections, an ``unfenced=True`` one included), its flushes and its commit
-raise :class:`TransactionRefusedError`, a ``PendingRollbackError``, until the
-transaction ends. ``session.rollback()`` (or ``close()``) ends it; the next transaction
-claims again::
+raise :class:`fence.TransactionRefusedError` until the transaction ends.
+``session.rollback()`` (or ``close()``) ends it; the next transaction claims again::
 
     A (token 33)  BEGIN; claim 33 -> refused (fence 34)   StaleTokenError, recorded
     A             catches it; SELECT ...                  TransactionRefusedError
@@ -35,6 +34,10 @@ always empty), and only then looks for its own. After a refused flush outside a
 savepoint, SQLAlchemy rolls the transaction back itself and refuses the session's calls
 with its own ``PendingRollbackError``; a connection taken from the session before is
 refused here.
+
+The error is not a SQLAlchemy error, so code that translates those (the SQL guards'
+executors, the claim's) lets it through as it is: a ``RowGuard`` on a refused
+transaction's connection raises it too.
 """
 
 from __future__ import annotations
@@ -44,11 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import PendingRollbackError
 from sqlalchemy.orm import Session
 
-from fence._errors import FenceError
-from fence._errors import TransactionRefusedError as _FenceRefused
+from fence._errors import FenceError, TransactionRefusedError
 
 from .. import _sql_gate as gate
 from .binding import session_of
@@ -56,7 +57,6 @@ from .binding import session_of
 __all__ = [
     "REFUSAL_KEY",
     "Refusal",
-    "TransactionRefusedError",
     "before_commit",
     "before_connection_commit",
     "check",
@@ -65,23 +65,6 @@ __all__ = [
     "refuse_on",
     "refused_of",
 ]
-
-
-class TransactionRefusedError(_FenceRefused, PendingRollbackError):
-    """A statement or the commit of a session's transaction that was refused before.
-
-    Both a :class:`fence.TransactionRefusedError` and SQLAlchemy's
-    :class:`~sqlalchemy.exc.PendingRollbackError`: code that rolls a session back after a
-    failed flush rolls it back after a refusal too. Call ``session.rollback()``; the next
-    transaction claims again. Run the work again under a new lease.
-
-    Attributes:
-        first: the error that refused the transaction (a :class:`StaleTokenError`, a
-            :class:`fence.LeaseLostError`, the error of a claim that failed).
-    """
-
-
-TransactionRefusedError.__module__ = "fence.adapters.orm"
 
 
 #: ``Session.info`` key of the :class:`Refusal` of the session's transaction.

@@ -62,7 +62,7 @@ class StaleTokenError(_FenceStale, orm_exc.StaleDataError):
     concurrency failures today handles fencing rejections too. The session is left as
     after any failed flush: call ``session.rollback()`` and run the unit of work again
     under a new lease. Until then the transaction stays refused: its statements and its
-    commit raise :class:`TransactionRefusedError`.
+    commit raise :class:`fence.TransactionRefusedError`.
 
     Attributes:
         mapper: the mapper of the rejected row (``None`` for a register claim); dropped

@@ -23,8 +23,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.ext.asyncio.session import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from fence import FenceError, LeaseLostError, ManualClock, TransactionRefusedError
+from fence import (
+    EventBus,
+    FenceError,
+    LeaseLostError,
+    ManualClock,
+    TransactionRefusedError,
+)
 from fence._async.memory import AsyncMemoryLockManager
+from fence.adapters._orm.claim import _STATE_KEY
 from fence.adapters.orm import (
     StaleTokenError,
     bind,
@@ -33,8 +40,8 @@ from fence.adapters.orm import (
     tombstone_column,
     unbind,
 )
-from fence.adapters.orm import TransactionRefusedError as OrmTransactionRefusedError
-from fence.adapters.sql import AsyncFenceRegister
+from fence.adapters.sql import AsyncFenceRegister, AsyncRowGuard
+from fence.testing import EventRecorder
 
 
 @dataclass
@@ -99,9 +106,8 @@ async def snapshot(engine: AsyncEngine, m: Models) -> list[list[tuple[Any, ...]]
 def refused_after(caught: pytest.ExceptionInfo[TransactionRefusedError], first: Any) -> None:
     """The error names the first refusal and says to roll back."""
     err = caught.value
+    assert type(err) is TransactionRefusedError
     assert err.first is first
-    assert isinstance(err, OrmTransactionRefusedError)
-    assert isinstance(err, PendingRollbackError)
     assert "session.rollback()" in str(err)
     assert str(first) in str(err)
 
@@ -130,6 +136,13 @@ async def carry_on(s: AsyncSession, conn: AsyncConnection, m: Models, first: Any
     opted_out = insert(log).values(id=9, msg="stale").execution_options(unfenced=True)
     with pytest.raises(TransactionRefusedError) as caught:
         await conn.execute(opted_out)  # the opt-out does not reopen a refused transaction
+    refused_after(caught, first)
+    guard = AsyncRowGuard(conn, m.Item.__table__)  # the guards let the error through
+    with pytest.raises(TransactionRefusedError) as caught:
+        await guard.update((2,), 99, {"v": 0})
+    refused_after(caught, first)
+    with pytest.raises(TransactionRefusedError) as caught:
+        await AsyncFenceRegister(conn, m.register).claim("item:2", 99)
     refused_after(caught, first)
     s.add(m.Log(id=5, msg="stale"))
     with pytest.raises(TransactionRefusedError) as caught:
@@ -326,12 +339,37 @@ async def test_a_write_refused_before_any_io_does_not_refuse_the_transaction(
 def test_the_error_pickles_with_the_first_one() -> None:
     first = StaleTokenError("item:1", 10, 11, mapper=None)
     first.mapper = object()  # type: ignore[assignment]
-    err = OrmTransactionRefusedError("refused", first=first)
+    err = TransactionRefusedError("refused", first=first)
     back = pickle.loads(pickle.dumps(err))
-    assert type(back) is OrmTransactionRefusedError
-    assert type(back).__module__ == "fence.adapters.orm"
-    assert isinstance(back, TransactionRefusedError)
-    assert isinstance(back, PendingRollbackError)
+    assert type(back) is TransactionRefusedError
+    assert type(back).__module__ == "fence"
+    assert isinstance(back, FenceError)
     assert str(back) == str(err)
     assert isinstance(back.first, StaleTokenError)
     assert (back.first.token, back.first.fence, back.first.mapper) == (10, 11, None)
+
+
+async def test_a_refused_transaction_claims_nothing_more(
+    engine: AsyncEngine, models: Models
+) -> None:
+    """Refused at its commit before it had a connection (its lease was lost), the
+    transaction's first statement opens one: nothing is claimed on it."""
+    m = models
+    clock = ManualClock()
+    events = EventBus()
+    recorder = EventRecorder(events)
+    async with AsyncMemoryLockManager(clock=clock, ttl=5) as manager:
+        lease = await manager.acquire("item:1")
+        async with session_of(engine) as s:
+            bind(s, lease, register=m.register, events=events)
+            clock.advance(10)
+            with pytest.raises(LeaseLostError):
+                await s.commit()
+            with pytest.raises(TransactionRefusedError):
+                await s.execute(select(m.Item))
+            conn = (await s.connection()).sync_connection  # unasync: conn = s.connection()
+            assert conn is not None
+            state = conn.connection.info.get(_STATE_KEY)
+            assert state is None or state.found is None  # no claim in flight (psycopg)
+            await s.rollback()
+    assert recorder.events == []  # no claim judged (SQLite)
