@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.proxy_zookeeper import ZooKeeperProxy
 from tests.servers import EtcdCluster, ZooKeeperEnsemble
 
 
@@ -50,3 +51,14 @@ def zookeeper_url(zookeeper_ensemble: ZooKeeperEnsemble) -> str:
     every server is running and one leads."""
     zookeeper_ensemble.heal()
     return f"{zookeeper_ensemble.url}/t-{secrets.token_hex(4)}"
+
+
+@pytest.fixture
+def zookeeper_proxy(
+    zookeeper_ensemble: ZooKeeperEnsemble, zookeeper_url: str
+) -> Iterator[ZooKeeperProxy]:
+    """A proxy of the test's own in front of the first server of the session ensemble
+    (healed first), to drop replies or freeze the link; closed after the test."""
+    proxy = ZooKeeperProxy(zookeeper_ensemble.hosts.split(",")[0])
+    yield proxy
+    proxy.close()
