@@ -366,10 +366,11 @@ class ZooKeeperDriver:
             left = end - time.monotonic()
             if left <= 0:
                 raise BackendError(
-                    f"ZooKeeper at {self.hosts} gave no connection for the {what} within "
-                    f"{self.request_timeout:g} s. A majority of the ensemble may be down or cut "
-                    "off (a server without a quorum refuses clients); the lock state is "
-                    "unknown until it answers, and the call may be retried",
+                    f"ZooKeeper at {self.hosts} gave no connection for the {what} in time "
+                    f"(the caller's deadline, or {self.request_timeout:g} s). A majority of "
+                    "the ensemble may be down or cut off (a server without a quorum refuses "
+                    "clients); the lock state is unknown until it answers, and the call may "
+                    "be retried",
                     code="UNAVAILABLE",
                     retryable=True,
                 )
@@ -428,9 +429,9 @@ class ZooKeeperDriver:
                 if on_late is not None:
                     on_late(result)
                 raise BackendError(
-                    f"ZooKeeper at {self.hosts} did not answer the {what} within "
-                    f"{self.request_timeout:g} s; the lock state is unknown until it does, "
-                    "and the call may be retried",
+                    f"ZooKeeper at {self.hosts} did not answer the {what} in time (the "
+                    f"caller's deadline, or {self.request_timeout:g} s); the lock state is "
+                    "unknown until it does, and the call may be retried",
                     code="CONNECTION",
                     retryable=True,
                 ) from exc
@@ -561,7 +562,9 @@ class ZooKeeperDriver:
         owner, left is one write.
         """
         sent = time.monotonic()
-        end = sent + self.request_timeout
+        # Bounded by the caller's deadline too (an acquire with a timeout): a blocking
+        # call cannot be cut off from outside.
+        end = sent + time_left(self.request_timeout)
         self._ready(ttl, "acquire", end)
         key = (resource, secret)
         node = self._nodes.get(key)
@@ -678,7 +681,8 @@ class ZooKeeperDriver:
         if node is None or not node.granted:
             return False
         sent = time.monotonic()
-        end = sent + self.request_timeout
+        # Bounded by the caller's deadline too (the watchdog's: the lease's own).
+        end = sent + time_left(self.request_timeout)
         self._ready(ttl, "renewal", end)
         node.ttl = ttl
         if not self._stamp(node, end, "renewal"):
