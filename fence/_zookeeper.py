@@ -16,16 +16,21 @@ that its node is the only one. All operations of a multi share one zxid, so the 
 
 The node that comes first (smallest sequence number; ZooKeeper assigns sequence numbers
 and zxids in the same order) holds the lock, with every reader's node before the first
-writer's (kazoo's read/write recipe, with tokens); see :mod:`fence._queue`. The ``guid`` is
-derived from the owner secret, so a contender can find its own node again after a lost
-connection; the secret itself is never stored.
+writer's (kazoo's read/write recipe, with tokens); see :mod:`fence._queue`.
+
+The ``guid`` is new for every join (random; it says nothing of the owner's secret). A join
+whose reply is lost with the connection may have made its node; the contender then looks
+for the node with its guid before it joins again (kazoo's lock recipe does the same), so
+it never leaves behind a node that nobody tracks. A fresh guid per join keeps two joins of
+one acquire apart: a node that a join gave up on is deleted, by name or by guid, without
+any risk of deleting the node a later join of the same acquire holds the lock with.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import secrets
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -47,8 +52,9 @@ __all__ = [
     "Watches",
     "decode_data",
     "encode_data",
-    "guid_of",
     "is_writer_node",
+    "new_guid",
+    "own_node",
     "parse_hosts",
     "queue_order",
     "resource_path",
@@ -81,9 +87,9 @@ def resource_path(root: str, resource: str) -> str:
     return f"{root}/{quote(resource, safe='').replace('.', '%2E')}"
 
 
-def guid_of(secret: str) -> str:
-    """The contender's node-name prefix: 16 hex digits derived from its secret."""
-    return hashlib.blake2b(secret.encode(), digest_size=8, person=b"iofence-zk").hexdigest()
+def new_guid() -> str:
+    """A join's node-name prefix: 16 random hex digits."""
+    return secrets.token_hex(8)
 
 
 def _sequence(name: str) -> int | None:
@@ -97,6 +103,16 @@ def _sequence(name: str) -> int | None:
 def is_writer_node(name: str) -> bool:
     """Whether the lock node ``name`` is a writer's (else a reader's)."""
     return name.rpartition(READ_MARK)[1] == ""
+
+
+def own_node(children: Iterable[str], guid: str, mark: str) -> str | None:
+    """The lock node among ``children`` that the join named ``guid`` made with ``mark``
+    (a writer's or a reader's), or ``None``."""
+    prefix = guid + mark
+    for name in children:
+        if name.startswith(prefix) and _sequence(name) is not None:
+            return name
+    return None
 
 
 def queue_order(children: Iterable[str]) -> list[str]:
@@ -213,7 +229,9 @@ class Node:
         resource: the resource.
         parent: the resource's node.
         name: the node's name (``<guid>-lock-<sequence>``).
-        czxid: the zxid that created it (the token, once it owns the lock).
+        czxid: the zxid that created it (the token, once it owns the lock); 0 while
+            unknown (the node was found after its join's reply was lost: the write that
+            grants the lock reads it).
         version: its data version as of this session's last write to it.
         ttl: the lease time asked for, in seconds.
         holder: the holder's label.

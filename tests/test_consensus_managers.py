@@ -35,7 +35,8 @@ from fence._zookeeper import (
     SessionTimeoutProbe,
     decode_data,
     encode_data,
-    guid_of,
+    new_guid,
+    own_node,
     parse_hosts,
     queue_order,
     resource_path,
@@ -91,9 +92,15 @@ def test_tokens_beyond_the_double_precision_bound_are_refused() -> None:
 def test_zookeeper_layout() -> None:
     assert resource_path("/fence", "order:42/a b") == "/fence/order%3A42%2Fa%20b"
     assert resource_path("/fence", "..") == "/fence/%2E%2E"
-    guid = guid_of("s")
+    guid = new_guid()
+    assert len(guid) == 16
+    assert guid != new_guid()
     names = [f"{guid}-lock-0000000012", "x-lock-0000000003", "junk", "y-lock-12"]
     assert queue_order(names) == ["x-lock-0000000003", f"{guid}-lock-0000000012"]
+    # A join whose reply was lost finds its node by its guid and mark, and nothing else.
+    assert own_node(names, guid, "-lock-") == f"{guid}-lock-0000000012"
+    assert own_node(names, guid, "-read-") is None
+    assert own_node([*names, f"{guid}-lock-12"], "y", "-lock-") is None
     assert decode_data(encode_data("host:1:t", 2.5)) == ("host:1:t", 2.5)
     assert decode_data(b"\xff") == (None, None)
     assert parse_hosts("zookeeper://a:1,b:2/app") == ("a:1,b:2", "/app")

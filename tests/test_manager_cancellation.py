@@ -19,13 +19,18 @@ from pathlib import Path
 import psycopg
 import pytest
 import redis
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 
 from fence import MemoryBackend
 from fence._async.memory import AsyncMemoryLockManager
 from fence._async.redis import AsyncRedisLockManager
 from fence._async.sql import AsyncSQLLockManager
+from fence._async.zookeeper import AsyncZooKeeperLockManager
 from fence._redis_keys import resource_keys
-from tests.servers import PostgresServer, RedisServer
+from fence._zookeeper import queue_order, resource_path
+from tests.proxy_zookeeper import MULTI, ZooKeeperProxy
+from tests.servers import PostgresServer, RedisServer, ZooKeeperEnsemble
 
 pytestmark = pytest.mark.slow
 
@@ -189,3 +194,52 @@ async def test_sqlite_cancelled_inside_the_round_trip(tmp_path: Path, resource: 
         await lease.release()
     finally:
         await manager.close()
+
+
+async def test_zookeeper_cancelled_inside_the_join(
+    zookeeper_ensemble: ZooKeeperEnsemble, zookeeper_url: str, zookeeper_proxy: ZooKeeperProxy
+) -> None:
+    """The join (the multi-operation that creates the contender's node) reached the
+    ensemble and its reply is held by a frozen link (``tests/proxy_zookeeper.py``) when
+    the task is cancelled. The node is the lock, or a place in its queue, for a secret
+    nobody has: it goes when the reply comes, well within the lease's ttl (5 s)."""
+    root = "/" + zookeeper_url.split("/", 3)[3]
+    path = resource_path(root, "cancelled")
+    manager = AsyncZooKeeperLockManager(
+        f"zookeeper://{zookeeper_proxy.hosts}{root}", ttl=5, request_timeout=5
+    )
+    observer = KazooClient(hosts=zookeeper_ensemble.hosts)
+    observer.start(timeout=15)
+
+    def nodes() -> list[str]:
+        try:
+            observer.sync(path)
+            return queue_order(observer.get_children(path))
+        except NoNodeError:
+            return []
+
+    try:
+        await (await manager.acquire("cancelled", timeout=10)).release()  # connected
+        zookeeper_proxy.hold_reply(MULTI)
+        task = asyncio.create_task(manager.acquire("cancelled", timeout=30))
+        for _ in range(200):
+            if zookeeper_proxy.held:
+                break
+            await asyncio.sleep(0.05)
+        assert zookeeper_proxy.held == [MULTI]
+        await cancel_after(task, 0.0)
+        assert len(nodes()) == 1  # the join landed
+        zookeeper_proxy.thaw()
+        for _ in range(100):
+            if not nodes():
+                break
+            await asyncio.sleep(0.05)
+        assert nodes() == []
+        lease = await manager.try_acquire("cancelled")
+        assert lease is not None
+        await lease.release()
+    finally:
+        zookeeper_proxy.thaw()
+        await manager.close()
+        observer.stop()
+        observer.close()

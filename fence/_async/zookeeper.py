@@ -51,8 +51,9 @@ from fence._zookeeper import (
     Watches,
     decode_data,
     encode_data,
-    guid_of,
     is_writer_node,
+    new_guid,
+    own_node,
     parse_hosts,
     queue_order,
     resource_path,
@@ -78,6 +79,11 @@ _REVOKE_ROUNDS = 5
 _BLATHER = 5  # kazoo's most verbose level: the session line the probe reads
 
 
+class _Dropped(BackendError):
+    """The connection dropped with a request on its way that is not safe to send again:
+    it may or may not have happened."""
+
+
 class _Reaper:
     """Deletes this session's lock nodes that their owner no longer keeps.
 
@@ -91,7 +97,11 @@ class _Reaper:
       before the holder's own deadline (C10) ends; deleted only at the data version of
       the last renewal this session saw succeed, so a renewal that lands first wins;
     - a waiter's node: a while after the waiter's last attempt (it tries every few seconds);
-    - a node whose creation answered too late for its caller, or whose release failed.
+    - a node whose creation answered too late for its caller (a timeout, a cancelled
+      task), or whose release failed;
+    - the node of a join whose outcome nobody learnt (its reply was lost with the
+      connection, and the contender could not look for the node before it gave up): found
+      by the join's guid once the connection is back.
 
     A holder that is frozen (``SIGSTOP``, a VM pause) freezes this thread too; then the
     session expires on the ensemble's side after the session timeout (at least the ttl),
@@ -146,22 +156,25 @@ class _Reaper:
         with self._cond:
             self._holds.pop(path, None)
 
-    def orphan(self, result: Any) -> None:
-        """Delete whatever the multi-operation ``result`` creates, once it completes: its
-        caller gave up waiting for the answer."""
-        result.rawlink(self._adopt)
+    def orphan(self, result: Any, parent: str, guid: str) -> None:
+        """Delete whatever the join ``result`` (named ``guid``, under ``parent``) creates,
+        once it completes: its caller gave up waiting for the answer."""
+        result.rawlink(functools.partial(self._adopt, parent=parent, guid=guid))
 
-    def _adopt(self, result: Any) -> None:
+    def _adopt(self, result: Any, parent: str, guid: str) -> None:
         try:
             created = result.get(block=False)
-        except Exception:  # the create failed: nothing to delete
+        except (ConnectionLoss, OperationTimeoutError):  # the answer is lost: look for it
+            self.sweep(parent, guid)
+            return
+        except Exception:  # the join failed (or its session ended): nothing to delete
             return
         if isinstance(created, list) and created and isinstance(created[0], str):
             self.hold(created[0], 0.0, -1)
 
     def sweep(self, parent: str, guid: str) -> None:
-        """Delete the nodes of contender ``guid`` under ``parent`` once connected: a
-        create whose answer was lost may have made one."""
+        """Delete the nodes of the join ``guid`` under ``parent`` once connected: a join
+        whose answer was lost may have made one."""
         with self._cond:
             self._sweeps[(parent, guid)] = 0.0
             self._cond.notify()
@@ -252,6 +265,9 @@ class _Reaper:
 
     def _sweep(self, parent: str, guid: str) -> None:
         try:
+            # Through the leader first: a server the session moved to may not have
+            # applied the join yet.
+            self._call(self._client.sync_async(parent))
             children = self._call(self._client.get_children_async(parent))
             for name in children:
                 if name.startswith((guid + MARK, guid + READ_MARK)):
@@ -406,17 +422,17 @@ class AsyncZooKeeperDriver:
         on_late: Callable[[Any], None] | None = None,
         uncertain: list[str] | None = None,
     ) -> Any:
-        """Run one kazoo request, after the connection is there.
+        """Run one kazoo request, after the connection is there, until ``end`` (the
+        caller's deadline or ``request_timeout``, whichever comes first).
 
         A request interrupted by a dropped connection is sent again once the connection
-        is back if ``safe`` (with a note in ``uncertain``); otherwise its unknown outcome is
-        raised. One that gets no answer in time raises; ``on_late(result)`` then sees it
-        complete.
+        is back if ``safe`` (with a note in ``uncertain``); otherwise :class:`_Dropped` is
+        raised: its outcome is unknown. One that gets no answer in time raises, and one
+        whose caller is cancelled stops waiting; ``on_late(result)`` then sees it complete.
 
         Raises:
             KazooException: ZooKeeper's verdict (no node, bad version...).
-            BackendError: no connection or no answer in time; an unsafe request's outcome
-                is unknown.
+            BackendError: no connection or no answer in time; :class:`_Dropped`.
         """
         while True:
             await self._connected(what, end)
@@ -437,7 +453,7 @@ class AsyncZooKeeperDriver:
                 if uncertain is not None:
                     uncertain.append(type(exc).__name__)
                 if not safe:
-                    raise BackendError(
+                    raise _Dropped(
                         f"the connection to ZooKeeper dropped during the {what} "
                         f"({type(exc).__name__}); it may or may not have happened",
                         code="CONNECTION",
@@ -450,6 +466,12 @@ class AsyncZooKeeperDriver:
                         code="UNAVAILABLE",
                         retryable=True,
                     ) from exc
+            except BaseException as exc:
+                # Cancelled (asyncio) with the request on its way, or with its answer not
+                # yet taken: it may have landed, or land later.
+                if on_late is not None and not isinstance(exc, Exception):
+                    on_late(result)
+                raise
 
     def _deadline(self) -> float:
         # Bounded by the caller's deadline too (an acquire with a timeout), not only by ours.
@@ -480,12 +502,32 @@ class AsyncZooKeeperDriver:
                 pass
 
     async def _join(
-        self, parent: str, guid: str, data: bytes, version: int, end: float, mark: str = MARK
-    ) -> Any:
-        """One multi-operation: create the contender's node (named with ``mark``: a writer's
-        or a reader's) and bump the resource node's version (only from ``version``, unless
-        it is -1). Returns ``(name, czxid)``, or ``None`` when ``version`` was stale
-        (somebody joined since the read)."""
+        self, parent: str, data: bytes, version: int, end: float, mark: str = MARK
+    ) -> tuple[str, int, list[str] | None] | None:
+        """One multi-operation: create the contender's node (named with a new guid and
+        ``mark``: a writer's or a reader's) and bump the resource node's version (only from
+        ``version``, unless it is -1).
+
+        Returns ``(name, czxid, None)``; or ``(name, 0, children)`` when the reply was lost
+        with the connection and the node was found among ``children`` afterwards (its
+        czxid is unknown until the write that grants the lock reads it); or ``None`` when
+        ``version`` was stale (somebody joined since the read).
+
+        A join whose reply is lost is not simply sent again: it may have made its node, and
+        a second one would leave the first ahead in the queue, held by nobody, until the
+        session ends (kazoo's lock recipe looks for its node too)::
+
+            join (create guid-lock-, set R)   ->  applied; the reply lost with the connection
+            reconnect, sync, read R's children
+              guid-lock-0000000007 is there   ->  that is the node: go on with it
+              no node with the guid           ->  it never landed: send the join again
+
+        Whatever this call cannot settle (its deadline came, it was cancelled) the reaper
+        does: it deletes the node when a late reply brings its name, or looks for the guid
+        once the connection is back.
+        """
+        guid = new_guid()
+        late = functools.partial(self._reaper.orphan, parent=parent, guid=guid)
 
         def start() -> Any:
             txn = self._client.transaction()
@@ -493,16 +535,28 @@ class AsyncZooKeeperDriver:
             txn.set_data(parent, b"", version=version)
             return txn.commit_async()
 
-        try:
-            results = await self._op("acquire", start, end, on_late=self._reaper.orphan)
-        except BackendError:
-            # Lost with the connection: the node may exist. Find it (below) or delete it.
-            self._reaper.sweep(parent, guid)
-            raise
+        while True:
+            try:
+                results = await self._op("acquire", start, end, safe=False, on_late=late)
+                break
+            except _Dropped:
+                pass
+            try:
+                # Through the leader first: the server the session reconnected to may not
+                # have applied the join yet. Once the session has moved, ZooKeeper refuses
+                # what the old connection had not yet handed on, so this read is final.
+                await self._op("acquire", lambda: self._client.sync_async(parent), end)
+                children, _ = await self._children(parent, end, "acquire")
+            except BaseException:
+                self._reaper.sweep(parent, guid)
+                raise
+            name = own_node(children, guid, mark)
+            if name is not None:
+                return name, 0, children
         failed = [r for r in results if isinstance(r, Exception)]
         if not failed:
             name = str(results[0]).rsplit("/", 1)[1]
-            return name, int(results[1].mzxid)  # one zxid for the whole multi
+            return name, int(results[1].mzxid), None  # one zxid for the whole multi
         if any(isinstance(r, BadVersionError) for r in failed):
             return None
         if any(isinstance(r, NoNodeError) for r in failed):
@@ -528,6 +582,7 @@ class AsyncZooKeeperDriver:
             self._reaper.idle(path)
             raise
         node.version = int(stat.version)
+        node.czxid = int(stat.czxid)  # unknown until now if the join's reply was lost
         return True
 
     def _hold_waiter(self, node: Node, sent: float) -> None:
@@ -569,7 +624,6 @@ class AsyncZooKeeperDriver:
         if node is not None:
             return await self._again(key, node, sent, end)
         parent = resource_path(self.root, resource)
-        guid = guid_of(secret)
         data = encode_data(holder, ttl)
         reading = mode is LeaseMode.READ
         mark = READ_MARK if reading else MARK
@@ -577,22 +631,30 @@ class AsyncZooKeeperDriver:
         order = queue_order(children)
         # A reader needs no writer ahead; a writer nobody ahead.
         alone = not any(map(is_writer_node, order)) if reading else not order
-        joined = await self._join(parent, guid, data, version if alone else -1, end, mark)
+        joined = await self._join(parent, data, version if alone else -1, end, mark)
         if joined is None:  # somebody joined between the read and the write
             alone = False
-            joined = await self._join(parent, guid, data, -1, end, mark)
-        name, czxid = joined
+            joined = await self._join(parent, data, -1, end, mark)
+            assert joined is not None  # a join at any version is never refused for it
+        name, czxid, seen = joined
         node = Node(resource, parent, name, czxid, 0, ttl, holder, reading=reading)
         self._nodes[key] = node
-        if alone:  # the resource node's version proves nobody joined since it was empty
+        if alone and seen is None:
+            # The resource node's version proves nobody joined since it was empty.
             return self._grant(key, node, sent)
         self._hold_waiter(node, sent)
-        return await self._look(key, node, sent, end)
+        return await self._look(key, node, sent, end, seen)
 
     async def _look(
-        self, key: tuple[str, str], node: Node, sent: float, end: float
+        self,
+        key: tuple[str, str],
+        node: Node,
+        sent: float,
+        end: float,
+        children: list[str] | None = None,
     ) -> AcquireReply:
-        children, _ = await self._children(node.parent, end, "acquire")
+        if children is None:
+            children, _ = await self._children(node.parent, end, "acquire")
         place = place_in(queue_order(children), node.name, is_writer_node)
         if place is None:  # the node is gone (revoked, or the session expired)
             return await self._rejoin(key, node, end)
