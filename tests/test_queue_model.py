@@ -12,16 +12,15 @@ round trip, atomic on the engine. It checks:
   revoke ends the holders' leases by force: from then on their tokens are fenced out, C8);
 - **tokens (C2, C13)**: a writer's token is above every token granted before, readers'
   included, and above the token a revoke returned; a reader's is above every writer's
-  granted before it and the revoke's.
-
+  granted before it and the revoke's;
 - **liveness**: when no fault strikes (nobody gives up, nothing expires, no revoke, no
   reply lost), every contender gets the lock and leaves, and the queue ends empty, within
   a bounded number of steps: no step sequence without faults reaches a state where
   somebody is stuck (an entry nobody owns ahead of it) or loops. A fault may delay that,
   never prevent it: the check runs from every reachable state, faults included.
 
-With ``lost_reply`` the search adds a join whose reply is lost (ZooKeeper: with the
-connection, while the session survives; once per run): the entry was made, the contender
+With ``lost_reply`` (two contenders) the search adds a join whose reply is lost (ZooKeeper:
+with the connection, while the session survives; once per run): the entry was made, the contender
 does not know its name. It looks for the entry by the join's guid and goes on with it, or
 joins again if it is gone; or the attempt gives up (its deadline came, the link still
 down) and the driver's reaper deletes the entry by that guid later, while the contender
@@ -37,7 +36,7 @@ For liveness: a driver whose waiter gives up without deleting its entry, one tha
 again after a lost reply without looking for its entry, and one whose reaper never
 deletes the entry of a lost join, each leave an entry nobody owns at the head of the
 queue. And a reaper that deletes by the acquire's guid (one guid for every join of the
-call, as the driver once did) deletes the entry a later join of the same call holds the
+call, as the ZooKeeper driver once did) deletes the entry a later join of the same call holds the
 lock with: exclusion breaks.
 """
 
