@@ -595,7 +595,7 @@ class AsyncBaseLockManager:
                 )
             if self.reentrant:
                 # A read by the writer re-enters the write lease: it is exclusive already.
-                await self._reenter(held, ttl)
+                await self._reenter(held, ttl, timeout)
                 if on_lost is not None:
                     held.on_lost(on_lost)
                 return held
@@ -845,11 +845,35 @@ class AsyncBaseLockManager:
         finally:
             reset(scope)
 
-    async def _reenter(self, lease: AsyncLease, ttl: float) -> None:
+    async def _reenter(self, lease: AsyncLease, ttl: float, timeout: float | None) -> None:
+        """Renew the held lease for a reentrant acquire, within the acquire's ``timeout``.
+
+        On a slow or frozen backend the renewal is cut off at the caller's deadline, as a
+        first acquire's attempts are; the lease keeps its depth and its deadline then, and
+        the watchdog's own renewals go on deciding whether it is lost.
+        """
         if lease._error is not None:
             raise lease._error
         sent = self.clock.monotonic()
-        if not await self.driver.renew(lease.resource, lease._secret, ttl):
+        real_end = time.monotonic() + timeout if timeout else None
+        scope = set_deadline(real_end)
+        try:
+            if real_end is None:
+                renewed = await self.driver.renew(lease.resource, lease._secret, ttl)
+            else:
+                async with cancel_after(max(real_end - time.monotonic(), 0.0) + _GRACE):
+                    renewed = await self.driver.renew(lease.resource, lease._secret, ttl)
+        except TimeoutError as exc:
+            raise BackendError(
+                f"{self.source} did not answer the renewal of the reentrant acquire of "
+                f"{lease.resource!r} within its {timeout}s timeout; the lease is still held "
+                "at its depth",
+                code="TIMEOUT",
+                retryable=True,
+            ) from exc
+        finally:
+            reset(scope)
+        if not renewed:
             lease._mark_lost("a reentrant acquire found the lock no longer held")
             assert lease._error is not None
             raise lease._error

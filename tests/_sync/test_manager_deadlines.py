@@ -351,6 +351,29 @@ def test_memory_paused_backend_honours_the_timeout(resource: str) -> None:
         manager.close()
 
 
+def test_memory_reentrant_acquire_honours_the_timeout(resource: str) -> None:
+    """A reentrant acquire renews the held lock: on a frozen backend that renewal is bounded
+    by the caller's timeout too, and the lease stays held at its depth."""
+    backend = MemoryBackend()
+    manager = MemoryLockManager(backend, ttl=30)
+    try:
+        lease = manager.acquire(resource)
+        backend.pause()
+        start = time.monotonic()
+        try:
+            with pytest.raises(BackendError):
+                manager.acquire(resource, timeout=0.3)  # the same owner: reentrant
+        finally:
+            elapsed = time.monotonic() - start
+            backend.resume()
+        assert elapsed < 0.3 + SLACK
+        assert not lease.lost
+        lease.release()
+        assert manager.inspect(resource) is None  # one release: the depth stayed 1
+    finally:
+        manager.close()
+
+
 # -- SQL ------------------------------------------------------------------------------------
 
 
