@@ -11,15 +11,15 @@ module's name in ``name``.
 ``package-dir``). mypy run over the source tree knows that folder as ``adapters`` and cannot
 resolve ``fence.adapters`` from here, so these imports carry an ``import-not-found`` ignore
 and the guards' own types count as ``Any`` in that run. Laid out as installed (``adapters``
-inside ``fence``), they resolve, and ``tests/test_docs.py`` (``GUARD_USERS``) type-checks every user of
-this module against the guards' own types (``unused-ignore`` keeps that run quiet about the
-ignores).
+inside ``fence``), they resolve, and ``tests/test_docs.py`` (``GUARD_USERS``) type-checks
+every user of this module against the guards' own types (``unused-ignore`` keeps that run
+quiet about the ignores).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ __all__ = [
     "redis_guard",
     "row_guard",
     "sql_ddl",
+    "sql_trigger_ddl",
 ]
 
 #: The extra that installs each driver package, by the package's top-level module.
@@ -88,6 +89,17 @@ def sql_ddl() -> tuple[str, str, str]:
             TOMBSTONE_COLUMN_DDL,
         )
     return str(FENCE_COLUMN_DDL), str(TOMBSTONE_COLUMN_DDL), str(REGISTER_TABLE_DDL)
+
+
+def sql_trigger_ddl() -> Callable[..., list[str]]:
+    """The database's judge of a table, as DDL (``fence.adapters.ddl.trigger_ddl``). Loads
+    no database driver."""
+    with _naming_the_extra():
+        from fence.adapters.ddl import (  # type: ignore[import-not-found, unused-ignore]
+            trigger_ddl,
+        )
+    found: Callable[..., list[str]] = trigger_ddl
+    return found
 
 
 def fence_column() -> sa.Column[int]:

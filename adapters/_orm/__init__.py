@@ -47,6 +47,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.pool import Pool
 
+from .. import _judge as judge
 from .. import _sql_gate as gate
 from .._sql_statements import OPTIONAL_INFO
 from .binding import BINDING_KEY, SessionBinding, allows_of, bind, binding, unbind
@@ -58,6 +59,7 @@ from .claim import (
     claim_before_reset,
     claim_before_rollback,
     claim_before_statement,
+    token_before_write,
 )
 from .criteria import INCLUDE_TOMBSTONES, do_orm_execute, session_statement
 from .fenced import fence_column, mapper_constructed, mapper_info, table_info, tombstone_column
@@ -111,6 +113,7 @@ def install() -> None:
         return
     _INSTALLED = True
     gate.install()
+    judge.install()
     gate.set_hooks(session_statement, allows_of)
     event.listen(Session, "before_flush", before_flush)
     event.listen(Session, "after_transaction_create", after_transaction_create)
@@ -124,6 +127,7 @@ def install() -> None:
     event.listen(Mapper, "after_mapper_constructed", mapper_constructed)
     event.listen(Engine, "after_cursor_execute", after_cursor_execute)
     event.listen(Engine, "after_execute", after_execute)
+    event.listen(Engine, "before_execute", token_before_write)  # after the gate's rewrite
     event.listen(Engine, "before_cursor_execute", claim_before_statement)
     event.listen(Engine, "commit", claim_before_commit)
     event.listen(Engine, "prepare_twophase", claim_before_commit)

@@ -11,6 +11,14 @@ per connection, and its reply is read just before the transaction's first statem
 its commit, prepare, rollback, or the pool's reset). What the claim knows of a connection
 (the statements its server session has prepared, the claim in flight and what it claims)
 is one :class:`ClaimState`, found from the connection's pool entry.
+
+The claim also carries the binding's token to the database's judge (C14): it makes it the
+token of the transaction (its fence value is ``set_config('iofence.token', ...)``), so every
+later statement of the transaction, raw SQL included, is judged with it. A transaction
+that did not claim (``claim=False``, or a binding made after it began) gets the token
+before its first write to a judged table (:func:`token_before_write`). The register's
+triggers, and those of each fenced table the session writes, are checked once per DBAPI
+connection before the first write.
 """
 
 from __future__ import annotations
@@ -23,18 +31,38 @@ from sqlalchemy import Table
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.sql.dml import UpdateBase
 
 from fence._core import check_read
 from fence._errors import FenceError, LeaseExpiredError, LeaseLostError
 from fence._errors import StaleTokenError as _FenceStale
 from fence._events import EventKind
 
+from .. import _sql_gate as gate
+from .._judge import (
+    TOKEN_KEY,
+    clear_token,
+    ensure_judged,
+    judged_on,
+    record_verdict,
+    set_token,
+)
 from .._sql_common import missing_register_error, missing_table, translate_error
-from .._sql_gate import OWN_OPTIONS
+from .._sql_gate import OWN_OPTIONS, UNFENCED, Kind
 from .._sql_statements import register_statements
 from .._sync.sql import FenceRegister
+from .._triggers import PG_CHECK_QUERY, Judged
 from . import libpq
-from .binding import BINDING_KEY, READ_CHECK_KEY, SESSION_OF, SessionBinding, session_of
+from .binding import (
+    BINDING_KEY,
+    READ_CHECK_KEY,
+    SESSION_OF,
+    SessionBinding,
+    bound,
+    session_of,
+)
+from .fenced import table_info
+from .span import CURRENT
 from .verdicts import SOURCE, StaleTokenError
 
 if TYPE_CHECKING:
@@ -50,6 +78,7 @@ __all__ = [
     "claim_before_reset",
     "claim_before_rollback",
     "claim_before_statement",
+    "token_before_write",
 ]
 
 
@@ -82,10 +111,15 @@ def after_begin(session: Session, transaction: SessionTransaction, connection: C
         # Its reply is read before the first statement, or at the latest as the session
         # commits (before_commit); the unit of work reads it now.
         state = _send_claim(connection, found)
+        connection.info[TOKEN_KEY] = found.token
         if found.eager:
             _judge_claim(connection, found, _read_claim(state, found))
         return
+    # The register's triggers, once per DBAPI connection (C14); on psycopg the check rides
+    # in the claim's message.
+    ensure_judged(connection, register_statements(found.register).judged)
     stmt = _claim_statement(found.register, connection.dialect.name)
+    connection.info[TOKEN_KEY] = found.token  # the claim makes it the transaction's
     try:
         result = connection.execute(stmt, {"_scope": found.scope, "_token": found.token})
     except SQLAlchemyError as exc:
@@ -107,6 +141,10 @@ def _judge_claim(connection: Connection, found: SessionBinding, claimed: int) ->
             found.scope, found.token
         )
     except _FenceStale as err:
+        # The refused claim made its token the transaction's (the fence value is computed
+        # before the conflict is judged): take it back, so that the database refuses
+        # whatever this transaction would still write.
+        clear_token(connection)
         raise StaleTokenError.from_guard(err, None, None) from None
 
 
@@ -128,6 +166,8 @@ class ClaimState:
         prepare: the ``PREPARE`` of that statement.
         execute: the ``BEGIN`` and ``EXECUTE`` sent with it.
         fresh: whether the message sent carried the ``PREPARE``.
+        judged: the register whose triggers the message also checks (C14), the first
+            time on the connection; ``None`` otherwise.
         ref: a weak reference to this state, which leaves :data:`_UNREAD` with it.
     """
 
@@ -139,6 +179,7 @@ class ClaimState:
     prepare: bytes = b""
     execute: bytes = b""
     fresh: bool = False
+    judged: Judged | None = None
     ref: weakref.ref[ClaimState] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -203,8 +244,16 @@ def _send_claim(connection: Connection, found: SessionBinding) -> ClaimState:
     if claim is None:
         claim = _PG_CLAIMS[register] = _pg_claim(register, raw)
     name, prepare = claim
-    execute = b"%s; EXECUTE %s(%s, %d)" % (
+    # The first claim on a connection also reads the register's triggers (C14), in the
+    # same message: their check costs no round trip of its own.
+    judged = register_statements(register).judged
+    check = b""
+    if not judged_on(connection, judged):
+        query = PG_CHECK_QUERY.format(param="{}").encode()
+        check = query.replace(b"{}", libpq.literal(judged.qualified, raw)) + b"; "
+    execute = b"%s; %sEXECUTE %s(%s, %d)" % (
         libpq.begin(raw, pg),
+        check,
         name,
         libpq.literal(found.scope, raw),
         found.token,
@@ -215,6 +264,7 @@ def _send_claim(connection: Connection, found: SessionBinding) -> ClaimState:
     except pg.Error as exc:
         raise translate_error(exc, "fence claim", found.scope) from exc
     state.found = found
+    state.judged = judged if check else None
     state.connection = weakref.ref(connection)
     state.name, state.prepare, state.execute, state.fresh = name, prepare, execute, fresh
     _UNREAD.add(state.ref)
@@ -240,6 +290,8 @@ def _read_claim(state: ClaimState, found: SessionBinding) -> int:
             last = results[-1]
             if last.status == pg.COMMAND_OK:
                 state.prepared.add(name)
+                if state.judged is not None:
+                    _judge_register(state, results)
                 return int(last.command_tuples or 0)
             sqlstate = last.error_field(pg.SQLSTATE)
             if sqlstate == b"26000" and not fresh:  # the session lost the statement
@@ -256,6 +308,15 @@ def _read_claim(state: ClaimState, found: SessionBinding) -> int:
     except pg.Error as exc:
         raise translate_error(exc, "fence claim", found.scope) from exc
     raise _claim_error(raw, results, found)
+
+
+def _judge_register(state: ClaimState, results: list[Any]) -> None:
+    """Judge the check of the register's triggers that rode in the claim's message."""
+    judged, state.judged = state.judged, None
+    assert judged is not None
+    rows = libpq.rows(results)
+    sent_on = state.connection() if state.connection is not None else None
+    record_verdict(sent_on, judged, rows)
 
 
 def claim_before_statement(
@@ -339,6 +400,48 @@ def _claim_error(raw: Any, results: list[Any], found: SessionBinding) -> FenceEr
 # Each register's prepared claim (its name and its PREPARE), composed once; the names a
 # connection has prepared are in its ClaimState.
 _PG_CLAIMS: weakref.WeakKeyDictionary[Table, tuple[bytes, bytes]] = weakref.WeakKeyDictionary()
+
+
+def token_before_write(
+    conn: Connection,
+    elem: Any,
+    multiparams: Any,
+    params: Any,
+    execution_options: Any,
+) -> None:
+    """Before a write to a table the database judges (C14): check its triggers (once per
+    DBAPI connection), and give the transaction the binding's token if it has not got it
+    (a session bound with ``claim=False``, or bound after its transaction began): one
+    statement on PostgreSQL, none on SQLite.
+
+    A statement marked ``unfenced`` is the opt-out. The guards' own statements carry their
+    token, and the hook's run with the guards' option too: in a bound session they get
+    the binding's token all the same, which a guard's statement then replaces with its own.
+    """
+    if not isinstance(elem, UpdateBase) or execution_options.get(UNFENCED):
+        return
+    table = gate.target_table(elem)
+    guarded = gate.classify(table) if table is not None else None
+    if guarded is None or guarded.kind is Kind.DEPENDENT:
+        return
+    assert table is not None
+    found = bound(conn)
+    if found is not None and found.read_only:
+        return  # it writes nothing: the hook refuses every write
+    # The flush counts the rows of its statement from here on (verdicts): what is sent
+    # first must not count.
+    current = CURRENT.get()
+    counted = current.rowcount if current is not None else None
+    if guarded.kind is Kind.FENCED:
+        info = table_info(table)
+        if info is not None:
+            ensure_judged(conn, info.statements.judged)
+    else:
+        ensure_judged(conn, register_statements(table).judged)
+    if found is not None and conn.info.get(TOKEN_KEY) != found.token:
+        set_token(conn, found.token)
+    if current is not None:
+        current.rowcount = counted
 
 
 def _check_read(connection: Connection, found: SessionBinding) -> None:
