@@ -45,6 +45,8 @@ __all__ = [
     "JUDGE_VERSION",
     "MAX_TOKEN",
     "PG_CHECK_QUERY",
+    "PG_REWRITE_CHECK_QUERY",
+    "PG_REWRITE_TRIGGER",
     "PG_TRIGGERS",
     "SQLITE_CHECK_QUERY",
     "SQLSTATE_REFUSED",
@@ -58,6 +60,7 @@ __all__ = [
     "pg_drop_ddl",
     "pg_judge_ddl",
     "pg_qualified",
+    "pg_rewrite_judge_ddl",
     "sqlite_drop_ddl",
     "sqlite_judge_ddl",
     "verdict",
@@ -431,6 +434,61 @@ def pg_judge_ddl(judged: Judged) -> list[str]:
             f"FOR EACH {level} EXECUTE FUNCTION {judged.function}()"
         )
     return out
+
+
+#: The name of the event trigger that judges table rewrites (PostgreSQL).
+PG_REWRITE_TRIGGER = "iofence_rewrite"
+
+_PG_REWRITE = """\
+CREATE OR REPLACE FUNCTION {function}() RETURNS event_trigger LANGUAGE plpgsql AS $iofence$
+DECLARE
+    rewritten oid := pg_catalog.pg_event_trigger_table_rewrite_oid();
+BEGIN
+    IF pg_catalog.current_setting('{optout}', true) IS NOT DISTINCT FROM 'on' THEN
+        RETURN;
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
+               WHERE tgrelid = rewritten AND tgname = '{update}') THEN
+        RAISE EXCEPTION USING ERRCODE = '{refused}', HINT = '{hint}',
+            MESSAGE = 'iofence: refused rewrite of ' || rewritten::pg_catalog.regclass
+                || ': ALTER TABLE would rewrite fenced rows where no row trigger judges them';
+    END IF;
+END
+$iofence$"""
+
+
+def pg_rewrite_judge_ddl(schema: str | None = None) -> list[str]:
+    """The judge of table rewrites (PostgreSQL): an event trigger that refuses an ``ALTER
+    TABLE`` (or ``ALTER TYPE``) that rewrites a fenced table, outside the opt-out. A rewrite
+    fires no row trigger, so ``ALTER COLUMN ... TYPE ... USING`` could change fences and
+    data unjudged. One per database; creating an event trigger needs a superuser.
+
+    Args:
+        schema: the schema of its function (default: the first of the search path).
+    """
+    function = pg_qualified("iofence_judge_rewrite", schema)
+    body = _PG_REWRITE.format(
+        function=function,
+        optout=UNFENCED_SETTING,
+        update=PG_TRIGGERS["UPDATE"],
+        refused=SQLSTATE_REFUSED,
+        hint=f"a migration that rewrites a fenced table opts out first: {UNFENCED_SQL}",
+    )
+    return [
+        body,
+        f"COMMENT ON FUNCTION {function}() IS "
+        + _literal(f"iofence judge {JUDGE_VERSION}: kind=rewrite"),
+        f"DROP EVENT TRIGGER IF EXISTS {PG_REWRITE_TRIGGER}",
+        f"CREATE EVENT TRIGGER {PG_REWRITE_TRIGGER} ON table_rewrite EXECUTE FUNCTION {function}()",
+    ]
+
+
+#: Whether the judge of table rewrites is in place (PostgreSQL): one row, its function's
+#: signature, or none.
+PG_REWRITE_CHECK_QUERY = (
+    "SELECT pg_catalog.obj_description(e.evtfoid, 'pg_proc') FROM pg_catalog.pg_event_trigger e "
+    "WHERE e.evtname = 'iofence_rewrite' AND e.evtenabled <> 'D'"
+)
 
 
 def pg_drop_ddl(judged: Judged) -> list[str]:

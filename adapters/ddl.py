@@ -33,6 +33,7 @@ from ._triggers import (
     Judged,
     pg_drop_ddl,
     pg_judge_ddl,
+    pg_rewrite_judge_ddl,
     sqlite_drop_ddl,
     sqlite_judge_ddl,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "UNFENCED_SETTING",
     "UNFENCED_SQL",
     "drop_trigger_ddl",
+    "rewrite_trigger_ddl",
     "trigger_ddl",
 ]
 
@@ -192,3 +194,17 @@ def drop_trigger_ddl(
     raise ConfigurationError(
         f"the database's judge exists for postgresql and sqlite, not {dialect!r}"
     )
+
+
+def rewrite_trigger_ddl(*, schema: str | None = None) -> list[str]:
+    """The judge of table rewrites (PostgreSQL, once per database): an event trigger that
+    refuses an ``ALTER TABLE`` that would rewrite a fenced table (``ALTER COLUMN ... TYPE
+    ... USING``, a volatile default), which fires no row trigger, unless the transaction
+    opted out (:data:`UNFENCED_SQL`, as a migration does). Creating an event trigger needs
+    a superuser; without it such a rewrite is beyond the judge (see
+    ``docs/database-judge.md``).
+
+    Args:
+        schema: the schema of its function (default: the first of the search path).
+    """
+    return pg_rewrite_judge_ddl(schema)
