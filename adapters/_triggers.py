@@ -190,7 +190,8 @@ class Judged:
             api = "fence.adapters.sql.install_triggers(conn, register_table)"
         else:
             name = f"{self.schema}.{self.table}" if self.schema else self.table
-            what = f"--no-register --table {name}"
+            flag = "" if self.tombstone == "deleted" else " --no-tombstone"
+            what = f"--no-register{flag} --table {name}"
             api = "fence.adapters.sql.install_triggers(conn, table)"
         return (
             f"install them with `fence ddl --dialect {dialect} --triggers-only {what}` (or "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import redis
@@ -40,6 +40,7 @@ __all__ = [
     "redis_guard",
     "row_guard",
     "sql_ddl",
+    "sql_judge",
     "sql_trigger_ddl",
 ]
 
@@ -89,6 +90,14 @@ def sql_ddl() -> tuple[str, str, str]:
             TOMBSTONE_COLUMN_DDL,
         )
     return str(FENCE_COLUMN_DDL), str(TOMBSTONE_COLUMN_DDL), str(REGISTER_TABLE_DDL)
+
+
+def sql_judge() -> Any:
+    """The database's judge as text (``fence.adapters._triggers``: its check queries, the
+    verdict on what they read, the DDL); ``fence doctor`` reads it. Loads no driver."""
+    with _naming_the_extra():
+        from fence.adapters import _triggers  # type: ignore[import-not-found, unused-ignore]
+    return _triggers
 
 
 def sql_trigger_ddl() -> Callable[..., list[str]]:

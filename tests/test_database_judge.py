@@ -27,6 +27,7 @@ from fence.adapters.ddl import (
     SQLSTATE_UNFENCED,
     UNFENCED_SQL,
     drop_trigger_ddl,
+    rewrite_trigger_ddl,
     trigger_ddl,
 )
 from fence.adapters.sql import FenceRegister, RowGuard, fence_column, install_triggers
@@ -392,3 +393,50 @@ def test_the_unfenced_option_opts_out_for_its_statement_only(
     finally:
         metadata.drop_all(engine)
         engine.dispose()
+
+
+# -- fence doctor -----------------------------------------------------------------------------
+
+
+def test_doctor_names_every_table_without_a_current_judge(postgres_server: PostgresServer) -> None:
+    from fence._doctor import FAIL, OK, WARN, sql_checks
+
+    name = f"doctor_{secrets.token_hex(4)}"
+    with psycopg.connect(postgres_server.conninfo, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    conninfo = postgres_server.conninfo.replace("dbname=postgres", f"dbname={name}")
+    url = postgres_server.url.rsplit("/", 1)[0] + f"/{name}"
+    engine = create_engine(url)
+    try:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(
+                b"CREATE TABLE accounts (id INT PRIMARY KEY, fence BIGINT NOT NULL DEFAULT 0, "
+                b"deleted BOOLEAN NOT NULL DEFAULT FALSE)"
+            )
+            conn.execute(b"CREATE TABLE old (id INT PRIMARY KEY, fence BIGINT NOT NULL)")
+            pg_guard.install_triggers(conn, "old")
+            conn.execute(b"COMMENT ON FUNCTION iofence_judge_old() IS 'iofence judge 0: kind=rows'")
+
+            def judge_lines() -> list[tuple[str, str, str]]:
+                checks = sql_checks(
+                    engine, lease_table="fence_leases", schema=None, register="r", path=None
+                )
+                return [(c.status, c.finding, c.advice) for c in checks if "judge" in c.name]
+
+            found = judge_lines()
+            assert (found[0][0], found[0][1].split('"')[1]) == (FAIL, "accounts")
+            assert "missing" in found[0][1]
+            assert "--triggers-only --no-register --table accounts" in found[0][2]
+            assert "version 0" in found[1][1]
+            assert "--no-tombstone --table old" in found[1][2]
+            assert found[2][0] == WARN  # no judge of table rewrites
+            pg_guard.install_triggers(conn, "accounts", tombstone="deleted")
+            pg_guard.install_triggers(conn, "old")  # the upgrade doctor named
+            with conn.transaction():
+                for statement in rewrite_trigger_ddl():
+                    conn.execute(statement.encode())
+            assert [status for status, _, _ in judge_lines()] == [OK, OK]
+    finally:
+        engine.dispose()
+        with psycopg.connect(postgres_server.conninfo, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
