@@ -51,6 +51,7 @@ from ._triggers import (
 _DDL_OPTIONS: Mapping[str, Any] = {**OWN_OPTIONS, "no_parameters": True}
 
 __all__ = [
+    "CHECKED_KEY",
     "JUDGED_DIALECTS",
     "TOKEN_KEY",
     "clear_token",
@@ -69,8 +70,9 @@ __all__ = [
 #: The dialects whose tables carry the judge.
 JUDGED_DIALECTS = frozenset({"postgresql"})
 
-#: Pool entry ``info`` key of the tables whose triggers were checked on the connection.
-_CHECKED_KEY = "iofence.judged"
+#: Pool entry ``info`` key of the tables whose triggers were checked on the connection
+#: (their :attr:`Judged.check_key`).
+CHECKED_KEY = "iofence.judged"
 
 #: Pool entry ``info`` key of a SQLite connection's :class:`SQLiteState`.
 _SQLITE_KEY = "iofence.sqlite"
@@ -179,15 +181,11 @@ def _after_drop(table: Table, connection: Connection, **kw: Any) -> None:
 # -- the check ------------------------------------------------------------------------------
 
 
-def _check_key(judged: Judged) -> tuple[Any, ...]:
-    return (judged.schema, judged.table, judged.kind, judged.fence)
-
-
 def forget_judged(conn: Connection, judged: Judged) -> None:
     """Check ``judged``'s triggers again at the next write on ``conn``'s DBAPI connection."""
-    checked = conn.connection.info.get(_CHECKED_KEY)
+    checked = conn.connection.info.get(CHECKED_KEY)
     if checked is not None:
-        checked.discard(_check_key(judged))
+        checked.discard(judged.check_key)
 
 
 def judged_on(conn: Connection, judged: Judged) -> bool:
@@ -195,8 +193,8 @@ def judged_on(conn: Connection, judged: Judged) -> bool:
     database without the judge). No I/O."""
     if conn.dialect.name not in JUDGED_DIALECTS:
         return True
-    checked: set[tuple[Any, ...]] | None = conn.connection.info.get(_CHECKED_KEY)
-    return checked is not None and _check_key(judged) in checked
+    checked: set[tuple[Any, ...]] | None = conn.connection.info.get(CHECKED_KEY)
+    return checked is not None and judged.check_key in checked
 
 
 def record_verdict(conn: Connection | None, judged: Judged, rows: Any) -> None:
@@ -211,7 +209,7 @@ def record_verdict(conn: Connection | None, judged: Judged, rows: Any) -> None:
     if why is not None:
         raise ConfigurationError(f"{why}; {judged.hint(dialect)}")
     if exists and conn is not None and not conn.closed and not conn.invalidated:
-        conn.connection.info.setdefault(_CHECKED_KEY, set()).add(_check_key(judged))
+        conn.connection.info.setdefault(CHECKED_KEY, set()).add(judged.check_key)
 
 
 def ensure_judged(conn: Connection, judged: Judged) -> None:

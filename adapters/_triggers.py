@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fence._sql_dialect import SQLSTATE_REFUSED, SQLSTATE_STALE, SQLSTATE_UNFENCED
 
@@ -145,6 +145,7 @@ class Judged:
             optimistic concurrency and passes, though it never lowers the fence.
         key: the key columns, for SQLite's triggers that raise the fence after a plain
             write (``None``: the ``rowid``).
+        check_key: what a check that found the triggers in place is remembered by.
     """
 
     table: str
@@ -154,6 +155,12 @@ class Judged:
     register: bool = False
     optional: bool = False
     key: tuple[str, ...] | None = None
+    #: What a check that found the triggers in place is remembered by: the table, the kind
+    #: and the fence column (what a writer's verdict depends on).
+    check_key: tuple[str | None, str, str, str] = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "check_key", (self.schema, self.table, self.kind, self.fence))
 
     @property
     def kind(self) -> str:
@@ -285,8 +292,12 @@ DECLARE
     opted boolean;
     scope text;
 BEGIN
-    -- The guard's own write, accepted: its token, not below the row's fence.
+    -- The guard's own write, accepted: its token, not below the row's fence; and an insert
+    -- with a token, which takes the token as its fence (C4).
     IF TG_OP = 'UPDATE' AND NEW.{f} = tok AND OLD.{f} <= tok AND tok BETWEEN 1 AND {max} THEN
+        RETURN NEW;
+    ELSIF TG_OP = 'INSERT' AND tok BETWEEN 1 AND {max} THEN
+        NEW.{f} := tok;
         RETURN NEW;
     END IF;
     IF tok IS NOT NULL AND (tok < 1 OR tok > {max}) THEN
@@ -322,10 +333,6 @@ BEGIN
         IF TG_OP = 'DELETE' THEN
             RETURN OLD;
         END IF;
-        RETURN NEW;
-    END IF;
-    IF TG_OP = 'INSERT' THEN
-        NEW.{f} := tok;
         RETURN NEW;
     END IF;
     IF OLD.{f} IS NULL OR tok < OLD.{f} THEN

@@ -40,6 +40,7 @@ from fence._events import EventKind
 
 from .. import _sql_gate as gate
 from .._judge import (
+    CHECKED_KEY,
     TOKEN_KEY,
     clear_token,
     ensure_judged,
@@ -51,7 +52,7 @@ from .._sql_common import missing_register_error, missing_table, translate_error
 from .._sql_gate import OWN_OPTIONS, UNFENCED, Kind
 from .._sql_statements import register_statements
 from .._sync.sql import FenceRegister
-from .._triggers import PG_CHECK_QUERY, Judged
+from .._triggers import PG_CHECK_QUERY, TOKEN_SETTING, Judged
 from . import libpq
 from .binding import (
     BINDING_KEY,
@@ -101,7 +102,14 @@ def _claim_statement(register: Table, dialect: str) -> Any:
 def after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     SESSION_OF[connection] = weakref.ref(session)
     found: SessionBinding | None = session.info.get(BINDING_KEY)
-    if found is None or not found.claim or transaction.nested:
+    if found is None or transaction.nested:
+        return
+    if not found.claim:
+        if not found.read_only and connection.dialect.driver == "psycopg":
+            # No claim, but the token still leaves with the BEGIN (C14): no round trip of
+            # its own. Elsewhere it is set before the first write (token_before_write).
+            _send_claim(connection, found, token_only=True)
+            connection.info[TOKEN_KEY] = found.token
         return
     if found.read_only:
         _check_read(connection, found)
@@ -168,6 +176,8 @@ class ClaimState:
         fresh: whether the message sent carried the ``PREPARE``.
         judged: the register whose triggers the message also checks (C14), the first
             time on the connection; ``None`` otherwise.
+        token_only: the message carries the binding's token and no claim (a session bound
+            with ``claim=False``): its reply is read, never judged.
         ref: a weak reference to this state, which leaves :data:`_UNREAD` with it.
     """
 
@@ -180,6 +190,7 @@ class ClaimState:
     execute: bytes = b""
     fresh: bool = False
     judged: Judged | None = None
+    token_only: bool = False
     ref: weakref.ref[ClaimState] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -202,7 +213,9 @@ def _state_on(conn: Connection) -> ClaimState | None:
     return state
 
 
-def _send_claim(connection: Connection, found: SessionBinding) -> ClaimState:
+def _send_claim(
+    connection: Connection, found: SessionBinding, *, token_only: bool = False
+) -> ClaimState:
     """Send the claim with the transaction's ``BEGIN`` and return before its reply (psycopg 3).
 
     psycopg starts a transaction with a ``BEGIN`` of its own, a round trip before the first
@@ -240,6 +253,21 @@ def _send_claim(connection: Connection, found: SessionBinding) -> ClaimState:
     elif state.found is not None:  # a claim whose transaction ended without any event
         _read_claim(state, state.found)  # (defensive)
     raw = state.raw
+    if token_only:
+        # A session bound without a claim: only its token, made the transaction's.
+        message = b"%s; SELECT pg_catalog.set_config('%s', '%d', true)" % (
+            libpq.begin(raw, pg),
+            TOKEN_SETTING.encode(),
+            found.token,
+        )
+        try:
+            libpq.send(raw, message)
+        except pg.Error as exc:
+            raise translate_error(exc, "setting the transaction's token", found.scope) from exc
+        state.found, state.token_only, state.judged = found, True, None
+        state.connection = weakref.ref(connection)
+        _UNREAD.add(state.ref)
+        return state
     claim = _PG_CLAIMS.get(register)
     if claim is None:
         claim = _PG_CLAIMS[register] = _pg_claim(register, raw)
@@ -264,6 +292,7 @@ def _send_claim(connection: Connection, found: SessionBinding) -> ClaimState:
     except pg.Error as exc:
         raise translate_error(exc, "fence claim", found.scope) from exc
     state.found = found
+    state.token_only = False
     state.judged = judged if check else None
     state.connection = weakref.ref(connection)
     state.name, state.prepare, state.execute, state.fresh = name, prepare, execute, fresh
@@ -284,6 +313,16 @@ def _read_claim(state: ClaimState, found: SessionBinding) -> int:
     _UNREAD.discard(state.ref)
     pg = libpq.driver()
     raw, name, fresh = state.raw, state.name, state.fresh
+    if state.token_only:
+        try:
+            results = libpq.read(raw)
+        except pg.Error as exc:
+            raise translate_error(exc, "setting the transaction's token", found.scope) from exc
+        failure = libpq.failure(raw, results)
+        if failure is not None:
+            err = translate_error(failure, "setting the transaction's token", found.scope)
+            raise err from failure
+        return 1
     try:
         results = libpq.read(raw)
         for _attempt in range(3):
@@ -326,7 +365,9 @@ def claim_before_statement(
     if _UNREAD:
         state = _state_on(conn)
         if state is not None and (found := state.found) is not None:
-            _judge_claim(conn, found, _read_claim(state, found))
+            claimed = _read_claim(state, found)
+            if not state.token_only:
+                _judge_claim(conn, found, claimed)
 
 
 def claim_before_commit(conn: Connection, *_xid: Any) -> None:
@@ -428,17 +469,28 @@ def token_before_write(
     found = bound(conn)
     if found is not None and found.read_only:
         return  # it writes nothing: the hook refuses every write
+    if guarded.kind is Kind.FENCED:
+        info = table_info(table)
+        if info is None:
+            return
+        judged = info.statements.judged
+    else:
+        judged = register_statements(table).judged
+    # The hot path (every flush statement): a set lookup and a comparison.
+    entry = conn.connection.info
+    checked = entry.get(CHECKED_KEY)
+    unchecked = (checked is None or judged.check_key not in checked) and not judged_on(conn, judged)
+    unset = found is not None and entry.get(TOKEN_KEY) != found.token
+    if not unchecked and not unset:
+        return
     # The flush counts the rows of its statement from here on (verdicts): what is sent
     # first must not count.
     current = CURRENT.get()
     counted = current.rowcount if current is not None else None
-    if guarded.kind is Kind.FENCED:
-        info = table_info(table)
-        if info is not None:
-            ensure_judged(conn, info.statements.judged)
-    else:
-        ensure_judged(conn, register_statements(table).judged)
-    if found is not None and conn.info.get(TOKEN_KEY) != found.token:
+    if unchecked:
+        ensure_judged(conn, judged)
+    if unset:
+        assert found is not None
         set_token(conn, found.token)
     if current is not None:
         current.rowcount = counted
