@@ -35,6 +35,7 @@ from ._sql_common import judge_error, translate_error
 from ._sql_gate import OWN_OPTIONS, UNFENCED
 from ._sql_statements import OPTIONAL_INFO, REGISTER_INFO, TOMBSTONE_INFO, fence_of
 from ._triggers import (
+    MAX_TOKEN,
     PG_CHECK_QUERY,
     SQLITE_CHECK_QUERY,
     TOKEN_SETTING,
@@ -68,7 +69,7 @@ __all__ = [
 ]
 
 #: The dialects whose tables carry the judge.
-JUDGED_DIALECTS = frozenset({"postgresql"})
+JUDGED_DIALECTS = frozenset({"postgresql", "sqlite"})
 
 #: Pool entry ``info`` key of the tables whose triggers were checked on the connection
 #: (their :attr:`Judged.check_key`).
@@ -261,12 +262,13 @@ class SQLiteState:
 
     def set_token(self, value: Any) -> Any:
         """``iofence_set_token(t)``: the token of the transaction from now on; returns it."""
-        self.token = None if value is None else int(value)
+        self.token = value if type(value) is int else None
         return value
 
     def get_token(self) -> int | None:
-        """``iofence_token()``."""
-        return self.token
+        """``iofence_token()``: ``None`` (no token) for a value that is no token (C1)."""
+        token = self.token
+        return token if token is not None and 0 < token <= MAX_TOKEN else None
 
     def get_unfenced(self) -> int:
         """``iofence_unfenced()``."""
@@ -427,7 +429,12 @@ def _after_execute(
 
 def _handle_error(context: Any) -> None:
     """A refusal of the judge, as the iofence error it stands for."""
-    found = judge_error(context.original_exception)
+    token = None
+    conn = context.connection
+    if conn is not None and conn.dialect.name == "sqlite" and not conn.invalidated:
+        state = sqlite_state(conn)
+        token = state.get_token() if state is not None else None
+    found = judge_error(context.original_exception, token)
     if found is not None:
         if context.connection is not None:
             context.connection.info.pop(_PREVIOUS, None)

@@ -336,7 +336,7 @@ def closed_connection_error(what: str = "the connection") -> BackendError:
 
 
 # The table named by a SQLite trigger's message: "... of <table>: ..." / "... from <table>: ...".
-_SQLITE_TABLE = re.compile(r"(?:of a row of|of|from) (\S+?):? ")
+_SQLITE_TABLE = re.compile(r"(?:of a row of|of|from) ([^\s:]+)")
 
 
 def judge_error(exc: BaseException, token: int | None = None) -> FenceError | None:

@@ -233,6 +233,17 @@ def _plain(db: psycopg.Connection[Any]) -> str:
     return name
 
 
+def _table(name: str, metadata: MetaData | None = None, *extra: Any) -> Table:
+    return Table(
+        name,
+        metadata if metadata is not None else MetaData(),
+        Column("id", Integer, primary_key=True),
+        Column("v", Integer),
+        fence_column(),
+        *extra,
+    )
+
+
 def test_guards_refuse_a_table_without_its_judge(
     db: psycopg.Connection[Any], postgres_server: PostgresServer
 ) -> None:
@@ -440,3 +451,43 @@ def test_doctor_names_every_table_without_a_current_judge(postgres_server: Postg
         engine.dispose()
         with psycopg.connect(postgres_server.conninfo, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+# -- SQLite ------------------------------------------------------------------------------------
+
+
+def test_sqlite_guards_refuse_a_table_without_its_judge_and_the_token_ends_with_commit(
+    tmp_path: Any,
+) -> None:
+    import sqlite3
+
+    from fence.adapters._judge import sqlite_state
+
+    path = tmp_path / "judged.db"
+    with sqlite3.connect(path) as db:  # a table made by hand, before the judge
+        db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v INTEGER, fence BIGINT NOT NULL)")
+        db.execute("INSERT INTO t VALUES (1, 0, 10)")
+    engine = create_engine(f"sqlite:///{path}")
+    table = _table("t")
+    try:
+        with engine.begin() as conn, pytest.raises(ConfigurationError, match="--dialect sqlite"):
+            RowGuard(conn, table).update(1, 20, {"v": 1})
+        with engine.begin() as conn:
+            install_triggers(conn, table)
+        with engine.begin() as conn:
+            RowGuard(conn, table).update(1, 20, {"v": 1})
+            state = sqlite_state(conn)
+            assert state is not None
+            assert state.get_token() == 20
+        assert state.get_token() is None  # the commit ended the transaction and its token
+        with engine.begin() as conn, pytest.raises(UnfencedWriteError, match="no fencing token"):
+            conn.exec_driver_sql("UPDATE t SET v = 2", execution_options={"iofence": True})
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT iofence_set_token(15)")
+            with pytest.raises(StaleTokenError) as caught:
+                conn.exec_driver_sql("UPDATE t SET v = 3", execution_options={"iofence": True})
+            assert (caught.value.scope, caught.value.token) == ("t", 15)
+        with engine.begin() as conn:
+            assert conn.exec_driver_sql("SELECT v, fence FROM t").one() == (1, 20)
+    finally:
+        engine.dispose()

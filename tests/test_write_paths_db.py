@@ -473,3 +473,275 @@ def test_another_program_psql_is_judged_too(database: str) -> None:
 def _host_port(conninfo: str) -> tuple[str, str]:
     fields = dict(part.split("=", 1) for part in conninfo.split())
     return fields["host"], fields["port"]
+
+
+# -- SQLite -----------------------------------------------------------------------------------
+#
+# SQLite's triggers call functions that iofence registers on the connections of its engines
+# (``iofence_token()``...). The writes below run on such a connection's DB-API cursor, with
+# raw SQL that no gate reads; the token is set the way any code on it could set it
+# (``SELECT iofence_set_token(t)``). A connection without the functions (another program, the
+# ``sqlite3`` shell) cannot write a judged table at all.
+
+SQLITE_SCHEMA = [
+    (
+        "CREATE TABLE acct (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL DEFAULT 0, "
+        "fence BIGINT NOT NULL DEFAULT 0, deleted BOOLEAN NOT NULL DEFAULT 0)"
+    ),
+    (
+        "CREATE TABLE plain (id INTEGER PRIMARY KEY, v INTEGER NOT NULL DEFAULT 0, "
+        "fence BIGINT NOT NULL DEFAULT 0)"
+    ),
+    "CREATE TABLE parent (id INTEGER PRIMARY KEY, name TEXT)",
+    (
+        "CREATE TABLE child (id INTEGER PRIMARY KEY, parent_id INTEGER REFERENCES parent "
+        "ON DELETE CASCADE ON UPDATE CASCADE, v INTEGER, fence BIGINT NOT NULL DEFAULT 0)"
+    ),
+    "CREATE TABLE reg (scope VARCHAR(512) PRIMARY KEY, fence BIGINT NOT NULL)",
+    "CREATE TABLE src (id INTEGER PRIMARY KEY, v INTEGER)",
+    "CREATE TABLE audit (id INTEGER)",
+    (
+        "CREATE TRIGGER audit_writes AFTER INSERT ON audit FOR EACH ROW BEGIN "
+        "UPDATE acct SET balance = balance + 100 WHERE id = NEW.id; END"
+    ),
+    "CREATE VIEW acct_view AS SELECT id, balance FROM acct WHERE NOT deleted",
+    (
+        "CREATE TRIGGER acct_view_update INSTEAD OF UPDATE ON acct_view BEGIN "
+        "UPDATE acct SET balance = NEW.balance WHERE id = OLD.id; END"
+    ),
+]
+
+_REG_UPSERT = (
+    "INSERT INTO reg VALUES ('order:1', {value}) "
+    "ON CONFLICT (scope) DO UPDATE SET fence = excluded.fence"
+)
+_UPSERT_ACCT = (
+    "INSERT INTO acct (id, balance) VALUES (1, 5) ON CONFLICT (id) DO UPDATE SET balance = 5"
+)
+_CTE_UPDATE = (
+    "WITH w AS (SELECT 1 AS id) UPDATE acct SET balance = 7 WHERE id IN (SELECT id FROM w)"
+)
+_REPLACE = "INSERT OR REPLACE INTO plain (id, v) VALUES (1, 5)"
+NO_NEW = (
+    "SQLite's BEFORE triggers cannot set NEW.fence to the token as PostgreSQL's do: "
+    "the value written, 1, would lower the fence"
+)
+REPLACE_GAP = (
+    "REPLACE deletes the row it replaces without its delete trigger unless "
+    "recursive_triggers is on: a stale token set by hand on iofence's own connection gets "
+    "through (docs/database-judge.md)"
+)
+
+SQLITE_PATHS = [
+    Path("UPDATE of one row", _sql("UPDATE acct SET balance = 9 WHERE id = 1")),
+    Path("UPDATE of every row", _sql("UPDATE acct SET balance = 0")),
+    Path(
+        "UPDATE ... FROM", _sql("UPDATE acct SET balance = src.v FROM src WHERE acct.id = src.id")
+    ),
+    Path(
+        "UPDATE that lowers the fence",
+        _sql("UPDATE acct SET fence = 1 WHERE id = 1"),
+        holder=REFUSED,
+        opted=REFUSED,
+        why="a fence never goes down",
+    ),
+    Path("UPDATE that revives a tombstone", _sql("UPDATE acct SET deleted = 0 WHERE id = 3")),
+    Path(
+        "INSERT of a new key",
+        _sql("INSERT INTO acct (id, balance) VALUES (4, 4)"),
+        stale=OK,
+        why=NEW_KEY,
+    ),
+    Path("INSERT ... ON CONFLICT DO UPDATE (an existing row)", _sql(_UPSERT_ACCT)),
+    Path(
+        "INSERT OR REPLACE, recursive_triggers on", _sql("PRAGMA recursive_triggers = ON", _REPLACE)
+    ),
+    Path(
+        "INSERT OR REPLACE, recursive_triggers off (the default)",
+        _sql(_REPLACE),
+        stale=OK,
+        why=REPLACE_GAP,
+    ),
+    Path(
+        "DELETE where a tombstone keeps the fence",
+        _sql("DELETE FROM acct WHERE id = 1"),
+        holder=REFUSED,
+        opted=OK,
+        why=DROPS,
+    ),
+    Path("DELETE of a row without a tombstone flag", _sql("DELETE FROM plain WHERE id = 1")),
+    Path("DELETE of every row (no TRUNCATE in SQLite)", _sql("DELETE FROM plain")),
+    Path("ON DELETE CASCADE from an unfenced parent", _sql("DELETE FROM parent WHERE id = 1")),
+    Path(
+        "ON UPDATE CASCADE from an unfenced parent", _sql("UPDATE parent SET id = 9 WHERE id = 1")
+    ),
+    Path("a CTE feeding an UPDATE", _sql(_CTE_UPDATE)),
+    Path(
+        "a view with an INSTEAD OF trigger", _sql("UPDATE acct_view SET balance = 6 WHERE id = 1")
+    ),
+    Path(
+        "a trigger of the application's own on another table", _sql("INSERT INTO audit VALUES (1)")
+    ),
+    Path(
+        "the register: an upsert of a lower fence",
+        _sql(_REG_UPSERT.format(value=1)),
+        holder=REFUSED,
+        why=NO_NEW,
+    ),
+    Path("the register: an upsert of the token", _sql(_REG_UPSERT.format(value="iofence_token()"))),
+    Path(
+        "the register: lowering a fence",
+        _sql("UPDATE reg SET fence = 0"),
+        holder=REFUSED,
+        opted=REFUSED,
+        why="a fence never goes down",
+    ),
+    Path(
+        "the register: deleting a row", _sql("DELETE FROM reg"), holder=REFUSED, opted=OK, why=DROPS
+    ),
+]
+
+
+class _SQLite:
+    """A SQLite file with the schema, the judge, and a connection of iofence's own engine
+    (the judge's functions registered on it), used through its DB-API cursor."""
+
+    def __init__(self, path: Any) -> None:
+        from sqlalchemy import create_engine
+
+        import fence.adapters.sql  # noqa: F401 - registers the judge's functions on engines
+        from fence.adapters._judge import sqlite_state
+
+        self.engine = create_engine(f"sqlite:///{path}")
+        self.conn = self.engine.connect()
+        self.state = sqlite_state(self.conn)
+        assert self.state is not None
+        self.raw = self.conn.connection.dbapi_connection
+        self.raw.isolation_level = None  # transactions by hand: BEGIN ... ROLLBACK
+        self.raw.execute("PRAGMA foreign_keys = ON")  # (a no-op inside a transaction)
+        for statement in SQLITE_SCHEMA:
+            self.raw.execute(statement)
+        for table, options in FENCED.items():
+            for statement in trigger_ddl(table, dialect="sqlite", **options):
+                self.raw.execute(statement)
+
+    def reseed(self) -> None:
+        self.raw.execute("PRAGMA recursive_triggers = OFF")
+        self.state.unfenced, self.state.token = True, None
+        try:
+            for table in ("acct", "plain", "child", "parent", "reg", "src", "audit"):
+                self.raw.execute(f"DELETE FROM {table}")
+            for statement in SEED_ROWS:
+                self.raw.execute(statement.replace("false", "0").replace("true", "1"))
+        finally:
+            self.state.unfenced = False
+
+    def snapshot(self) -> dict[str, set[tuple[Any, ...]]]:
+        return {
+            table: {tuple(row) for row in self.raw.execute(f"SELECT * FROM {table}")}
+            for table in ("acct", "plain", "parent", "child", "reg", "src", "audit")
+        }
+
+    def close(self) -> None:
+        self.conn.close()
+        self.engine.dispose()
+
+
+class _Cursor:
+    """What a path's ``run`` calls (``execute``), on the SQLite connection."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def execute(self, statement: bytes) -> Any:
+        return self.raw.execute(statement.decode())
+
+
+def sqlite_attempt(db: _SQLite, path: Path, mode: str) -> tuple[str, str]:
+    import sqlite3
+
+    db.reseed()
+    before = db.snapshot()
+    token = MODES[mode]
+    db.raw.execute("BEGIN")
+    try:
+        db.state.unfenced = mode == "opted"
+        if token is not None:
+            db.raw.execute("SELECT iofence_set_token(?)", (token,))
+        try:
+            path.run(_Cursor(db.raw))  # type: ignore[arg-type]
+        except sqlite3.DatabaseError as exc:
+            if str(exc).startswith("iofence: "):
+                return REFUSED, "" if db.snapshot() == before else "a refusal changed rows"
+            raise
+        after = db.snapshot()
+        wrong = ""
+        if mode != "opted":
+            for table in FENCED:
+                for row in after[table] - before[table]:
+                    if _fence_of(table, row) != token:
+                        wrong = f"{table} row {row} written without fence {token}"
+        return OK, wrong
+    finally:
+        db.raw.execute("ROLLBACK")
+        db.state.clear()
+
+
+def test_the_sqlite_judge_judges_every_write_path(tmp_path: Any) -> None:
+    db = _SQLite(tmp_path / "paths.db")
+    failures = []
+    try:
+        for path in SQLITE_PATHS:
+            expected = {"none": path.none, "stale": path.stale, "holder": path.holder}
+            if path.opted is not None:
+                expected["opted"] = path.opted
+            for mode, wanted in expected.items():
+                got, wrong = sqlite_attempt(db, path, mode)
+                if got != wanted or wrong:
+                    failures.append(f"{path.name} [{mode}]: {got}, expected {wanted} {wrong}")
+    finally:
+        db.close()
+    assert failures == [], "\n".join(failures)
+
+
+def test_another_program_cannot_write_a_judged_sqlite_table(tmp_path: Any) -> None:
+    """A connection without iofence's functions (the ``sqlite3`` shell, another program):
+    every write of a judged table fails; reads go on."""
+    import sqlite3
+
+    db = _SQLite(tmp_path / "other.db")
+    try:
+        db.reseed()
+    finally:
+        db.close()
+    with sqlite3.connect(tmp_path / "other.db") as other:
+        for statement in (
+            "UPDATE acct SET balance = 1",
+            "INSERT INTO acct (id) VALUES (9)",
+            "DELETE FROM plain",
+            "UPDATE reg SET fence = 99",
+        ):
+            with pytest.raises(sqlite3.OperationalError, match="no such function: iofence_"):
+                other.execute(statement)
+        assert other.execute("SELECT count(*) FROM acct").fetchone() == (3,)
+
+
+def test_without_the_triggers_the_sqlite_catalogue_fails(tmp_path: Any) -> None:
+    """As on PostgreSQL: the same paths without the triggers, and writes without a token
+    land, so the catalogue can fail."""
+    db = _SQLite(tmp_path / "bare.db")
+    try:
+        for table in FENCED:
+            for statement in drop_trigger_ddl(table, dialect="sqlite"):
+                db.raw.execute(statement)
+        for path in SQLITE_PATHS:
+            # (REPLACE with recursive triggers deletes through the triggers dropped here;
+            # the token's upsert writes NULL without one, which NOT NULL refuses.)
+            skipped = (
+                "INSERT OR REPLACE, recursive_triggers on",
+                "the register: an upsert of the token",
+            )
+            if path.none == REFUSED and path.name not in skipped:
+                assert sqlite_attempt(db, path, "none")[0] == OK, path.name
+    finally:
+        db.close()
