@@ -32,6 +32,10 @@ from .ddl import DEFAULT_FENCE_COLUMN, drop_trigger_ddl, trigger_ddl
 
 __all__ = ["DropFenceTriggersOp", "InstallFenceTriggersOp"]
 
+#: The judge's DDL passes the client-side gate as the guards' own statements do: it
+#: writes nothing, but its text names the tables it guards.
+_OWN = {"iofence": True}
+
 
 @Operations.register_operation("install_fence_triggers")
 class InstallFenceTriggersOp(MigrateOperation):
@@ -113,7 +117,7 @@ def _install(operations: Operations, operation: InstallFenceTriggersOp) -> None:
         register=operation.register,
         optional=operation.optional,
     ):
-        operations.execute(statement)
+        operations.execute(statement, execution_options=_OWN)
 
 
 @Operations.implementation_for(DropFenceTriggersOp)
@@ -122,4 +126,4 @@ def _drop(operations: Operations, operation: DropFenceTriggersOp) -> None:
     for statement in drop_trigger_ddl(
         operation.table, dialect=dialect, schema=operation.schema, fence=operation.fence
     ):
-        operations.execute(statement)
+        operations.execute(statement, execution_options=_OWN)
