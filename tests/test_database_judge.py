@@ -491,3 +491,31 @@ def test_sqlite_guards_refuse_a_table_without_its_judge_and_the_token_ends_with_
             assert conn.exec_driver_sql("SELECT v, fence FROM t").one() == (1, 20)
     finally:
         engine.dispose()
+
+
+def test_a_temporary_table_that_shadows_the_register_is_refused(
+    db: psycopg.Connection[Any], postgres_server: PostgresServer
+) -> None:
+    """A temporary table of the register's name comes first in the search path: the claims
+    would go to it, unjudged. Its check finds no triggers, so every claim is refused."""
+    name = f"shadowed_{secrets.token_hex(4)}"
+    db.execute(
+        f"CREATE TABLE {name} (scope VARCHAR(512) PRIMARY KEY, fence BIGINT NOT NULL)".encode()
+    )
+    pg_guard.install_triggers(db, name, register=True)
+    shadow = f"CREATE TEMP TABLE {name} (scope VARCHAR(512) PRIMARY KEY, fence BIGINT NOT NULL)"
+    with psycopg.connect(postgres_server.conninfo) as conn:
+        pg_guard.FenceRegister(conn, name).claim("a", 5)  # the real one, judged
+        conn.commit()
+    with psycopg.connect(postgres_server.conninfo) as conn:
+        conn.execute(shadow.encode())
+        with pytest.raises(ConfigurationError, match="missing"):
+            pg_guard.FenceRegister(conn, name).claim("a", 4)
+    engine = create_engine(postgres_server.url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(shadow)
+            with pytest.raises(ConfigurationError, match="missing"):
+                FenceRegister(conn, register_table(MetaData(), name)).claim("a", 4)
+    finally:
+        engine.dispose()
