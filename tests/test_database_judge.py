@@ -493,6 +493,28 @@ def test_sqlite_guards_refuse_a_table_without_its_judge_and_the_token_ends_with_
         engine.dispose()
 
 
+@pytest.mark.parametrize("name", ["odd{name}", "it's", 'say "t"', "a{0}b"])
+def test_the_sqlite_judge_takes_any_table_name(tmp_path: Any, name: str) -> None:
+    """The triggers' text quotes the table's name in identifiers and in their messages;
+    braces, quotes and the like stay text."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'names.db'}")
+    table = _table(name, MetaData(), tombstone())
+    try:
+        table.metadata.create_all(engine)  # the table and its judge
+        with engine.begin() as conn:
+            RowGuard(conn, table).upsert(10, {"id": 1, "v": 1})
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT iofence_set_token(5)")
+            with pytest.raises(StaleTokenError):
+                conn.execute(table.update().values(v=2), execution_options={"iofence": True})
+        with engine.begin() as conn, pytest.raises(UnfencedWriteError, match="no fencing token"):
+            conn.execute(table.delete(), execution_options={"iofence": True})
+        with engine.begin() as conn:
+            assert conn.execute(table.select()).one()[1:] == (1, 10, False)
+    finally:
+        engine.dispose()
+
+
 def test_a_temporary_table_that_shadows_the_register_is_refused(
     db: psycopg.Connection[Any], postgres_server: PostgresServer
 ) -> None:
