@@ -25,10 +25,10 @@ the event check) is included. Baselines:
 - for Core, a plain ``update()`` built on every call, as most code writes it, and one built
   once with bind parameters, as the guard does.
 
-The judge alone (``judge``): a PL/pgSQL loop of one-row ``UPDATE`` statements, and one
-``UPDATE`` of many rows, in the server (no client, no network), on a table with the triggers
-and on its twin without, the token set either way; the difference per row is what the
-trigger costs.
+The judge alone (``judge``): a PL/pgSQL loop of one-row ``UPDATE`` statements (in one
+transaction, and committing after each), and one ``UPDATE`` of many rows, in the server (no
+client, no network), on a table with the triggers and on its twin without, the token set
+either way; the difference per row is what the trigger costs.
 """
 
 from __future__ import annotations
@@ -257,6 +257,13 @@ def bench_judge(ctx: Context) -> list[Row]:
         "FOR i IN 1..{count} LOOP UPDATE {table} SET v = i, fence = 1 "
         "WHERE id = i % {rows} AND fence <= 1; END LOOP; END $$"
     )
+    # As a guard writes: one UPDATE per transaction. PL/pgSQL sets up a function's state once
+    # per transaction, so the first firing in a transaction costs more than the next ones.
+    alone = (
+        "DO $$ BEGIN FOR i IN 1..{count} LOOP PERFORM set_config('iofence.token', '1', true); "
+        "UPDATE {table} SET v = i, fence = 1 WHERE id = i % {rows} AND fence <= 1; COMMIT; "
+        "END LOOP; END $$"
+    )
     many = (
         "SELECT set_config('iofence.token', '1', true); "
         "UPDATE {table} SET v = v + 1, fence = 1 WHERE fence <= 1"
@@ -270,6 +277,12 @@ def bench_judge(ctx: Context) -> list[Row]:
 
             return once
 
+        def run_alone(statement: str) -> Callable[[], None]:
+            def once() -> None:
+                conn.execute(statement.encode())  # autocommit: the DO block commits
+
+            return once
+
         rows_many = ctx.n(20, 5)
         variants = {
             "one-row UPDATEs, no triggers": run(
@@ -279,8 +292,19 @@ def bench_judge(ctx: Context) -> list[Row]:
                 loop.format(count=count, table="bench_judge", rows=ROWS)
             ),
         }
+        alone_variants = {
+            "one-row UPDATEs, a transaction each, no triggers": run_alone(
+                alone.format(count=count, table="bench_judge_plain", rows=ROWS)
+            ),
+            "one-row UPDATEs, a transaction each, with the judge": run_alone(
+                alone.format(count=count, table="bench_judge", rows=ROWS)
+            ),
+        }
         rates = _harness.interleaved(
             variants, calls=ctx.n(10, 2), repeats=ctx.repeats, warmup=1, per_call=count
+        )
+        alone_rates = _harness.interleaved(
+            alone_variants, calls=ctx.n(10, 2), repeats=ctx.repeats, warmup=1, per_call=count
         )
         many_rates = _harness.interleaved(
             {
@@ -301,6 +325,17 @@ def bench_judge(ctx: Context) -> list[Row]:
         notes={
             "one-row UPDATEs, with the judge": "a PL/pgSQL loop of one-row UPDATEs (no client): "
             "the trigger's cost per statement",
+        },
+    )
+    rows += _harness.rate_rows(
+        GROUP,
+        alone_rates,
+        "one-row UPDATEs, a transaction each, no triggers",
+        unit="rows/s",
+        prefix="judge, in the server: ",
+        notes={
+            "one-row UPDATEs, a transaction each, with the judge": "the same loop committing "
+            "after each UPDATE, as a guard writes: the trigger's cost per transaction",
         },
     )
     rows += _harness.rate_rows(
