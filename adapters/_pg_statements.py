@@ -1,7 +1,9 @@
 """SQL text of the psycopg guard, composed once with quoted identifiers. No I/O.
 
 Every statement keeps the acceptance rule (C4) inside PostgreSQL: the write happens only
-where ``fence <= %s`` holds, and sets ``fence`` to the token in the same statement.
+where ``fence <= %s`` holds, and sets ``fence`` to the token in the same statement. The
+value it sets hands the token to the database's judge (C14) as the row is written
+(:func:`token_sql`).
 Statements with a fixed shape are cached as strings, so psycopg prepares them after a few
 runs like any other repeated query.
 """
@@ -12,6 +14,7 @@ import datetime
 import decimal
 import functools
 import uuid
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -27,17 +30,21 @@ from ._sql_common import (
     chunks,
     one_kind,
 )
+from ._triggers import TOKEN_SETTING, Judged
 
 __all__ = [
+    "JUDGED",
     "TYPES_QUERY",
     "ColumnType",
     "PgRegisterCalls",
     "PgRegisterStatements",
     "PgRowStatements",
     "TableName",
+    "forget_judged",
     "read_types",
     "register_calls",
     "row_statements",
+    "token_sql",
 ]
 
 #: A table name: ``"accounts"`` or ``("schema", "accounts")``.
@@ -90,6 +97,37 @@ _BINARY: frozenset[Any] = frozenset(
 def read_types(rows: Iterable[Mapping[str, Any]]) -> dict[str, ColumnType]:
     """The column types of a table from the rows of :data:`TYPES_QUERY`."""
     return {row["name"]: ColumnType(row["sql"], row["is_array"], row["oid"]) for row in rows}
+
+
+#: The tables whose triggers (the database's judge, C14) a guard found in place, by psycopg
+#: connection: ``(qualified name, kind, fence column)``. One registry for the sync and the
+#: asyncio guards, so that installing the triggers clears what either has seen.
+JUDGED: weakref.WeakKeyDictionary[Any, set[tuple[str, str, str]]] = weakref.WeakKeyDictionary()
+
+
+def forget_judged(conn: Any) -> None:
+    """Check the triggers of every table again at the next write on ``conn``."""
+    JUDGED.pop(conn, None)
+
+
+def token_sql(value: sql.Composable) -> sql.Composed:
+    """The token ``value`` as the fence's value in a fenced write: it also makes it the
+    token of the writing transaction, the one the database's judge reads (C14), as the
+    ``SET`` or ``VALUES`` of the row is evaluated, before the row's ``BEFORE`` trigger fires.
+    A row the ``WHERE`` skips sets nothing.
+    """
+    return sql.SQL(
+        "CAST(pg_catalog.set_config({setting}, CAST({value} AS text), true) AS bigint)"
+    ).format(setting=sql.Literal(TOKEN_SETTING), value=value)
+
+
+_TOKEN = token_sql(sql.Placeholder())
+
+
+def _judged(table: TableName, **columns: Any) -> Judged:
+    if isinstance(table, tuple):
+        return Judged(table[1], table[0], **columns)
+    return Judged(table, **columns)
 
 
 def _ident(name: TableName) -> sql.Identifier:
@@ -160,6 +198,8 @@ class PgRowStatements(RowStatementsBase):
         )
         self.key_cols = _names(self.key_names)
         self.regclass = _text(self.t)
+        #: The table as the database's judge sees it (C14).
+        self.judged = _judged(table, fence=fence, tombstone=tombstone)
         self._cache: dict[Any, Query] = {}
         #: (columns, returning) -> the update of columns that passed :meth:`check_values`
         #: once (the check depends on the names only): the hot path skips it. Its
@@ -184,8 +224,16 @@ class PgRowStatements(RowStatementsBase):
             tail = sql.SQL(" RETURNING *") if returning else sql.SQL("")
             found = self._cache[("update", columns, returning)] = _text(
                 sql.SQL(
-                    "UPDATE {t} SET {sets}, {f} = %s WHERE {key} AND {f} <= %s AND {live}{tail}"
-                ).format(t=self.t, sets=sets, f=self.f, key=self.key_eq, live=self.live, tail=tail)
+                    "UPDATE {t} SET {sets}, {f} = {tok} WHERE {key} AND {f} <= %s AND {live}{tail}"
+                ).format(
+                    t=self.t,
+                    sets=sets,
+                    f=self.f,
+                    tok=_TOKEN,
+                    key=self.key_eq,
+                    live=self.live,
+                    tail=tail,
+                )
             )
         return found
 
@@ -203,8 +251,8 @@ class PgRowStatements(RowStatementsBase):
             )
             found = self._cache[("raise", delete)] = _text(
                 sql.SQL(
-                    "UPDATE {t} SET {f} = %s{extra} WHERE {key} AND {f} <= %s RETURNING *"
-                ).format(t=self.t, f=self.f, extra=extra, key=self.key_eq)
+                    "UPDATE {t} SET {f} = {tok}{extra} WHERE {key} AND {f} <= %s RETURNING *"
+                ).format(t=self.t, f=self.f, tok=_TOKEN, extra=extra, key=self.key_eq)
             )
         return found
 
@@ -221,7 +269,7 @@ class PgRowStatements(RowStatementsBase):
             extra = sql.SQL(", {0} = true").format(tomb) if delete else sql.SQL("")
             found = self._cache[("tombstone", delete)] = _text(
                 sql.SQL(
-                    "INSERT INTO {t} AS cur ({keys}, {f}, {tomb}) VALUES ({marks}, %s, true) "
+                    "INSERT INTO {t} AS cur ({keys}, {f}, {tomb}) VALUES ({marks}, {tok}, true) "
                     "ON CONFLICT ({keys}) DO UPDATE SET {f} = EXCLUDED.{f}{extra} "
                     "WHERE cur.{f} <= EXCLUDED.{f} RETURNING *"
                 ).format(
@@ -229,6 +277,7 @@ class PgRowStatements(RowStatementsBase):
                     keys=self.key_cols,
                     f=self.f,
                     tomb=tomb,
+                    tok=_TOKEN,
                     marks=sql.SQL(", ").join(sql.Placeholder() * len(self.key_names)),
                     extra=extra,
                 )
@@ -253,8 +302,8 @@ class PgRowStatements(RowStatementsBase):
 
     def _row_marks(self, count: int) -> sql.Composed:
         tomb = sql.SQL(", false") if self.tombstone_name else sql.SQL("")
-        return sql.SQL("({marks}, %s{tomb})").format(
-            marks=sql.SQL(", ").join(sql.Placeholder() * count), tomb=tomb
+        return sql.SQL("({marks}, {tok}{tomb})").format(
+            marks=sql.SQL(", ").join(sql.Placeholder() * count), tok=_TOKEN, tomb=tomb
         )
 
     def upsert(self, columns: tuple[str, ...], returning: bool) -> Query:
@@ -447,7 +496,7 @@ class PgRowStatements(RowStatementsBase):
                 sql.SQL("fence_rows.{}").format(sql.Identifier(f"a{i}"))
                 for i in range(len(columns))
             ]
-            outputs.append(sql.SQL("%(tok)s"))
+            outputs.append(token_sql(sql.SQL("%(tok)s")))
             if self.tombstone_name:
                 outputs.append(sql.SQL("false"))
             key_params = [f"a{columns.index(k)}" for k in self.key_names]
@@ -544,7 +593,7 @@ class PgRowStatements(RowStatementsBase):
                         s=sql.Identifier(f"s{i}"), v=value, c=sql.Identifier(name)
                     )
                 sets_sql.append(sql.SQL("{} = {}").format(sql.Identifier(name), value))
-            sets_sql.append(sql.SQL("{} = %(tok)s").format(self.f))
+            sets_sql.append(sql.SQL("{} = {}").format(self.f, token_sql(sql.SQL("%(tok)s"))))
             matched = sql.SQL(" AND ").join(
                 sql.SQL("cur.{} = fence_rows.{}").format(sql.Identifier(k), sql.Identifier(p))
                 for k, p in zip(self.key_names, key_params, strict=True)
@@ -706,15 +755,17 @@ class PgRegisterStatements:
     def __init__(self, table: TableName = DEFAULT_REGISTER_TABLE) -> None:
         self.name = ".".join(table) if isinstance(table, tuple) else table
         self.t = _ident(table)
-        self.claim = _text(self._claim(sql.SQL("VALUES (%s, %s)"), returning=True))
+        #: The register as the database's judge sees it (C14).
+        self.judged = _judged(table, register=True, key=("scope",))
+        self.claim = _text(self._claim(sql.SQL("VALUES (%s, {})").format(_TOKEN), returning=True))
         self.probe = _text(sql.SQL("SELECT scope, fence FROM {} WHERE scope = %s").format(self.t))
         self._claim_set = _text(
             self._claim(
                 sql.SQL(
-                    "SELECT s, %(tok)s FROM unnest(%(scopes)b::text[]) AS s WHERE (SELECT "
+                    "SELECT s, {tok} FROM unnest(%(scopes)b::text[]) AS s WHERE (SELECT "
                     "count(*) FROM {t} WHERE scope = ANY(%(scopes)b::text[]) AND fence > "
                     "%(tok)s) = 0"
-                ).format(t=self.t)
+                ).format(t=self.t, tok=token_sql(sql.SQL("%(tok)s")))
             )
         )
         self._probe_set = _text(
@@ -743,7 +794,7 @@ class PgRegisterStatements:
 
         Composed, not text: the caller renders it for the connection that prepares it.
         """
-        return self._claim(sql.SQL("VALUES ($1, $2)"))
+        return self._claim(sql.SQL("VALUES ($1, {})").format(token_sql(sql.SQL("$2"))))
 
     def probe_set(self) -> Query:
         """The fences of the scopes in the list ``scopes``."""

@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 from fence._errors import ConfigurationError
 
 from ._sql_common import key_order, row_scope
+from ._triggers import Judged
 
 __all__ = [
     "SCALAR_KEYS",
@@ -72,9 +73,12 @@ class RowStatementSet(Protocol):
             SQLite, whose write lock covers the database.
         opener: a write that changes nothing, sent before a batch's savepoint where the
             driver begins a transaction only before a write (SQLite); ``None`` elsewhere.
+        judged: the table as the database's judge sees it (C14): what its triggers must
+            have been made for.
     """
 
     name: str
+    judged: Judged
     key_names: tuple[str, ...]
     tombstone_name: str | None
     can_insert_tombstone: bool
@@ -186,9 +190,11 @@ class RegisterStatementSet(Protocol):
         name: the register table's name, the scope of batch errors.
         locks_rows: as :attr:`RowStatementSet.locks_rows`.
         opener: as :attr:`RowStatementSet.opener`.
+        judged: as :attr:`RowStatementSet.judged`.
     """
 
     name: str
+    judged: Judged
     locks_rows: bool
     opener: Any
 

@@ -7,6 +7,8 @@ The SQLAlchemy Core guard (``fence.adapters.sql``) and the psycopg guard
 from __future__ import annotations
 
 import datetime
+import json
+import re
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,9 +22,10 @@ from fence._errors import (
     Reason,
     RetryableError,
     StaleTokenError,
+    UnfencedWriteError,
 )
 from fence._events import EventBus, EventKind
-from fence._sql_dialect import Fault, fault_of, sqlstate
+from fence._sql_dialect import JUDGE_FAULTS, Fault, fault_of, first_line, sqlstate
 
 from .ddl import (
     DEFAULT_FENCE_COLUMN,
@@ -49,6 +52,7 @@ __all__ = [
     "chunks",
     "closed_connection_error",
     "documented",
+    "judge_error",
     "key_order",
     "lock_order",
     "missing_register_error",
@@ -331,12 +335,58 @@ def closed_connection_error(what: str = "the connection") -> BackendError:
     )
 
 
+# The table named by a SQLite trigger's message: "... of <table>: ..." / "... from <table>: ...".
+_SQLITE_TABLE = re.compile(r"(?:of a row of|of|from) ([^\s:]+)")
+
+
+def judge_error(exc: BaseException, token: int | None = None) -> FenceError | None:
+    """The iofence error for a refusal of the database's judge (C14), or ``None`` if
+    ``exc`` is none: :class:`fence.StaleTokenError` (``STALE``) for a token below the row's
+    fence, :class:`fence.UnfencedWriteError` for a write without a token or one that would
+    lower or drop a fence. Nothing was written either way.
+
+    Args:
+        exc: what the driver raised (a DB-API error, or SQLAlchemy's wrapper of one).
+        token: the token of the writing transaction, where the error does not say it
+            (SQLite's triggers cannot put it in their message).
+    """
+    fault = fault_of(exc)
+    if fault not in JUDGE_FAULTS:
+        return None
+    orig = getattr(exc, "orig", None) or exc
+    text = first_line(orig)
+    diag = getattr(orig, "diag", None)
+    table = getattr(diag, "table_name", None)
+    if table is None:
+        found = _SQLITE_TABLE.search(text)
+        table = found.group(1) if found else None
+    message = f"{text} (refused by the database's judge, C14; nothing was written)"
+    if fault is Fault.STALE:
+        detail: dict[str, Any] = {}
+        raw = getattr(diag, "message_detail", None)
+        if raw:
+            try:
+                detail = json.loads(raw)
+            except ValueError:
+                detail = {}
+        written = detail.get("token", token)
+        return StaleTokenError(
+            str(detail.get("scope") or table or "?"),
+            int(written) if written is not None else 0,
+            detail.get("fence"),
+            Reason.STALE,
+            message=message,
+        )
+    return UnfencedWriteError(message, scope=table)
+
+
 def translate_error(exc: BaseException, action: str, scope: str) -> FenceError:
     """Map a driver exception to the iofence error to raise (chain it with ``from``).
 
     A serialization failure, a deadlock, a lock or statement timeout and a busy SQLite
     database become :class:`fence.RetryableError`, never a stale verdict (C5). A lost or
-    closed connection becomes a :class:`fence.BackendError` with code ``CONNECTION``.
+    closed connection becomes a :class:`fence.BackendError` with code ``CONNECTION``. A
+    refusal of the database's judge is the error :func:`judge_error` gives.
 
     Args:
         exc: what the driver raised (a DB-API error, or SQLAlchemy's wrapper of one).
@@ -344,6 +394,10 @@ def translate_error(exc: BaseException, action: str, scope: str) -> FenceError:
         scope: the scope it was doing it on.
     """
     fault = fault_of(exc)
+    if fault in JUDGE_FAULTS:
+        judged = judge_error(exc)
+        assert judged is not None
+        return judged
     state = sqlstate(exc)
     detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
     text = detail[0] if detail else type(exc).__name__

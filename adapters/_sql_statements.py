@@ -34,6 +34,7 @@ from sqlalchemy import (
     cast,
     false,
     func,
+    literal,
     or_,
     select,
     text,
@@ -42,6 +43,9 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.exc import CompileError
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import NullType, TypeDecorator, TypeEngine, UserDefinedType
 
 from fence._errors import ConfigurationError
@@ -56,6 +60,7 @@ from ._sql_common import (
     chunks,
     one_kind,
 )
+from ._triggers import TOKEN_SETTING, Judged
 
 __all__ = [
     "DEFAULT_REGISTER",
@@ -68,6 +73,7 @@ __all__ = [
     "Key",
     "RegisterStatements",
     "RowStatements",
+    "TokenOf",
     "dialect_register_statements",
     "dialect_row_statements",
     "fence_column",
@@ -90,6 +96,45 @@ REGISTER_INFO = "iofence.register"
 OPTIONAL_INFO = "iofence.optional"
 
 _DML = TypeVar("_DML", Insert, Update)
+
+
+class TokenOf(ColumnElement[int]):
+    """The fence value of a fenced write: the token, handed to the database's judge (C14)
+    as the row is written, in the same statement.
+
+    PostgreSQL: ``CAST(set_config('iofence.token', CAST(:t AS TEXT), true) AS BIGINT)``,
+    the transaction-local setting the triggers read, made as the ``SET`` or ``VALUES`` of
+    the row is evaluated, before its ``BEFORE`` trigger fires (a row the ``WHERE`` skips
+    sets nothing). SQLite: ``iofence_set_token(:t)``, a function iofence registers on its
+    connections. Elsewhere: the token itself. It costs no round trip.
+
+    Args:
+        value: the token: a bind parameter or any expression of it.
+        type_: the fence column's type (default ``BIGINT``).
+    """
+
+    inherit_cache = True
+    _traverse_internals = [("value", InternalTraversal.dp_clauseelement)]  # noqa: RUF012 - SQLAlchemy's own attribute
+
+    def __init__(self, value: ColumnElement[Any], type_: Any = None) -> None:
+        self.value = value
+        self.type = type_ if type_ is not None else BigInteger()
+
+
+@compiles(TokenOf)
+def _token_plain(element: TokenOf, compiler: SQLCompiler, **kw: Any) -> str:
+    return compiler.process(element.value, **kw)
+
+
+@compiles(TokenOf, "postgresql")
+def _token_postgresql(element: TokenOf, compiler: SQLCompiler, **kw: Any) -> str:
+    value = compiler.process(element.value, **kw)
+    return f"CAST(pg_catalog.set_config('{TOKEN_SETTING}', CAST({value} AS TEXT), true) AS BIGINT)"
+
+
+@compiles(TokenOf, "sqlite")
+def _token_sqlite(element: TokenOf, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"iofence_set_token({compiler.process(element.value, **kw)})"
 
 
 def fence_column(name: str = DEFAULT_FENCE_COLUMN, **kwargs: Any) -> Column[int]:
@@ -275,6 +320,15 @@ class RowStatements(RowStatementsBase):
             )
         self.key_names = tuple(c.key for c in self.key)
         self.key_set = frozenset(self.key_names)
+        #: The table as the database's judge sees it (C14).
+        self.judged = Judged(
+            table.name,
+            table.schema,
+            fence=self.fence.name,
+            tombstone=self.tombstone.name if self.tombstone is not None else None,
+            optional=bool(self.fence.info.get(OPTIONAL_INFO)),
+            key=tuple(c.name for c in table.primary_key.columns) or None,
+        )
         self.columns: frozenset[str] | None = frozenset(c.key for c in table.columns)
         self.guarded = {self.fence.key} | (
             {self.tombstone.key} if self.tombstone is not None else set()
@@ -358,7 +412,7 @@ class RowStatements(RowStatementsBase):
             sets: dict[str, Any] = {
                 name: bindparam(f"_v_{name}", type_=self.table.c[name].type) for name in columns
             }
-            sets[self.fence.key] = token
+            sets[self.fence.key] = TokenOf(token, self.fence.type)
             stmt = (
                 update(self.table)
                 .where(self._key_eq, self.fence <= token, self._live())
@@ -377,7 +431,7 @@ class RowStatements(RowStatementsBase):
         found = self._cache.get(cache_key)
         if found is None:
             token = bindparam("_token", type_=self.fence.type)
-            values: dict[str, Any] = {self.fence.key: token}
+            values: dict[str, Any] = {self.fence.key: TokenOf(token, self.fence.type)}
             if delete:
                 assert self.tombstone is not None
                 values[self.tombstone.key] = True
@@ -533,6 +587,10 @@ class DialectRowStatements(_OnDialect, RowStatements):
         """Whether a row a write returned is a tombstone."""
         return self.tombstone is not None and bool(row._mapping[self.tombstone])
 
+    def _token_value(self, token: int) -> TokenOf:
+        """The token of a statement built with its values inline, as the fence's value."""
+        return TokenOf(literal(token, type_=self.fence.type), self.fence.type)
+
     def _insert(self) -> Any:
         if self.insert_of is None:
             raise ConfigurationError(
@@ -546,7 +604,7 @@ class DialectRowStatements(_OnDialect, RowStatements):
 
         A tombstone comes back to life when the token passes.
         """
-        row = {**values, self.fence.key: token}
+        row = {**values, self.fence.key: self._token_value(token)}
         if self.tombstone is not None:
             row[self.tombstone.key] = False
         ins = self._insert().values(row)
@@ -567,7 +625,7 @@ class DialectRowStatements(_OnDialect, RowStatements):
         """
         assert self.tombstone is not None
         row = dict(zip(self.key_names, keyvals, strict=True))
-        row[self.fence.key] = token
+        row[self.fence.key] = self._token_value(token)
         row[self.tombstone.key] = True
         ins = self._insert().values(row)
         set_ = {self.fence.key: ins.excluded[self.fence.key]}
@@ -660,7 +718,7 @@ class DialectRowStatements(_OnDialect, RowStatements):
                 .scalar_subquery()
             )
             names = [*columns, self.fence.key]
-            values: list[Any] = [*rows.c, token]
+            values: list[Any] = [*rows.c, TokenOf(token, self.fence.type)]
             if self.tombstone is not None:
                 names.append(self.tombstone.key)
                 values.append(false())
@@ -727,7 +785,7 @@ class DialectRowStatements(_OnDialect, RowStatements):
                     if flagged[i]
                     else value
                 )
-            sets[self.fence.key] = token
+            sets[self.fence.key] = TokenOf(token, self.fence.type)
             matched = and_(*(c == rows.c[p] for c, p in zip(self.key, key_params, strict=True)))
             stmt = (
                 update(self.table)
@@ -824,7 +882,9 @@ class DialectRowStatements(_OnDialect, RowStatements):
             row: dict[str, Any] = {
                 name: bindparam(f"_v_{name}", type_=self.table.c[name].type) for name in columns
             }
-            row[self.fence.key] = bindparam("_token", type_=self.fence.type)
+            row[self.fence.key] = TokenOf(
+                bindparam("_token", type_=self.fence.type), self.fence.type
+            )
             if self.tombstone is not None:
                 row[self.tombstone.key] = False
             ins = self._insert().values(row)
@@ -955,6 +1015,8 @@ class RegisterStatements:
         self.name = table.name
         self.scope = table.c.scope
         self.fence = table.c.fence
+        #: The register as the database's judge sees it (C14).
+        self.judged = Judged(table.name, table.schema, fence="fence", register=True, key=("scope",))
         self._cache: dict[Any, Any] = {}
 
     def _base(self, dialect: str) -> Any:
@@ -975,7 +1037,8 @@ class RegisterStatements:
 
     def claim(self, dialect: str, scope: str, token: int, returning: bool) -> Insert:
         """``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = :t WHERE fence <= :t``."""
-        stmt = self._on_conflict(self._base(dialect).values(scope=scope, fence=token))
+        value = TokenOf(literal(token, type_=self.fence.type), self.fence.type)
+        stmt = self._on_conflict(self._base(dialect).values(scope=scope, fence=value))
         return stmt.returning(self.scope, self.fence) if returning else _counted(stmt)  # type: ignore[no-any-return]
 
     def claim_row(self, dialect: str) -> Insert:
@@ -987,7 +1050,7 @@ class RegisterStatements:
         if found is None:
             ins = self._base(dialect).values(
                 scope=bindparam("_scope", type_=self.scope.type),
-                fence=bindparam("_token", type_=self.fence.type),
+                fence=TokenOf(bindparam("_token", type_=self.fence.type), self.fence.type),
             )
             found = self._cache[cache_key] = _counted(self._on_conflict(ins))
         return found  # type: ignore[no-any-return]
@@ -1016,7 +1079,7 @@ class RegisterStatements:
                     .where(self.scope == any_(_array_param("_scopes", item)), self.fence > token)
                     .scalar_subquery()
                 )
-                gated = select(scopes.c.scope, token).where(blocking == 0)
+                gated = select(scopes.c.scope, TokenOf(token, self.fence.type)).where(blocking == 0)
                 ins = self._base(dialect.name).from_select(["scope", "fence"], gated)
                 stmt = _counted(self._on_conflict(ins))
             self._cache[cache_key] = stmt

@@ -26,7 +26,9 @@ See ``docs/sql-guard.md`` for the DDL, the isolation levels and the tombstones.
 
 from __future__ import annotations
 
+from . import _judge
 from ._async.sql import AsyncFenceRegister, AsyncRowGuard
+from ._judge import install_triggers
 from ._sql_common import (
     FENCE_COLUMN_DDL,
     REGISTER_TABLE_DDL,
@@ -56,10 +58,12 @@ __all__ = [
     "fence_column",
     "fence_of",
     "fence_register_table",
+    "install_triggers",
     "tombstone_column",
 ]
 
 _install_gate()  # every write SQLAlchemy sends to a fenced table is fenced or refused
+_judge.install()  # create_all installs the database's judge (C14); its refusals as errors
 
 for _cls in (AsyncFenceRegister, AsyncRowGuard, FenceRegister, RowGuard):
     _cls.__module__ = __name__

@@ -42,12 +42,15 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from fence.adapters.ddl import trigger_ddl
 from fence.adapters.psycopg import RowGuard as PgRowGuard
 from fence.adapters.sql import FENCE_INFO, RowGuard, fence_column
 
 GROUP = "sql-batch"
 SIZES = (10, 500)
 TABLE = "bench_batch"
+#: The plain batches' twin of :data:`TABLE`, without the database's judge (its triggers).
+PLAIN_TABLE = "bench_batch_plain"
 
 
 def _interleave(
@@ -81,11 +84,13 @@ def bench_psycopg(ctx: Context) -> list[Row]:
         upsert = sql.SQL(
             "INSERT INTO {} (id, v) VALUES {} ON CONFLICT (id) DO UPDATE SET v = excluded.v"
         )
-        plain_update = sql.SQL("UPDATE {} SET v = %s WHERE id = %s").format(sql.Identifier(TABLE))
+        plain_update = sql.SQL("UPDATE {} SET v = %s WHERE id = %s").format(
+            sql.Identifier(PLAIN_TABLE)
+        )
         for size in SIZES:
             keys = range(size)
             query = upsert.format(
-                sql.Identifier(TABLE), sql.SQL(", ").join([sql.SQL("(%s, %s)")] * size)
+                sql.Identifier(PLAIN_TABLE), sql.SQL(", ").join([sql.SQL("(%s, %s)")] * size)
             )
 
             def plain_upsert(query: Any = query, keys: range = keys) -> None:
@@ -140,10 +145,10 @@ def _core(ctx: Context, engine: Engine, label: str, dialect: Any) -> list[Row]:
         Column("v", Integer),
         fence_column(),
     )
-    # The plain twin writes the same rows through a Table that says its fence column is
-    # not one, so the gate passes it as any unfenced table.
+    # The plain twin writes a table without the judge, through a Table that says its fence
+    # column is not one, so the gate passes it as any unfenced table.
     twin = Table(
-        TABLE,
+        PLAIN_TABLE,
         MetaData(),
         Column("id", Integer, primary_key=True, autoincrement=False),
         Column("v", Integer),
@@ -201,34 +206,41 @@ def bench_core_sqlite(ctx: Context) -> list[Row]:
     try:
         with engine.begin() as plain:
             conn = plain.execution_options(unfenced=True)  # the set-up, before any holder
-            conn.exec_driver_sql(
-                "CREATE TABLE bench_batch (id INTEGER PRIMARY KEY, v INTEGER, "
-                "fence BIGINT NOT NULL DEFAULT 0)"
-            )
-            conn.exec_driver_sql(
-                "INSERT INTO bench_batch (id, v) VALUES (?, 0)", [(k,) for k in range(max(SIZES))]
-            )
+            for name in (TABLE, PLAIN_TABLE):
+                conn.exec_driver_sql(
+                    f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, v INTEGER, "
+                    "fence BIGINT NOT NULL DEFAULT 0)"
+                )
+                seed = f"INSERT INTO {name} (id, v) VALUES (?, 0)"  # noqa: S608 - our own names
+                conn.exec_driver_sql(seed, [(k,) for k in range(max(SIZES))])
+            for statement in trigger_ddl(TABLE, dialect="sqlite"):
+                conn.exec_driver_sql(statement)
         return _core(ctx, engine, "Core SQLite ", sqlite)
     finally:
         engine.dispose()
 
 
 def create_table(conninfo: str) -> None:
-    """(Re)create the PostgreSQL benchmark table with the largest batch's rows."""
+    """(Re)create the PostgreSQL benchmark tables with the largest batch's rows: the fenced
+    one with the database's judge, its plain twin without."""
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        table = sql.Identifier(TABLE)
-        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
-        conn.execute(
-            sql.SQL(
-                "CREATE TABLE {} (id INT PRIMARY KEY, v INT, fence BIGINT NOT NULL DEFAULT 0)"
-            ).format(table)
-        )
-        conn.execute(
-            sql.SQL("INSERT INTO {} (id, v) SELECT g, 0 FROM generate_series(0, %s) g").format(
-                table
-            ),
-            (max(SIZES) - 1,),
-        )
+        for name in (TABLE, PLAIN_TABLE):
+            table = sql.Identifier(name)
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE {} (id INT PRIMARY KEY, v INT, fence BIGINT NOT NULL DEFAULT 0)"
+                ).format(table)
+            )
+            conn.execute(
+                sql.SQL("INSERT INTO {} (id, v) SELECT g, 0 FROM generate_series(0, %s) g").format(
+                    table
+                ),
+                (max(SIZES) - 1,),
+            )
+        with conn.transaction():
+            for statement in trigger_ddl(TABLE):
+                conn.execute(statement.encode())
 
 
 def collect(ctx: Context) -> list[Row]:

@@ -10,10 +10,12 @@ What is read, by backend:
 - Redis: ``INFO`` (version, role), ``CONFIG GET maxmemory-policy maxmemory appendonly
   appendfsync save``, ``TIME`` against this host's clock. On a cluster, every primary.
 - PostgreSQL: ``server_version``, ``pg_is_in_recovery()``, ``fsync``, ``synchronous_commit``,
-  ``wal_level``, ``clock_timestamp()`` against this host's clock, and whether the lease
-  table and the fence register exist.
+  ``wal_level``, ``clock_timestamp()`` against this host's clock, whether the lease
+  table and the fence register exist, and the database's judge (C14): the triggers of every
+  table with a fence column and of the register (missing, disabled, of an older version),
+  ``session_replication_role``, and the event trigger that judges table rewrites.
 - SQLite: the file, ``PRAGMA journal_mode``, ``PRAGMA busy_timeout`` of a connection made as
-  the lock manager makes it, and the two tables.
+  the lock manager makes it, the two tables, and the triggers of every fenced table.
 - etcd: ``/v3/maintenance/status`` of every endpoint (version, leader, alarms) and
   ``/v3/cluster/member/list``.
 - ZooKeeper: the ``srvr`` command of every server (version, mode).
@@ -31,6 +33,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fence._core import TokenMode
+from fence._optional import sql_judge
 from fence._redis_settings import SETTINGS, Finding, judge_role, judge_settings, unreadable
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "etcd_checks",
     "judge_clock",
     "judge_etcd",
+    "judge_fenced",
     "judge_postgres",
     "judge_redis",
     "judge_sqlite",
@@ -335,6 +339,74 @@ def judge_tables(
                 "create it: fence ddl --dialect DIALECT; not needed if only row guards are used",
             )
         )
+    return checks
+
+
+def judge_fenced(
+    dialect: str,
+    tables: Sequence[tuple[str, str | None, str]],
+    *,
+    role: str = "origin",
+    rewrite: str | None = None,
+) -> list[Check]:
+    """Judge the database's judge (C14): the triggers of every fenced table.
+
+    Args:
+        dialect: ``"postgresql"`` or ``"sqlite"``.
+        tables: ``(table, problem, what to run)`` for every table with a fence column and
+            the register; ``problem`` is ``None`` where the triggers are in place and current.
+        role: the session's ``session_replication_role`` (PostgreSQL): under ``replica``
+            no ordinary trigger fires.
+        rewrite: the signature of the judge of table rewrites (PostgreSQL), ``""`` if it
+            is missing, ``None`` where there is none to have (SQLite).
+    """
+    checks = []
+    for table, problem, hint in tables:
+        if problem is not None:
+            checks.append(
+                Check(
+                    FAIL,
+                    "judge",
+                    f"{problem}: writes that bypass the guards reach {table} unjudged, and "
+                    "the guards refuse to write it",
+                    hint,
+                )
+            )
+    if not any(problem is not None for _, problem, _ in tables):
+        count = len(tables)
+        checks.append(
+            Check(
+                OK,
+                "judge",
+                f"every fenced table carries current triggers ({count} with the register)"
+                if count
+                else "no table with a fence column",
+            )
+        )
+    if role == "replica":
+        checks.append(
+            Check(
+                FAIL,
+                "session_replication_role",
+                "replica: ordinary triggers do not fire in this session, so nothing judges "
+                "its writes",
+                "leave it at origin; replication apply workers alone run as replica",
+            )
+        )
+    if rewrite is not None:
+        if rewrite:
+            checks.append(Check(OK, "rewrite judge", "an event trigger refuses table rewrites"))
+        else:
+            checks.append(
+                Check(
+                    WARN,
+                    "rewrite judge",
+                    "missing: an ALTER TABLE that rewrites a fenced table (ALTER COLUMN ... "
+                    "TYPE ... USING) fires no row trigger, and nothing refuses it",
+                    "as a superuser, once per database: the statements of "
+                    "fence.adapters.ddl.rewrite_trigger_ddl()",
+                )
+            )
     return checks
 
 
@@ -700,11 +772,75 @@ def sql_checks(
                 has_shared=inspector.has_table(shared_table_name(lease_table), schema=schema),
                 lacking=[c for c in SHARED_COLUMNS if c not in columns],
             )
+            checks += _fenced(conn, dialect, register, schema)
             return checks
     except sa.exc.DBAPIError as exc:
         return [_unreachable(where, exc.orig if exc.orig is not None else exc)]
     except OSError as exc:
         return [_unreachable(where, exc)]
+
+
+def _fenced(conn: Any, dialect: str, register: str, schema: str | None) -> list[Check]:
+    """Read the judge of every table with a fence column (and of the register)."""
+    judge = sql_judge()
+    found: list[tuple[str, str | None, str]] = []
+    rewrite: str | None = None
+    role = "origin"
+    if dialect == "postgresql":
+        candidates = conn.exec_driver_sql(_PG_FENCED).all()
+        for table_schema, table, has_tombstone in candidates:
+            owner = None if table_schema == (schema or "public") else table_schema
+            judged = judge.Judged(table, owner, register=table == register)
+            rows = conn.exec_driver_sql(
+                judge.PG_CHECK_QUERY.format(param="%(t)s"), {"t": judged.qualified}
+            ).all()
+            judged = _as_installed(judge, judged, rows, has_tombstone)
+            _, problem = judge.verdict("postgresql", rows, judged)
+            found.append((judged.qualified, problem, judged.hint(dialect)))
+            if rows:
+                role = str(rows[0][1])
+        rewrite = conn.exec_driver_sql(judge.PG_REWRITE_CHECK_QUERY).scalar() or ""
+    else:
+        names = conn.exec_driver_sql(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+        ).scalars()
+        for table in list(names):
+            columns = {row[1] for row in conn.exec_driver_sql(f'PRAGMA table_info("{table}")')}
+            if "fence" not in columns:
+                continue
+            judged = judge.Judged(table, register=table == register)
+            rows = conn.exec_driver_sql(
+                judge.SQLITE_CHECK_QUERY.format(param="?", schema=""), (table,)
+            ).all()
+            _, problem = judge.verdict("sqlite", rows, judged)
+            found.append((table, problem, judged.hint(dialect)))
+    return judge_fenced(dialect, found, role=role, rewrite=rewrite)
+
+
+def _as_installed(judge: Any, judged: Any, rows: Any, has_tombstone: bool) -> Any:
+    """The table as its triggers say it was judged (register or rows), so that only a
+    missing, disabled or outdated judge counts; the hint names the tombstone flag."""
+    kind = None
+    for row in rows:
+        fields = judge.parse_signature(row[4]) if row[2] is not None else None
+        if fields:
+            kind = fields.get("kind")
+    register = judged.register if kind is None else kind == "register"
+    tombstone = "deleted" if has_tombstone and not register else None
+    return judge.Judged(judged.table, judged.schema, register=register, tombstone=tombstone)
+
+
+# Every table of the database with a fence column, outside the system's schemas, and
+# whether it has a boolean ``deleted`` column (the tombstone flag the hint names).
+_PG_FENCED = (
+    "SELECT n.nspname, c.relname, EXISTS (SELECT 1 FROM pg_catalog.pg_attribute d "
+    "WHERE d.attrelid = c.oid AND d.attname = 'deleted' AND NOT d.attisdropped) "
+    "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+    "JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attname = 'fence' "
+    "AND NOT a.attisdropped WHERE c.relkind IN ('r', 'p') "
+    "AND n.nspname NOT IN ('pg_catalog', 'information_schema') "
+    "AND n.nspname !~ '^pg_' ORDER BY 1, 2"
+)
 
 
 def _postgres(conn: Any, where: str) -> list[Check]:

@@ -19,8 +19,8 @@ quiet about the ignores).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import redis
@@ -40,6 +40,8 @@ __all__ = [
     "redis_guard",
     "row_guard",
     "sql_ddl",
+    "sql_judge",
+    "sql_trigger_ddl",
 ]
 
 #: The extra that installs each driver package, by the package's top-level module.
@@ -88,6 +90,25 @@ def sql_ddl() -> tuple[str, str, str]:
             TOMBSTONE_COLUMN_DDL,
         )
     return str(FENCE_COLUMN_DDL), str(TOMBSTONE_COLUMN_DDL), str(REGISTER_TABLE_DDL)
+
+
+def sql_judge() -> Any:
+    """The database's judge as text (``fence.adapters._triggers``: its check queries, the
+    verdict on what they read, the DDL); ``fence doctor`` reads it. Loads no driver."""
+    with _naming_the_extra():
+        from fence.adapters import _triggers  # type: ignore[import-not-found, unused-ignore]
+    return _triggers
+
+
+def sql_trigger_ddl() -> Callable[..., list[str]]:
+    """The database's judge of a table, as DDL (``fence.adapters.ddl.trigger_ddl``). Loads
+    no database driver."""
+    with _naming_the_extra():
+        from fence.adapters.ddl import (  # type: ignore[import-not-found, unused-ignore]
+            trigger_ddl,
+        )
+    found: Callable[..., list[str]] = trigger_ddl
+    return found
 
 
 def fence_column() -> sa.Column[int]:

@@ -45,8 +45,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIALECTS",
+    "JUDGE_FAULTS",
     "PG_CONNECT_TIMEOUT",
     "SQLITE_PRAGMAS",
+    "SQLSTATE_REFUSED",
+    "SQLSTATE_STALE",
+    "SQLSTATE_UNFENCED",
     "Fault",
     "PostgreSQLDialect",
     "SQLDialect",
@@ -75,6 +79,13 @@ SQLITE_PRAGMAS: dict[str, str | int] = {
 #: new connection this long at most (psycopg's floor is 2 s).
 PG_CONNECT_TIMEOUT = 5
 
+#: The SQLSTATEs of the database's judge of fenced writes (C14, ``fence.adapters.ddl``): a
+#: write without a token, a write whose token is below the row's fence, a write that would
+#: lower or drop a fence. Class ``IO`` is no standard class, so no other error has them.
+SQLSTATE_UNFENCED = "IOF01"
+SQLSTATE_STALE = "IOF02"
+SQLSTATE_REFUSED = "IOF03"
+
 
 class Fault(enum.Enum):
     """What a driver error says, as :meth:`SQLDialect.classify` reads it.
@@ -93,6 +104,13 @@ class Fault(enum.Enum):
         CANNOT_OPEN: SQLite cannot open the database file.
         AUTH: the server refused the credentials (28P01, 28000).
         CONNECTION: the connection is lost or closed (classes 08 and 57P).
+        UNFENCED: the database's judge (C14) refused a write that carries no token
+            (:data:`SQLSTATE_UNFENCED`; SQLite: a message ``iofence: unfenced ...``).
+        STALE: the judge refused a write whose token is below the row's fence
+            (:data:`SQLSTATE_STALE`; ``iofence: stale ...``).
+        REFUSED: the judge refused a write that would lower or drop a fence: a lowered
+            fence, a hard delete where a tombstone keeps it, ``TRUNCATE``
+            (:data:`SQLSTATE_REFUSED`; ``iofence: refused ...``).
     """
 
     SERIALIZATION = "serialization"
@@ -107,6 +125,9 @@ class Fault(enum.Enum):
     CANNOT_OPEN = "cannot_open"
     AUTH = "auth"
     CONNECTION = "connection"
+    UNFENCED = "unfenced"
+    STALE = "stale"
+    REFUSED = "refused"
 
     @property
     def retryable(self) -> bool:
@@ -114,6 +135,9 @@ class Fault(enum.Enum):
         never a verdict on a token (C5)."""
         return self in _RETRYABLE
 
+
+#: The judge's refusals (C14): verdicts on a write, never retryable.
+JUDGE_FAULTS = frozenset({Fault.UNFENCED, Fault.STALE, Fault.REFUSED})
 
 _RETRYABLE = frozenset(
     {Fault.SERIALIZATION, Fault.DEADLOCK, Fault.LOCK_TIMEOUT, Fault.CANCELED, Fault.BUSY}
@@ -364,7 +388,7 @@ class PostgreSQLDialect(SQLDialect):
             return Fault.ABORTED
         if state is not None and state.startswith(("08", "57P")):
             return Fault.CONNECTION
-        return None
+        return _JUDGED_STATES.get(state) if state is not None else None
 
     def owns(self, exc: BaseException) -> bool:
         """See :meth:`SQLDialect.owns`: a SQLSTATE."""
@@ -435,6 +459,10 @@ class SQLiteDialect(SQLDialect):
         """See :meth:`SQLDialect.classify`. By result code where the driver gives one, and
         by message (which the wrapped sqlite3 error always has)."""
         message = first_line(_dbapi_error(exc))
+        if message.startswith("iofence: "):
+            for prefix, fault in _JUDGED_MESSAGES.items():
+                if message.startswith(prefix):
+                    return fault
         if "no such table" in message:
             return Fault.MISSING_TABLE
         if "no such column" in message or "has no column" in message:
@@ -486,6 +514,19 @@ class SQLiteDialect(SQLDialect):
         """See :meth:`SQLDialect.busy_timeout_sql`."""
         return f"PRAGMA busy_timeout = {milliseconds}"
 
+
+_JUDGED_STATES = {
+    SQLSTATE_UNFENCED: Fault.UNFENCED,
+    SQLSTATE_STALE: Fault.STALE,
+    SQLSTATE_REFUSED: Fault.REFUSED,
+}
+# The messages of the judge's triggers on SQLite (``RAISE(ABORT, ...)``), which carry no code
+# of their own beyond SQLITE_CONSTRAINT.
+_JUDGED_MESSAGES = {
+    "iofence: unfenced": Fault.UNFENCED,
+    "iofence: stale": Fault.STALE,
+    "iofence: refused": Fault.REFUSED,
+}
 
 # sqlite3 result codes: SQLITE_BUSY, SQLITE_LOCKED (extended codes keep the low byte).
 _SQLITE_BUSY_CODES = frozenset({5, 6})

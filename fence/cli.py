@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 import fence
 from fence._core import TokenMode, validate_resource
 from fence._errors import BackendError, ConfigurationError, FenceError
-from fence._optional import install_hint, sql_ddl
+from fence._optional import install_hint, sql_ddl, sql_trigger_ddl
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -154,10 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     ddl_parser = commands.add_parser(
         "ddl",
-        help="print the SQL for the lease table, the fence register and fence columns",
+        help="print the SQL for the lease table, the fence register and fenced tables",
         description="Print the DDL iofence needs, for a migration or for psql / sqlite3: the "
-        "SQL lock manager's lease table, the fence register, and for every --table the fence "
-        "column and the tombstone flag.",
+        "SQL lock manager's lease table, the fence register and its judge, and for every "
+        "--table the fence column, the tombstone flag and the database's judge (triggers that "
+        "refuse stale and unfenced writes, whoever sends them; run it again to upgrade them).",
     )
     ddl_parser.add_argument(
         "--dialect", required=True, choices=["postgresql", "sqlite"], help="the database"
@@ -176,6 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     ddl_parser.add_argument("--no-register", action="store_true", help="leave it out")
     ddl_parser.add_argument(
         "--no-tombstone", action="store_true", help="no tombstone flag on the tables"
+    )
+    ddl_parser.add_argument(
+        "--triggers-only",
+        action="store_true",
+        help="only the database's judge of the tables and the register (install or upgrade)",
+    )
+    ddl_parser.add_argument(
+        "--no-triggers",
+        action="store_true",
+        help="leave the database's judge out (the guards then refuse to write the tables)",
     )
 
     doctor = commands.add_parser(
@@ -571,6 +582,8 @@ def _ddl_script(
     register: str | None = "fence_register",
     schema: str | None = None,
     tombstone: bool = True,
+    triggers: bool = True,
+    triggers_only: bool = False,
 ) -> str:
     """The SQL that ``fence ddl`` prints: statements ending in ``;``, with comments.
 
@@ -581,6 +594,8 @@ def _ddl_script(
         register: the fence register, or ``None`` to leave it out.
         schema: the schema of the lease table and the register.
         tombstone: give each table the tombstone flag of fenced deletes too.
+        triggers: the database's judge of each table and of the register (C14).
+        triggers_only: nothing but the judge (an install or an upgrade of the triggers).
 
     Raises:
         ConfigurationError: an unknown dialect or an empty name.
@@ -590,13 +605,34 @@ def _ddl_script(
 
     quote = dialect_for(dialect).quote
     fence_column_ddl, tombstone_ddl, register_ddl = sql_ddl()
+    trigger_ddl = sql_trigger_ddl()
+
+    def parts_of(name: str, in_schema: str | None = None) -> list[str]:
+        parts = [*([in_schema] if in_schema else []), *name.split(".")]
+        if not all(parts) or len(parts) > 2:
+            raise ConfigurationError(f"not a table name: {name!r}")
+        return parts
 
     def qualified(name: str, in_schema: str | None = None) -> str:
-        parts = [*([in_schema] if in_schema else []), *name.split(".")]
-        if not all(parts):
-            raise ConfigurationError(f"not a table name: {name!r}")
-        return ".".join(quote(part) for part in parts)
+        return ".".join(quote(part) for part in parts_of(name, in_schema))
 
+    def judge(name: str, in_schema: str | None = None, **options: Any) -> list[str]:
+        *owner, table = parts_of(name, in_schema)
+        found = trigger_ddl(table, dialect=dialect, schema=owner[0] if owner else None, **options)
+        return [statement + ";" for statement in found]
+
+    judge_note = (
+        "the database's judge (triggers that refuse a write without a token, with a stale "
+        "one, or one that lowers a fence; running it again upgrades them)"
+    )
+    if triggers_only:
+        out = [f"-- iofence: the database's judge for {dialect}; running it again upgrades it."]
+        if register is not None:
+            out += ["", f"-- {register}: {judge_note}.", *judge(register, schema, register=True)]
+        for table in tables:
+            flag = "deleted" if tombstone else None
+            out += ["", f"-- {table}: {judge_note}.", *judge(table, tombstone=flag)]
+        return "\n".join(out) + "\n"
     out = [f"-- iofence DDL for {dialect}: run it once, in a migration or by hand."]
     if lease_table is not None:
         out += [
@@ -611,6 +647,8 @@ def _ddl_script(
             "-- The fence register: claims of the session hook, UnitOfWork and FenceRegister.",
             register_ddl.format(table=qualified(register, schema)) + ";",
         ]
+        if triggers:
+            out += [f"-- Its judge: {judge_note}.", *judge(register, schema, register=True)]
     for table in tables:
         name = qualified(table)
         what = "its fence column (existing rows start at 0)"
@@ -619,6 +657,9 @@ def _ddl_script(
         out += ["", f"-- {table}: {what}.", fence_column_ddl.format(table=name) + ";"]
         if tombstone:
             out.append(tombstone_ddl.format(table=name) + ";")
+        if triggers:
+            flag = "deleted" if tombstone else None
+            out += [f"-- Its judge: {judge_note}.", *judge(table, tombstone=flag)]
     return "\n".join(out) + "\n"
 
 
@@ -631,6 +672,8 @@ def _ddl(args: argparse.Namespace) -> int:
             register=None if args.no_register else (args.register or "fence_register"),
             schema=args.schema,
             tombstone=not args.no_tombstone,
+            triggers=not args.no_triggers,
+            triggers_only=args.triggers_only,
         )
     except ModuleNotFoundError as exc:
         raise _missing_package(exc) from None

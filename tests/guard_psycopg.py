@@ -15,7 +15,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from fence.adapters.psycopg import AsyncRowGuard, RowGuard
+from fence.adapters.psycopg import (
+    AsyncRowGuard,
+    RowGuard,
+    install_triggers,
+    install_triggers_async,
+)
 from tests.registry import GuardHarnessFactory, register_guard_harness
 
 FEATURES = frozenset({"batch", "registering_read"})
@@ -44,6 +49,7 @@ class PsycopgHarness:
         self.table = f"guard_{secrets.token_hex(4)}"
         self.conn = psycopg.connect(conninfo, autocommit=True)
         self.conn.execute(create_table(self.table))
+        install_triggers(self.conn, self.table, tombstone="deleted")
         self.guard = RowGuard(self.conn, self.table, key="k", tombstone="deleted")
 
     def claim(self, scope: str, token: int) -> int:
@@ -99,6 +105,7 @@ class AsyncPsycopgHarness:
         if self._conn is None:
             self._conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
             await self._conn.execute(create_table(self.table))
+            await install_triggers_async(self._conn, self.table, tombstone="deleted")
         return AsyncRowGuard(self._conn, self.table, key="k", tombstone="deleted")
 
     @property

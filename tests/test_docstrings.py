@@ -19,6 +19,7 @@ PUBLIC_MODULES = [
     "fence.adapters.redis",
     "fence.adapters.sql",
     "fence.adapters.ddl",
+    "fence.adapters.alembic",
     "fence.adapters.psycopg",
     "fence.adapters.orm",
 ]

@@ -317,6 +317,7 @@ class PsycopgSide:
                     "fence BIGINT NOT NULL DEFAULT 0, deleted BOOLEAN NOT NULL DEFAULT FALSE)"
                 ).format(sql.Identifier(self.name_))
             )
+            pg_guard.install_triggers(self.conn, self.name_, tombstone="deleted")
         self.guard = pg_guard.RowGuard(self.conn, self.name_, key="k", tombstone="deleted")
 
     def scope_of(self, raw: str) -> str:

@@ -15,7 +15,12 @@ import pytest
 from psycopg import sql
 
 from fence import BackendError, InvalidTokenError, Reason, StaleTokenError
-from fence.adapters.psycopg import REGISTER_TABLE_DDL, AsyncFenceRegister, AsyncRowGuard
+from fence.adapters.psycopg import (
+    REGISTER_TABLE_DDL,
+    AsyncFenceRegister,
+    AsyncRowGuard,
+    install_triggers_async,
+)
 from tests.servers import PostgresServer
 
 pytestmark = pytest.mark.postgres
@@ -34,6 +39,8 @@ async def _setup(conninfo: str) -> tuple[str, str]:
             sql.SQL("INSERT INTO {} VALUES (1, 1), (2, 2)").format(sql.Identifier(table))
         )
         await c.execute(REGISTER_TABLE_DDL.format(table=register))  # type: ignore[arg-type]
+        await install_triggers_async(c, table, tombstone="deleted")  # the judge (C14)
+        await install_triggers_async(c, register, register=True)
     return table, register
 
 

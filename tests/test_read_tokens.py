@@ -121,8 +121,10 @@ def test_the_core_row_guard_and_register_refuse_before_any_io(tmp_path: Any) -> 
     engine = create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
     table.metadata.create_all(engine)
     register.metadata.create_all(engine)
-    with sqlite3.connect(tmp_path / "db.sqlite") as db:  # the seed row, outside the gate
-        db.execute("INSERT INTO docs (id, v, fence, deleted) VALUES (1, 1, 5, 0)")
+    with engine.begin() as conn:  # the seed row, opted out (a bare sqlite3 connection
+        # lacks the functions the database's judge calls, so it cannot write at all)
+        seed = table.insert().values(id=1, v=1, fence=5, deleted=False)
+        conn.execute(seed.execution_options(unfenced=True))
     token = ReadToken(9)
     statements: list[str] = []
     try:

@@ -202,6 +202,8 @@ class PsycopgTarget(Target):
         self.register = f"reg_{secrets.token_hex(4)}"
         self.conn.execute(sql.SQL(PSYCOPG_DDL).format(sql.Identifier(self.table)))
         self.conn.execute(pg_guard.REGISTER_TABLE_DDL.format(table=self.register))
+        pg_guard.install_triggers(self.conn, self.table, tombstone="deleted")
+        pg_guard.install_triggers(self.conn, self.register, register=True)
         self.conn.commit()
         self.guard = pg_guard.RowGuard(self.conn, self.table, tombstone="deleted")
 
@@ -371,6 +373,7 @@ async def test_async_batches_past_the_old_limits(
         )
         name = f"batch_{secrets.token_hex(4)}"
         await conn.execute(sql.SQL(PSYCOPG_DDL).format(sql.Identifier(name)))
+        await pg_guard.install_triggers_async(conn, name, tombstone="deleted")
         guard = pg_guard.AsyncRowGuard(conn, name, tombstone="deleted")
         try:
             await guard.upsert_many(5, old)
@@ -444,6 +447,7 @@ def test_array_columns_take_the_row_path_at_any_size(kind: str, postgres_server:
                 "fence BIGINT NOT NULL DEFAULT 0, deleted BOOLEAN NOT NULL DEFAULT FALSE)"
             ).format(sql.Identifier(name))
         )
+        pg_guard.install_triggers(c, name, tombstone="deleted")
     table = Table(
         name,
         MetaData(),
@@ -536,6 +540,7 @@ def test_column_types_round_trip(kind: str, postgres_server: Any) -> None:
             sql.SQL("CREATE TYPE {} AS ENUM ('sad', 'ok', 'happy')").format(sql.Identifier(mood))
         )
         c.execute(sql.SQL(TYPES_DDL).format(sql.Identifier(name), sql.Identifier(mood)))
+        pg_guard.install_triggers(c, name)
     table = Table(
         name,
         MetaData(),
@@ -731,6 +736,7 @@ def test_psycopg_batches_follow_a_column_type_change(postgres_server: Any) -> No
                 sql.Identifier(name)
             )
         )
+        pg_guard.install_triggers(conn, name)
         pg_guard.RowGuard(conn, name).upsert_many(5, [{"id": 1, "v": 1}, {"id": 2, "v": 2}])
         conn.execute(
             sql.SQL("ALTER TABLE {} ALTER COLUMN v TYPE NUMERIC(10, 2)").format(

@@ -23,7 +23,7 @@ from psycopg import sql
 from sqlalchemy import ARRAY, Column, Integer, MetaData, Table, create_engine, select
 
 from fence import Reason, RetryableError, StaleTokenError
-from fence.adapters.psycopg import REGISTER_TABLE_DDL, FenceRegister, RowGuard
+from fence.adapters.psycopg import REGISTER_TABLE_DDL, FenceRegister, RowGuard, install_triggers
 from fence.adapters.sql import RowGuard as CoreRowGuard
 from fence.adapters.sql import fence_column
 from tests.servers import PostgresServer
@@ -50,6 +50,7 @@ def table(conninfo: str) -> str:
         c.execute(
             sql.SQL("INSERT INTO {} VALUES (1, 0, 30), (2, 0, 30)").format(sql.Identifier(name))
         )
+        install_triggers(c, name)  # the database's judge (C14)
     return name
 
 
@@ -161,6 +162,7 @@ def test_register_lock_fences_a_unit_of_work_until_commit(
     register = f"reg_{secrets.token_hex(4)}"
     with psycopg.connect(conninfo, autocommit=True) as c:
         c.execute(REGISTER_TABLE_DDL.format(table=register))  # type: ignore[arg-type]
+        install_triggers(c, register, register=True)
     a, b = connect(), connect()
     update = sql.SQL("UPDATE {} SET v = %s WHERE id = %s").format(sql.Identifier(table))
     # A: new holder, token 34, claims then writes two rows; not committed yet.
@@ -293,10 +295,13 @@ def test_read_committed_upsert_batch_raced_by_an_insert_is_undone(
         c.execute(
             sql.SQL("INSERT INTO {} (id, v, fence) VALUES (1, 0, 30)").format(sql.Identifier(name))
         )
+        install_triggers(c, name)
     rows = [{"id": 1, "v": 7}, {"id": 3, "v": 7}]
     if path == "row":
         rows = [{**r, "tags": [7]} for r in rows]
     a = connect()
+    # A newer holder (token 40) inserts the row with plain SQL: the judge gives it fence 40.
+    a.execute("SELECT set_config('iofence.token', '40', true)")
     a.execute(
         sql.SQL("INSERT INTO {} (id, v, fence) VALUES (3, 0, 40)").format(sql.Identifier(name))
     )

@@ -13,6 +13,10 @@ tells ``STALE`` from ``MISSING`` and ``UNVERIFIABLE``; a batch checks every fenc
 first write, writes all or nothing and lists every rejected item; accepted and rejected
 writes are reported to the event bus. Everything they decide with is pure and lives in
 ``_sql_common`` and ``_row_statements``.
+
+The database judges every write too (C14): the statements hand it their token as they write,
+and before a guard's first write the executor checks, once per table and connection, that
+the table's triggers are in place and current (``judge``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from .._sql_common import (
     unverifiable_batch,
     unverifiable_write,
 )
+from .._triggers import Judged
 
 __all__ = ["AsyncExecutor", "AsyncRegisterFlow", "AsyncRowFlow"]
 
@@ -117,13 +122,29 @@ class AsyncExecutor(Protocol[RowT_co]):
         statements know them."""
         ...
 
+    async def judge(self, judged: Judged) -> None:
+        """Refuse to write a table whose triggers (the database's judge, C14) are missing,
+        disabled or outdated: read once per table and connection, a set lookup after that.
+
+        Raises:
+            ConfigurationError: the triggers are not as the table needs them; the message
+                says what to run.
+        """
+        ...
+
 
 class _AsyncFlow(Generic[RowT]):
-    """What both flows share: the executor, the events, and the C9 and C6 mechanics."""
+    """What both flows share: the executor, the events, and the C9, C6 and C14 mechanics."""
 
     executor: AsyncExecutor[RowT]
     events: EventBus
     source: str
+    #: The table's triggers were found in place (C14); checked before the first write.
+    _judged = False
+
+    async def _judge(self, judged: Judged) -> None:
+        await self.executor.judge(judged)
+        self._judged = True
 
     def _accepted(self, scopes: Sequence[str], token: int) -> None:
         if self.events.active:
@@ -288,6 +309,8 @@ class AsyncRowFlow(_AsyncFlow[RowT]):
         scope = RowScope(s.name, keyvals)
         if not returning and self._uncounted:
             raise unverifiable_write(str(scope), token, self.executor.driver)
+        if not self._judged:
+            await self._judge(s.judged)
         stmt, names = hot
         count, rows = await self._run(
             stmt, s.update_params(names, keyvals, token, values), returning, "fenced update", scope
@@ -328,6 +351,8 @@ class AsyncRowFlow(_AsyncFlow[RowT]):
         returning = self.upsert_returning
         if not returning and self._uncounted:
             raise unverifiable_write(scope, token, self.executor.driver)
+        if not self._judged:
+            await self._judge(s.judged)
         stmt, params = s.upsert_call(data, token, returning)
         count, rows = await self._run(stmt, params, returning, "fenced upsert", scope)
         if count == 1:
@@ -351,6 +376,8 @@ class AsyncRowFlow(_AsyncFlow[RowT]):
         returning = self.read_returning if read else self.fence_returning
         if not returning and self._uncounted:
             raise unverifiable_write(scope, token, self.executor.driver)
+        if not self._judged:
+            await self._judge(s.judged)
         stmt, params = s.raise_fence_call(keyvals, token, delete, returning)
         count, rows = await self._run(stmt, params, returning, action, scope)
         probe: Probe | None = None
@@ -463,6 +490,8 @@ class AsyncRowFlow(_AsyncFlow[RowT]):
         self._check_rowcount(False, s.name, token)
         types = await executor.column_types(s, again=False)
         s.check_known({name for _, values in keyed for name in values}, types)
+        if not self._judged:
+            await self._judge(s.judged)
         action = "fenced batch update"
         while True:
             call = s.update_set_call(token, keyed, types)
@@ -505,6 +534,8 @@ class AsyncRowFlow(_AsyncFlow[RowT]):
         self._check_rowcount(False, s.name, token)
         types = await executor.column_types(s, again=False)
         s.check_known(columns, types)
+        if not self._judged:
+            await self._judge(s.judged)
         action = "fenced batch upsert"
         while True:
             call = s.upsert_set_call(token, columns, data, types)
@@ -606,6 +637,8 @@ class AsyncRegisterFlow(_AsyncFlow[RowT]):
         scope = validate_resource(scope, what="scope")
         returning = self.returning
         self._check_rowcount(returning, scope, token)
+        if not self._judged:
+            await self._judge(self.statements.judged)
         stmt, params = self.statements.claim_call(scope, token, returning)
         count, _ = await self.executor.run(stmt, params, returning, "fence claim", scope)
         if count == 1:
@@ -638,6 +671,8 @@ class AsyncRegisterFlow(_AsyncFlow[RowT]):
         s = self.statements
         executor = self.executor
         self._check_rowcount(False, s.name, token)
+        if not self._judged:
+            await self._judge(s.judged)
         action = "fence claim"
         call = s.claim_set_call(unique, token)
         if call is None:

@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from fence._errors import BackendError, ConfigurationError
 from fence._events import EventBus
 
+from .._judge import ensure_judged
 from .._sql_common import RowScope, closed_connection_error, documented, translate_error
 from .._sql_gate import OWN_OPTIONS
 from .._sql_statements import (
@@ -26,6 +27,7 @@ from .._sql_statements import (
     dialect_register_statements,
     dialect_row_statements,
 )
+from .._triggers import Judged
 from .row_flow import AsyncRegisterFlow, AsyncRowFlow
 
 __all__ = ["AsyncFenceRegister", "AsyncRowGuard"]
@@ -148,6 +150,13 @@ class AsyncCoreExecutor:
 
     async def column_types(self, statements: Any, *, again: bool) -> None:
         """Nothing to read: the statements know the column types from their table."""
+
+    async def judge(self, judged: Judged) -> None:
+        """Refuse a table whose triggers are missing or outdated (C14): read once per table
+        and DBAPI connection (``_judge.ensure_judged``)."""
+        if self.conn.closed:
+            raise closed_connection_error()
+        await self.conn.run_sync(ensure_judged, judged)  # unasync: ensure_judged(self.conn, judged)
 
 
 class AsyncRowGuard(AsyncRowFlow[Row[Any]]):

@@ -51,6 +51,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.orm import Mapper, Session
 from sqlalchemy.pool import Pool
 
+from .. import _judge as judge
 from .. import _sql_gate as gate
 from .._sql_statements import OPTIONAL_INFO
 from .binding import BINDING_KEY, SessionBinding, allows_of, bind, binding, unbind
@@ -62,6 +63,7 @@ from .claim import (
     claim_before_reset,
     claim_before_rollback,
     claim_before_statement,
+    token_before_write,
 )
 from .criteria import INCLUDE_TOMBSTONES, do_orm_execute, session_statement
 from .fenced import fence_column, mapper_constructed, mapper_info, table_info, tombstone_column
@@ -117,6 +119,7 @@ def install() -> None:
         return
     _INSTALLED = True
     gate.install()
+    judge.install()
     gate.set_hooks(session_statement, allows_of, refused_of)
     event.listen(Session, "before_flush", before_flush)
     event.listen(Session, "after_transaction_create", after_transaction_create)
@@ -131,6 +134,7 @@ def install() -> None:
     event.listen(Mapper, "after_mapper_constructed", mapper_constructed)
     event.listen(Engine, "after_cursor_execute", after_cursor_execute)
     event.listen(Engine, "after_execute", after_execute)
+    event.listen(Engine, "before_execute", token_before_write)  # after the gate's rewrite
     event.listen(Engine, "before_cursor_execute", claim_before_statement)
     event.listen(Engine, "commit", claim_before_commit)
     event.listen(Engine, "prepare_twophase", claim_before_commit)

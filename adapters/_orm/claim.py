@@ -11,6 +11,14 @@ per connection, and its reply is read just before the transaction's first statem
 its commit, prepare, rollback, or the pool's reset). What the claim knows of a connection
 (the statements its server session has prepared, the claim in flight and what it claims)
 is one :class:`ClaimState`, found from the connection's pool entry.
+
+The claim also carries the binding's token to the database's judge (C14): it makes it the
+token of the transaction (its fence value is ``set_config('iofence.token', ...)``), so every
+later statement of the transaction, raw SQL included, is judged with it. A transaction
+that did not claim (``claim=False``, or a binding made after it began) gets the token
+before its first write to a judged table (:func:`token_before_write`). The register's
+triggers, and those of each fenced table the session writes, are checked once per DBAPI
+connection before the first write.
 """
 
 from __future__ import annotations
@@ -23,18 +31,39 @@ from sqlalchemy import Table
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.sql.dml import UpdateBase
 
 from fence._core import check_read
 from fence._errors import FenceError, LeaseExpiredError, LeaseLostError
 from fence._errors import StaleTokenError as _FenceStale
 from fence._events import EventKind
 
+from .. import _sql_gate as gate
+from .._judge import (
+    CHECKED_KEY,
+    TOKEN_KEY,
+    clear_token,
+    ensure_judged,
+    judged_on,
+    record_verdict,
+    set_token,
+)
 from .._sql_common import missing_register_error, missing_table, translate_error
-from .._sql_gate import OWN_OPTIONS
+from .._sql_gate import OWN_OPTIONS, UNFENCED, Kind
 from .._sql_statements import register_statements
 from .._sync.sql import FenceRegister
+from .._triggers import PG_CHECK_QUERY, TOKEN_SETTING, Judged
 from . import libpq, refusal
-from .binding import BINDING_KEY, READ_CHECK_KEY, SESSION_OF, SessionBinding, session_of
+from .binding import (
+    BINDING_KEY,
+    READ_CHECK_KEY,
+    SESSION_OF,
+    SessionBinding,
+    bound,
+    session_of,
+)
+from .fenced import table_info
+from .span import CURRENT
 from .verdicts import SOURCE, StaleTokenError
 
 if TYPE_CHECKING:
@@ -50,6 +79,7 @@ __all__ = [
     "claim_before_reset",
     "claim_before_rollback",
     "claim_before_statement",
+    "token_before_write",
 ]
 
 
@@ -72,7 +102,14 @@ def _claim_statement(register: Table, dialect: str) -> Any:
 def after_begin(session: Session, transaction: SessionTransaction, connection: Connection) -> None:
     SESSION_OF[connection] = weakref.ref(session)
     found: SessionBinding | None = session.info.get(BINDING_KEY)
-    if found is None or not found.claim or transaction.nested:
+    if found is None or transaction.nested:
+        return
+    if not found.claim:
+        if not found.read_only and connection.dialect.driver == "psycopg":
+            # No claim, but the token still leaves with the BEGIN (C14): no round trip of
+            # its own. Elsewhere it is set before the first write (token_before_write).
+            _send_claim(connection, found, token_only=True)
+            connection.info[TOKEN_KEY] = found.token
         return
     refusal.check(session)  # a refused transaction claims nothing more
     try:
@@ -92,10 +129,15 @@ def _begin(session: Session, connection: Connection, found: SessionBinding) -> N
         # Its reply is read before the first statement, or at the latest as the session
         # commits (before_commit); the unit of work reads it now.
         state = _send_claim(connection, found)
+        connection.info[TOKEN_KEY] = found.token
         if found.eager:
             _judge_claim(connection, found, _read_claim(state, found))
         return
+    # The register's triggers, once per DBAPI connection (C14); on psycopg the check rides
+    # in the claim's message.
+    ensure_judged(connection, register_statements(found.register).judged)
     stmt = _claim_statement(found.register, connection.dialect.name)
+    connection.info[TOKEN_KEY] = found.token  # the claim makes it the transaction's
     try:
         result = connection.execute(stmt, {"_scope": found.scope, "_token": found.token})
     except SQLAlchemyError as exc:
@@ -117,6 +159,10 @@ def _judge_claim(connection: Connection, found: SessionBinding, claimed: int) ->
             found.scope, found.token
         )
     except _FenceStale as err:
+        # The refused claim made its token the transaction's (the fence value is computed
+        # before the conflict is judged): take it back, so that the database refuses
+        # whatever this transaction would still write.
+        clear_token(connection)
         raise StaleTokenError.from_guard(err, None, None) from None
 
 
@@ -138,6 +184,10 @@ class ClaimState:
         prepare: the ``PREPARE`` of that statement.
         execute: the ``BEGIN`` and ``EXECUTE`` sent with it.
         fresh: whether the message sent carried the ``PREPARE``.
+        judged: the register whose triggers the message also checks (C14), the first
+            time on the connection; ``None`` otherwise.
+        token_only: the message carries the binding's token and no claim (a session bound
+            with ``claim=False``): its reply is read, never judged.
         ref: a weak reference to this state, which leaves :data:`_UNREAD` with it.
     """
 
@@ -149,6 +199,8 @@ class ClaimState:
     prepare: bytes = b""
     execute: bytes = b""
     fresh: bool = False
+    judged: Judged | None = None
+    token_only: bool = False
     ref: weakref.ref[ClaimState] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -171,7 +223,9 @@ def _state_on(conn: Connection) -> ClaimState | None:
     return state
 
 
-def _send_claim(connection: Connection, found: SessionBinding) -> ClaimState:
+def _send_claim(
+    connection: Connection, found: SessionBinding, *, token_only: bool = False
+) -> ClaimState:
     """Send the claim with the transaction's ``BEGIN`` and return before its reply (psycopg 3).
 
     psycopg starts a transaction with a ``BEGIN`` of its own, a round trip before the first
@@ -209,12 +263,35 @@ def _send_claim(connection: Connection, found: SessionBinding) -> ClaimState:
     elif state.found is not None:  # a claim whose transaction ended without any event
         _read_claim(state, state.found)  # (defensive)
     raw = state.raw
+    if token_only:
+        # A session bound without a claim: only its token, made the transaction's.
+        message = b"%s; SELECT pg_catalog.set_config('%s', '%d', true)" % (
+            libpq.begin(raw, pg),
+            TOKEN_SETTING.encode(),
+            found.token,
+        )
+        try:
+            libpq.send(raw, message)
+        except pg.Error as exc:
+            raise translate_error(exc, "setting the transaction's token", found.scope) from exc
+        state.found, state.token_only, state.judged = found, True, None
+        state.connection = weakref.ref(connection)
+        _UNREAD.add(state.ref)
+        return state
     claim = _PG_CLAIMS.get(register)
     if claim is None:
         claim = _PG_CLAIMS[register] = _pg_claim(register, raw)
     name, prepare = claim
-    execute = b"%s; EXECUTE %s(%s, %d)" % (
+    # The first claim on a connection also reads the register's triggers (C14), in the
+    # same message: their check costs no round trip of its own.
+    judged = register_statements(register).judged
+    check = b""
+    if not judged_on(connection, judged):
+        query = PG_CHECK_QUERY.format(param="{}").encode()
+        check = query.replace(b"{}", libpq.literal(judged.qualified, raw)) + b"; "
+    execute = b"%s; %sEXECUTE %s(%s, %d)" % (
         libpq.begin(raw, pg),
+        check,
         name,
         libpq.literal(found.scope, raw),
         found.token,
@@ -225,6 +302,8 @@ def _send_claim(connection: Connection, found: SessionBinding) -> ClaimState:
     except pg.Error as exc:
         raise translate_error(exc, "fence claim", found.scope) from exc
     state.found = found
+    state.token_only = False
+    state.judged = judged if check else None
     state.connection = weakref.ref(connection)
     state.name, state.prepare, state.execute, state.fresh = name, prepare, execute, fresh
     _UNREAD.add(state.ref)
@@ -244,12 +323,24 @@ def _read_claim(state: ClaimState, found: SessionBinding) -> int:
     _UNREAD.discard(state.ref)
     pg = libpq.driver()
     raw, name, fresh = state.raw, state.name, state.fresh
+    if state.token_only:
+        try:
+            results = libpq.read(raw)
+        except pg.Error as exc:
+            raise translate_error(exc, "setting the transaction's token", found.scope) from exc
+        failure = libpq.failure(raw, results)
+        if failure is not None:
+            err = translate_error(failure, "setting the transaction's token", found.scope)
+            raise err from failure
+        return 1
     try:
         results = libpq.read(raw)
         for _attempt in range(3):
             last = results[-1]
             if last.status == pg.COMMAND_OK:
                 state.prepared.add(name)
+                if state.judged is not None:
+                    _judge_register(state, results)
                 return int(last.command_tuples or 0)
             sqlstate = last.error_field(pg.SQLSTATE)
             if sqlstate == b"26000" and not fresh:  # the session lost the statement
@@ -268,6 +359,15 @@ def _read_claim(state: ClaimState, found: SessionBinding) -> int:
     raise _claim_error(raw, results, found)
 
 
+def _judge_register(state: ClaimState, results: list[Any]) -> None:
+    """Judge the check of the register's triggers that rode in the claim's message."""
+    judged, state.judged = state.judged, None
+    assert judged is not None
+    rows = libpq.rows(results)
+    sent_on = state.connection() if state.connection is not None else None
+    record_verdict(sent_on, judged, rows)
+
+
 def claim_before_statement(
     conn: Connection, cursor: Any, statement: str, parameters: Any, context: Any, many: bool
 ) -> None:
@@ -276,7 +376,9 @@ def claim_before_statement(
         state = _state_on(conn)
         if state is not None and (found := state.found) is not None:
             try:
-                _judge_claim(conn, found, _read_claim(state, found))
+                claimed = _read_claim(state, found)
+                if not state.token_only:
+                    _judge_claim(conn, found, claimed)
             except FenceError as err:
                 refusal.refuse_on(conn, err)
                 raise
@@ -353,6 +455,59 @@ def _claim_error(raw: Any, results: list[Any], found: SessionBinding) -> FenceEr
 # Each register's prepared claim (its name and its PREPARE), composed once; the names a
 # connection has prepared are in its ClaimState.
 _PG_CLAIMS: weakref.WeakKeyDictionary[Table, tuple[bytes, bytes]] = weakref.WeakKeyDictionary()
+
+
+def token_before_write(
+    conn: Connection,
+    elem: Any,
+    multiparams: Any,
+    params: Any,
+    execution_options: Any,
+) -> None:
+    """Before a write to a table the database judges (C14): check its triggers (once per
+    DBAPI connection), and give the transaction the binding's token if it has not got it
+    (a session bound with ``claim=False``, or bound after its transaction began): one
+    statement on PostgreSQL, none on SQLite.
+
+    A statement marked ``unfenced`` is the opt-out. The guards' own statements carry their
+    token, and the hook's run with the guards' option too: in a bound session they get
+    the binding's token all the same, which a guard's statement then replaces with its own.
+    """
+    if not isinstance(elem, UpdateBase) or execution_options.get(UNFENCED):
+        return
+    table = gate.target_table(elem)
+    guarded = gate.classify(table) if table is not None else None
+    if guarded is None or guarded.kind is Kind.DEPENDENT:
+        return
+    assert table is not None
+    found = bound(conn)
+    if found is not None and found.read_only:
+        return  # it writes nothing: the hook refuses every write
+    if guarded.kind is Kind.FENCED:
+        info = table_info(table)
+        if info is None:
+            return
+        judged = info.statements.judged
+    else:
+        judged = register_statements(table).judged
+    # The hot path (every flush statement): a set lookup and a comparison.
+    entry = conn.connection.info
+    checked = entry.get(CHECKED_KEY)
+    unchecked = (checked is None or judged.check_key not in checked) and not judged_on(conn, judged)
+    unset = found is not None and entry.get(TOKEN_KEY) != found.token
+    if not unchecked and not unset:
+        return
+    # The flush counts the rows of its statement from here on (verdicts): what is sent
+    # first must not count.
+    current = CURRENT.get()
+    counted = current.rowcount if current is not None else None
+    if unchecked:
+        ensure_judged(conn, judged)
+    if unset:
+        assert found is not None
+        set_token(conn, found.token)
+    if current is not None:
+        current.rowcount = counted
 
 
 def _check_read(connection: Connection, found: SessionBinding) -> None:

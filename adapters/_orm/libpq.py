@@ -13,7 +13,17 @@ from typing import Any
 
 from sqlalchemy.util import await_only
 
-__all__ = ["Driver", "begin", "driver", "exchange", "failure", "literal", "read", "send"]
+__all__ = [
+    "Driver",
+    "begin",
+    "driver",
+    "exchange",
+    "failure",
+    "literal",
+    "read",
+    "rows",
+    "send",
+]
 
 
 class Driver:
@@ -107,3 +117,26 @@ def failure(raw: Any, results: list[Any]) -> Exception | None:
             found: Exception = errors.error_from_result(result, encoding=raw.info.encoding)
             return found
     return None
+
+
+def rows(results: list[Any]) -> list[tuple[Any, ...]]:
+    """The rows of the first of ``results`` that returned rows, as text (``None`` for
+    NULL; ``True``/``False`` for a boolean's ``t``/``f``)."""
+    from psycopg import pq
+
+    for result in results:
+        if result.status == pq.ExecStatus.TUPLES_OK:
+            out = []
+            for i in range(result.ntuples):
+                row: list[Any] = []
+                for j in range(result.nfields):
+                    value = result.get_value(i, j)
+                    if value is None:
+                        row.append(None)
+                    elif result.ftype(j) == 16:  # bool
+                        row.append(value == b"t")
+                    else:
+                        row.append(value.decode())
+                out.append(tuple(row))
+            return out
+    return []

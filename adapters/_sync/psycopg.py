@@ -24,6 +24,7 @@ from fence._errors import BackendError, ConfigurationError
 from fence._events import EventBus
 
 from .._pg_statements import (
+    JUDGED,
     TYPES_QUERY,
     ColumnType,
     PgRowStatements,
@@ -40,6 +41,7 @@ from .._sql_common import (
     documented,
     translate_error,
 )
+from .._triggers import PG_CHECK_QUERY, Judged, verdict
 from .row_flow import RegisterFlow, RowFlow
 
 __all__ = ["FenceRegister", "RowGuard"]
@@ -60,6 +62,8 @@ Params = Sequence[Any] | Mapping[str, Any]
 _TYPES: weakref.WeakKeyDictionary[Any, dict[str, dict[str, ColumnType]]] = (
     weakref.WeakKeyDictionary()
 )
+
+_CHECK = PG_CHECK_QUERY.format(param="%(t)s")
 
 
 class PgExecutor:
@@ -187,6 +191,22 @@ class PgExecutor:
             types = known[s.regclass] = read_types(rows)
         s.check_types(types)
         return types
+
+    def judge(self, judged: Judged) -> None:
+        """Refuse a table whose triggers are missing or outdated (C14): read from the
+        catalogue once per table and connection, a set lookup after that."""
+        checked = JUDGED.setdefault(self.conn, set())
+        key = (judged.qualified, judged.kind, judged.fence)
+        if key in checked:
+            return
+        rows = self.read(
+            _CHECK, {"t": judged.qualified}, "the check of the judge's triggers", judged.table
+        )
+        exists, why = verdict("postgresql", rows, judged)
+        if why is not None:
+            raise ConfigurationError(f"{why}; {judged.hint('postgresql')}")
+        if exists:
+            checked.add(key)
 
 
 class RowGuard(RowFlow[dict[str, Any]]):

@@ -20,6 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from fence._errors import BackendError, ConfigurationError
 from fence._events import EventBus
 
+from .._judge import ensure_judged
 from .._sql_common import RowScope, closed_connection_error, documented, translate_error
 from .._sql_gate import OWN_OPTIONS
 from .._sql_statements import (
@@ -27,6 +28,7 @@ from .._sql_statements import (
     dialect_register_statements,
     dialect_row_statements,
 )
+from .._triggers import Judged
 from .row_flow import RegisterFlow, RowFlow
 
 __all__ = ["FenceRegister", "RowGuard"]
@@ -149,6 +151,13 @@ class CoreExecutor:
 
     def column_types(self, statements: Any, *, again: bool) -> None:
         """Nothing to read: the statements know the column types from their table."""
+
+    def judge(self, judged: Judged) -> None:
+        """Refuse a table whose triggers are missing or outdated (C14): read once per table
+        and DBAPI connection (``_judge.ensure_judged``)."""
+        if self.conn.closed:
+            raise closed_connection_error()
+        ensure_judged(self.conn, judged)
 
 
 class RowGuard(RowFlow[Row[Any]]):

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fence._chaos import orm, sql
+from fence._chaos import orm, plain_sql, sql
 from fence._chaos.base import (
     SOCKET_TIMEOUT,
     CheckedRead,
@@ -481,6 +481,13 @@ STORES: dict[str, StoreKind] = {
         orm.setup,
         sql.final_counters,
     ),
+    "plain-sql": StoreKind(
+        "plain SQL on the worker's own psycopg connection, judged by the database's triggers",
+        "postgres",
+        plain_sql.PlainSqlStore,
+        plain_sql.setup,
+        plain_sql.final,
+    ),
 }
 
 _FENCED = [
@@ -525,6 +532,15 @@ _FENCED = [
         "orm-hook",
         True,
         "SQL lock manager, SQLAlchemy ORM sessions bound to the token, on PostgreSQL",
+    ),
+    Pairing(
+        "sql+plain-sql",
+        "sp",
+        "sql-manager",
+        "plain-sql",
+        True,
+        "SQL lock manager; workers write plain SQL on their own connections, no guard: "
+        "the database's triggers judge every write (C14)",
     ),
 ]
 
