@@ -118,6 +118,17 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+# What this file imports for itself: no part of the package's API.
+_OWN = frozenset({"Any", "TYPE_CHECKING", "annotations", "importlib"})
+
+
+def __dir__() -> list[str]:
+    # dir(fence) and tab completion: the lazy exports before their first use too, and
+    # neither this file's own imports nor its private names.
+    names = {n for n in globals() if n not in _OWN and (n[:1] != "_" or n[:2] == "__")}
+    return sorted(names | _LAZY.keys())
+
+
 __all__ = [
     "MAX_RESOURCE_LENGTH",
     "MAX_TOKEN",

@@ -4,6 +4,7 @@ index page. ``scripts/test-package`` installs the wheel and runs the examples wi
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -68,6 +69,17 @@ def test_core_import_needs_no_driver_package() -> None:
         "fence.RedisLockManager; assert 'redis' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dir_shows_the_public_names_and_hides_the_helpers() -> None:
+    code = "import json, sys, fence; print(json.dumps([dir(fence), sorted(sys.modules)]))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    names, loaded = json.loads(done.stdout)
+    assert set(fence.__all__) <= set(names)  # the lazy managers too, before their first use
+    assert "fence._sync.redis" not in loaded  # listing them loaded nothing
+    assert not {"Any", "TYPE_CHECKING", "annotations", "importlib"} & set(names)
+    assert not [n for n in names if n.startswith("_") and not n.startswith("__")]
+    assert "__version__" in names
 
 
 def test_sdist_ships_the_whole_project(tmp_path: Path) -> None:
