@@ -7,8 +7,8 @@ the blocks that the last block under that heading ran after, and that block. Eac
 chain runs once, whole, in a fresh directory, with the suite's servers handed in through
 ``REDIS_URL``, ``DATABASE_URL``, ``QUORUM_URLS``, ``ETCD_URL``, ``ZOOKEEPER_URL`` and
 ``SENTINEL_URL`` (a Redis primary and replica behind a Sentinel) where a block reads them.
-The same chains, and ``examples/``, are type-checked with ``mypy --strict`` against the
-package as installed (``fence.adapters`` included).
+The same chains, ``examples/`` and ``tests/typing/`` are type-checked with ``mypy --strict``
+against the package as installed (``fence.adapters`` included).
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ def test_docs_and_examples_pass_mypy_strict(tmp_path: Path) -> None:
         path.write_text(program.text)
         files.append(str(path))
     files += [str(p) for p in sorted((ROOT / "examples").glob("*.py"))]
+    files += [str(p) for p in sorted((ROOT / "tests" / "typing").glob("*.py"))]
     config = tmp_path / "mypy.ini"
     config.write_text(_mypy_ini(src))
     completed = subprocess.run(
