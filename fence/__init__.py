@@ -87,7 +87,7 @@ if TYPE_CHECKING:
     from fence._sync.sql import SQLLockManager
     from fence._sync.zookeeper import ZooKeeperLockManager
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Backends whose driver packages are optional extras load on first use, so that
 # ``import fence`` needs neither redis-py, SQLAlchemy, httpx nor kazoo.
