@@ -8,7 +8,7 @@ chain runs once, whole, in a fresh directory, with the suite's servers handed in
 ``REDIS_URL``, ``DATABASE_URL``, ``QUORUM_URLS``, ``ETCD_URL``, ``ZOOKEEPER_URL`` and
 ``SENTINEL_URL`` (a Redis primary and replica behind a Sentinel) where a block reads them.
 The README's chains also run a second time in the same directory, on the same servers.
-The same chains, ``examples/`` and ``tests/typing/`` are type-checked with ``mypy --strict``
+The same chains, ``examples/`` and ``tests/typecheck/`` are type-checked with ``mypy --strict``
 against the package as installed (``fence.adapters`` included).
 """
 
@@ -178,7 +178,7 @@ def test_docs_and_examples_pass_mypy_strict(tmp_path: Path) -> None:
         path.write_text(program.text)
         files.append(str(path))
     files += [str(p) for p in sorted((ROOT / "examples").glob("*.py"))]
-    files += [str(p) for p in sorted((ROOT / "tests" / "typing").glob("*.py"))]
+    files += [str(p) for p in sorted((ROOT / "tests" / "typecheck").glob("*.py"))]
     config = tmp_path / "mypy.ini"
     config.write_text(_mypy_ini(src))
     completed = subprocess.run(
