@@ -4,7 +4,9 @@ Redis cannot tell the guard's client from any other, so a raw ``SET`` on a fence
 an ordinary command to it. Two ACL users close that door: the guard's user runs the
 guard's scripts; the application's user may read the fenced keys but not write them, and
 may not touch the fence namespace. The example creates both (it needs a Redis 7 user that
-may run ACL SETUSER), writes through the guard, and shows the raw writes refused.
+may run ACL SETUSER), takes a lease on the order, writes through the guard with the lease's
+token, and shows the raw writes refused. The token comes from the lease, so the example runs
+again, or after the other examples on ``order:42``, against the same Redis.
 
     REDIS_URL=redis://127.0.0.1:6379/0 python examples/redis_acl.py
 """
@@ -18,6 +20,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoPermissionError
 
+from fence import RedisLockManager
 from fence.adapters.redis import RedisGuard, acl_rules
 
 
@@ -40,9 +43,11 @@ def main() -> int:
     refused = 0
     try:
         guard = RedisGuard(guard_client, scope="resource")
-        guard.claim("order:42", 7)
-        guard.set("{order:42}:status", "paid", token=7)
-        print("guard user, token 7: status = paid (fenced)")
+        # The locks live outside the fenced keys: the manager runs as the admin user.
+        with RedisLockManager(admin, ttl=10) as manager, manager.lock("order:42") as lease:
+            guard.claim("order:42", lease.token)
+            guard.set("{order:42}:status", "paid", token=lease.token)
+            print(f"guard user, token {lease.token}: status = paid (fenced)")
         print(f"app user reads status = {app.get('{order:42}:status')!r}")
         app.set("cache:order:42", "paid")  # its own, unfenced keys
         for command in (

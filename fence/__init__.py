@@ -87,7 +87,7 @@ if TYPE_CHECKING:
     from fence._sync.sql import SQLLockManager
     from fence._sync.zookeeper import ZooKeeperLockManager
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Backends whose driver packages are optional extras load on first use, so that
 # ``import fence`` needs neither redis-py, SQLAlchemy, httpx nor kazoo.
@@ -116,6 +116,17 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+# What this file imports for itself: no part of the package's API.
+_OWN = frozenset({"Any", "TYPE_CHECKING", "annotations", "importlib"})
+
+
+def __dir__() -> list[str]:
+    # dir(fence) and tab completion: the lazy exports before their first use too, and
+    # neither this file's own imports nor its private names.
+    names = {n for n in globals() if n not in _OWN and (n[:1] != "_" or n[:2] == "__")}
+    return sorted(names | _LAZY.keys())
 
 
 __all__ = [

@@ -139,8 +139,23 @@ def log_events(
 ) -> Callable[[], None]:
     """Log every event on ``bus`` (default: :data:`default_bus`) at DEBUG, losses at WARNING.
 
+    The lines go wherever the logging configuration sends ``logger`` (default: the
+    ``fence`` logger), and each record carries its :class:`Event` as ``record.fence_event``
+    for structured formatters. To see the DEBUG lines under a configuration of your own,
+    let DEBUG through for that logger: ``logging.getLogger("fence").setLevel("DEBUG")``.
+
+    With no configuration at all (no handler on the logger or above it: a script that
+    never called :func:`logging.basicConfig`), Python would drop the DEBUG lines and print
+    only the losses. Then the events are written to stderr instead: a handler is added to
+    the logger, with DEBUG let through on it, until logging stops.
+
+    Args:
+        bus: the bus to listen to (default: :data:`default_bus`).
+        logger: where to log (default: the ``fence`` logger).
+
     Returns:
-        A function that stops the logging.
+        A function that stops the logging (and removes the stderr handler, if one was
+        added).
     """
     target = logger or _log
     loud = {
@@ -163,6 +178,25 @@ def log_events(
                 event.scope,
                 event.token,
                 event.detail or "",
+                extra={"fence_event": event},
             )
 
-    return (bus or default_bus).subscribe(listener)
+    unsubscribe = (bus or default_bus).subscribe(listener)
+    if target.hasHandlers():
+        return unsubscribe
+    handler = logging.StreamHandler()  # stderr
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # The events, and the warnings Python would have printed anyway; not the DEBUG lines
+    # of the library's other loggers, which the lowered level lets through too.
+    handler.addFilter(lambda r: r.levelno >= logging.WARNING or hasattr(r, "fence_event"))
+    level = target.level
+    target.addHandler(handler)
+    target.setLevel(logging.DEBUG)
+
+    def stop() -> None:
+        unsubscribe()
+        target.removeHandler(handler)
+        if target.level == logging.DEBUG:  # unless changed since
+            target.setLevel(level)
+
+    return stop

@@ -128,15 +128,18 @@ def driver_error(
             code="UNAVAILABLE",
             retryable=True,
         )
+    # Redis ends some replies with a full stop ("... or user is disabled."), and the
+    # sentences below go on after the reply.
+    sentence = message.rstrip(". ")
     if isinstance(exc, NoPermissionError) or kind == "NOPERM":
         return BackendError(
-            f"{server} refused the {call}: {message}. The lock manager needs EVALSHA, "
+            f"{server} refused the {call}: {sentence}. The lock manager needs EVALSHA, "
             "SCRIPT LOAD, PUBLISH and SUBSCRIBE on the keys and channels under its prefix",
             code="PERMISSION",
         )
     if kind in ("NOAUTH", "WRONGPASS") or "invalid password" in message.lower():
         return BackendError(
-            f"{server} refused the credentials for the {call}: {message}. Check the user "
+            f"{server} refused the credentials for the {call}: {sentence}. Check the user "
             "and password in the URL",
             code="AUTH",
         )

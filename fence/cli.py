@@ -65,6 +65,13 @@ _KINDS = {
 }
 
 
+#: Other names of ``--dialect`` values: the spellings SQLAlchemy URLs accept too.
+_DIALECT_ALIASES = {"postgres": "postgresql"}
+
+#: What to install for a SQLAlchemy driver that no extra of iofence installs, by module.
+_DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "pg8000": "pg8000"}
+
+
 class _UsageError(Exception):
     """The command line is wrong: exit 2."""
 
@@ -116,6 +123,11 @@ def _add_backend_options(parser: argparse.ArgumentParser, *, tokens: bool) -> No
         )
 
 
+def _dialect(value: str) -> str:
+    name = value.lower()
+    return _DIALECT_ALIASES.get(name, name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``fence`` command."""
     parser = argparse.ArgumentParser(
@@ -161,7 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
         "refuse stale and unfenced writes, whoever sends them; run it again to upgrade them).",
     )
     ddl_parser.add_argument(
-        "--dialect", required=True, choices=["postgresql", "sqlite"], help="the database"
+        "--dialect",
+        required=True,
+        type=_dialect,
+        choices=["postgresql", "sqlite"],
+        help="the database (postgres is postgresql)",
     )
     ddl_parser.add_argument(
         "--table",
@@ -254,7 +270,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command is None:
-        parser.print_help()
+        # A usage error: the help goes to stderr, as argparse's own errors do, so that
+        # nothing reaches a pipe that expected a command's output.
+        parser.print_help(sys.stderr)
         return EXIT_USAGE
     # Library and driver logs (kazoo's reconnection attempts) would mix with the output;
     # what matters reaches the user as an error, in one line.
@@ -292,9 +310,16 @@ def _backend(url: str) -> tuple[str, str]:
 def _missing_package(exc: ModuleNotFoundError) -> _Failed:
     top = (exc.name or "").split(".")[0]
     hint = install_hint(top)
-    if hint is None:
-        return _Failed(f"a module is missing: {exc}")
-    return _Failed(f"{top} is not installed: {hint}")
+    if hint is not None:
+        return _Failed(f"{top} is not installed: {hint}")
+    package = _DRIVER_PACKAGES.get(top)
+    if package is not None:  # a driver the URL names after its "+"
+        return _Failed(
+            f"{top} is not installed: the URL asks for the {top} driver (pip install "
+            f"{package}); or name no driver, postgresql://, for psycopg 3 (pip install "
+            "'iofence[postgres]')"
+        )
+    return _Failed(f"a module is missing: {exc}")
 
 
 def _where(url: str) -> str:
@@ -405,6 +430,12 @@ def _resource(value: str) -> str:
         raise _UsageError(str(exc)) from None
 
 
+def _shown(name: str) -> str:
+    """``name`` as one line of text: quoted with escapes when it holds a newline, a tab or
+    another unprintable character, which would otherwise break the rows or hide in them."""
+    return name if name.isprintable() else repr(name)
+
+
 # -- inspect ----------------------------------------------------------------------------------
 
 
@@ -429,24 +460,27 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return EXIT_OK
-    rows = [("resource", resource), ("backend", f"{kind} at {report['url']}")]
+    rows = [("resource", _shown(resource)), ("backend", f"{kind} at {report['url']}")]
     if info is None:
         rows.append(("held by", "nobody: the lock is free"))
     else:
         rows += [
-            ("held by", info.holder or "(no label)"),
+            ("held by", _shown(info.holder) if info.holder else "(no label)"),
             ("token", str(info.token)),
             ("time left", f"{info.remaining:.3f} s by the backend's clock"),
         ]
     if "last_token" in report:
         last = report["last_token"]
         shown = "none issued" if last is None else str(last)
-        rows.append(("last token", f"{shown} ({report['last_token_at']})"))
+        rows.append(("last token", f"{shown} ({_shown(report['last_token_at'])})"))
     fence_value = report.get("fence")
     rows.append(
-        ("fence", f"{'not set' if fence_value is None else fence_value} ({report['fence_at']})")
+        (
+            "fence",
+            f"{'not set' if fence_value is None else fence_value} ({_shown(report['fence_at'])})",
+        )
     )
-    rows += [("note", note) for note in report.get("notes", [])]
+    rows += [("note", _shown(note)) for note in report.get("notes", [])]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name + ':':<{width + 1}} {value}")

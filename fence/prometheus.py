@@ -115,7 +115,9 @@ def install(
         bus: the event bus to listen to (default: :data:`fence.default_bus`).
         group: maps a lock's resource or a guard's fence scope to a label value with few
             distinct values, added as the label ``group`` (e.g.
-            ``lambda s: s.split(":", 1)[0]`` turns ``order:42`` into ``order``). Without
+            ``lambda s: re.split(r"[:(]", s, maxsplit=1)[0]`` turns ``order:42`` into
+            ``order`` and a row's scope ``jobs(42)`` into ``jobs``; a split on ``:`` alone
+            would make one series per row). Without
             it no metric is labelled by resource: every order would be a series of its own.
         clock: the monotonic clock for hold times and hand-offs (default: the system's);
             pass the managers' clock if they run on a :class:`fence.ManualClock`.

@@ -96,7 +96,83 @@ def test_argparse_errors_exit_2() -> None:
     assert run("ddl").returncode == 2  # --dialect is required
     assert run("ddl", "--dialect", "mysql").returncode == 2
     assert run("inspect", "redis://h/0").returncode == 2  # RESOURCE missing
-    assert run().returncode == 2  # no command: the help, and 2
+    assert run().returncode == 2  # no command: the help (on stderr), and 2
+
+
+def test_no_command_prints_the_help_on_stderr_and_exits_2() -> None:
+    done = run()
+    assert done.returncode == 2
+    assert done.stdout == ""  # nothing for a pipe that expected a command's output
+    assert done.stderr.startswith("usage: fence")
+    for command in ("inspect", "revoke", "ddl", "doctor", "demo", "chaos"):
+        assert command in done.stderr
+
+
+def test_ddl_takes_postgres_for_postgresql() -> None:
+    postgresql = run("ddl", "--dialect", "postgresql", "--table", "accounts")
+    assert postgresql.returncode == 0
+    for spelling in ("postgres", "PostgreSQL"):
+        done = run("ddl", "--dialect", spelling, "--table", "accounts")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == postgresql.stdout
+    assert "postgres is postgresql" in run("ddl", "--help").stdout
+
+
+@pytest.mark.parametrize(
+    ("driver", "package"), [("psycopg2", "psycopg2-binary"), ("pg8000", "pg8000")]
+)
+def test_a_driver_no_extra_installs_is_named_with_its_package(driver: str, package: str) -> None:
+    code = (
+        f"import sys; sys.modules[{driver!r}] = None; from fence.cli import main; "
+        f"sys.exit(main(['inspect', 'postgresql+{driver}://u@127.0.0.1:1/db', 'r']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert f"{driver} is not installed" in done.stderr
+    assert f"pip install {package}" in done.stderr
+    assert "pip install 'iofence[postgres]'" in done.stderr  # or the extra's driver
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.splitlines()) == 1
+
+
+def test_wrong_redis_credentials_are_one_sentence(redis_url: str) -> None:
+    url = redis_url.replace("redis://", "redis://nobody:wrong@", 1)
+    done = run("inspect", url, "order:42", "--timeout", "2")
+    assert done.returncode == 1
+    assert "refused the credentials" in done.stderr
+    assert "WRONGPASS" in done.stderr
+    assert ".." not in done.stderr  # Redis's reply ends in a full stop of its own
+    assert "wrong" not in done.stderr  # the password is never shown
+
+
+class _Worker:
+    """An owner whose name, the end of the holder's label, holds a tab."""
+
+    name = "worker\t7"
+
+
+def test_a_resource_with_a_newline_is_shown_escaped(redis_url: str) -> None:
+    resource = "order:42\nheld by: nobody"
+    client = redis.Redis.from_url(redis_url)
+    manager = fence.RedisLockManager(client, ttl=30)
+    try:
+        with manager.lock(resource, owner=_Worker()):
+            done = run("inspect", redis_url, resource)
+    finally:
+        manager.close()
+        client.close()
+    assert done.returncode == 0, done.stderr
+    shown = fields(done.stdout)
+    assert shown["resource"] == repr(resource)
+    assert shown["held by"] != "nobody: the lock is free"
+    assert shown["held by"].startswith("'")
+    assert shown["held by"].endswith(":worker\\t7'")
+    # The name's second line did not become a row of its own.
+    assert [line.startswith("held by") for line in lines(done.stdout)].count(True) == 1
+    assert repr(resource)[1:-1] in shown["fence"]  # the key, escaped
+    assert json.loads(run("inspect", redis_url, resource, "--json").stdout)["resource"] == (
+        resource
+    )
 
 
 @pytest.mark.parametrize("command", ["inspect", "revoke"])

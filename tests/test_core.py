@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
@@ -295,6 +297,41 @@ def test_log_events(caplog: pytest.LogCaptureFixture) -> None:
     stop()
     assert "lost" in caplog.text
     assert "revoked" in caplog.text
+
+
+_LOG_EVENTS = """
+import logging, sys
+import fence
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+stop = fence.log_events()
+manager = fence.MemoryLockManager(ttl=5)
+with manager.lock("order:42"):
+    fence.default_bus.emit(fence.EventKind.LOST, "memory", "order:42", 1, cause="revoked")
+stop()
+assert logging.getLogger("fence").handlers == [], "the handler it added is gone"
+with manager.lock("order:43"):
+    pass
+"""
+
+
+def test_log_events_writes_to_stderr_without_a_logging_configuration() -> None:
+    def run(mode: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", _LOG_EVENTS, mode], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == ""
+        return done.stderr
+
+    bare = run("bare")  # a script that never configured logging
+    assert "DEBUG fence: memory acquired order:42 token=" in bare
+    assert "DEBUG fence: memory released order:42" in bare
+    assert "WARNING fence: memory lost order:42 token=1 {'cause': 'revoked'}" in bare
+    assert "order:43" not in bare  # stopped
+    # Under a configuration of the application's own, its levels decide: the loss only.
+    configured = run("configured")
+    assert configured.splitlines() == ["WARNING memory lost order:42 token=1 {'cause': 'revoked'}"]
 
 
 def test_manual_clock() -> None:

@@ -101,3 +101,38 @@ def test_a_ctrl_c_while_workers_start_is_not_lost() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "raised"
+
+
+def test_scripts_demo_installs_only_when_pyproject_changes(tmp_path: Path) -> None:
+    """``scripts/demo`` in a copy of the checkout whose .venv logs what it is asked to run."""
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "demo").write_bytes((root / "scripts" / "demo").read_bytes())
+    (tmp_path / "scripts" / "demo").chmod(0o755)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    log = tmp_path / "log"
+    python = bin_dir / "python"
+    # The first install also puts the fence command in place, as pip would.
+    python.write_text(
+        f'#!/bin/sh\necho "python $*" >> {log}\n'
+        f'printf "#!/bin/sh\\necho \\"fence \\$*\\" >> {log}\\n" > {bin_dir}/fence\n'
+        f"chmod +x {bin_dir}/fence\n"
+    )
+    python.chmod(0o755)
+
+    def demo(*args: str) -> list[str]:
+        log.write_text("")
+        done = subprocess.run(
+            [str(tmp_path / "scripts" / "demo"), *args], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return [line.split(" ")[0] + (" install" if " install " in line else "") for line in
+                log.read_text().splitlines()]  # fmt: skip
+
+    assert demo() == ["python install", "fence"]
+    assert demo("--unfenced") == ["fence"]  # nothing changed: no pip
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "2"\n')
+    assert demo() == ["python install", "fence"]
+    assert demo() == ["fence"]

@@ -7,8 +7,9 @@ the blocks that the last block under that heading ran after, and that block. Eac
 chain runs once, whole, in a fresh directory, with the suite's servers handed in through
 ``REDIS_URL``, ``DATABASE_URL``, ``QUORUM_URLS``, ``ETCD_URL``, ``ZOOKEEPER_URL`` and
 ``SENTINEL_URL`` (a Redis primary and replica behind a Sentinel) where a block reads them.
-The same chains, and ``examples/``, are type-checked with ``mypy --strict`` against the
-package as installed (``fence.adapters`` included).
+The README's chains also run a second time in the same directory, on the same servers.
+The same chains, ``examples/`` and ``tests/typecheck/`` are type-checked with ``mypy --strict``
+against the package as installed (``fence.adapters`` included).
 """
 
 from __future__ import annotations
@@ -87,10 +88,8 @@ def test_continued_blocks_follow_a_block() -> None:
             assert not first.group(1).lstrip().startswith("# continued"), doc.name
 
 
-@pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
-def test_docs_block_runs_as_written(
-    program: Program, request: pytest.FixtureRequest, tmp_path: Path
-) -> None:
+def _run(program: Program, request: pytest.FixtureRequest, cwd: Path) -> None:
+    """Run ``program`` in ``cwd`` with the servers it names; fail with its output."""
     env = dict(os.environ)
     if "REDIS_URL" in program.text:
         env["REDIS_URL"] = request.getfixturevalue("redis_url")
@@ -104,19 +103,38 @@ def test_docs_block_runs_as_written(
         env["ZOOKEEPER_URL"] = request.getfixturevalue("zookeeper_url")
     if "SENTINEL_URL" in program.text:
         env["SENTINEL_URL"] = request.getfixturevalue("sentinel_url")
-    script = tmp_path / "block.py"
+    script = cwd / "block.py"
     script.write_text(program.text)
     completed = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
         env=env,
-        cwd=tmp_path,
+        cwd=cwd,
         timeout=120,
     )
     assert completed.returncode == 0, (
         f"{program.name} failed:\n{completed.stdout}{completed.stderr}"
     )
+
+
+@pytest.mark.parametrize("program", PROGRAMS, ids=lambda p: p.name)
+def test_docs_block_runs_as_written(
+    program: Program, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    _run(program, request, tmp_path)
+
+
+README = [program for program in PROGRAMS if program.doc.name == "README.md"]
+
+
+@pytest.mark.parametrize("program", README, ids=lambda p: p.name)
+def test_readme_block_runs_again_in_the_same_place(
+    program: Program, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A newcomer runs a quick start twice: its files and the servers' data are still there."""
+    _run(program, request, tmp_path)
+    _run(program, request, tmp_path)
 
 
 def _shadow_package(root: Path) -> Path:
@@ -160,6 +178,7 @@ def test_docs_and_examples_pass_mypy_strict(tmp_path: Path) -> None:
         path.write_text(program.text)
         files.append(str(path))
     files += [str(p) for p in sorted((ROOT / "examples").glob("*.py"))]
+    files += [str(p) for p in sorted((ROOT / "tests" / "typecheck").glob("*.py"))]
     config = tmp_path / "mypy.ini"
     config.write_text(_mypy_ini(src))
     completed = subprocess.run(

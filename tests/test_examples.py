@@ -7,6 +7,7 @@ the suite's throwaway servers when the script mentions the variable.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,24 @@ def test_example_runs(script: Path, request: pytest.FixtureRequest) -> None:
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert completed.stdout.strip(), "an example shows what it does"
+
+
+def test_redis_acl_runs_again_on_the_same_database(redis_url: str) -> None:
+    """Its token comes from a lease: after the Redis keys example, and a second time."""
+    env = {**os.environ, "REDIS_URL": redis_url}
+    root = EXAMPLES[0].parent
+    tokens = []
+    for script in ("redis_keys.py", "redis_acl.py", "redis_acl.py"):
+        completed = subprocess.run(
+            [sys.executable, str(root / script)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert completed.returncode == 0, completed.stdout + completed.stderr
+        if script == "redis_acl.py":
+            found = re.search(r"guard user, token (\d+):", completed.stdout)
+            assert found is not None, completed.stdout
+            tokens.append(int(found.group(1)))
+    assert tokens[0] < tokens[1]

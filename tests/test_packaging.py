@@ -4,6 +4,8 @@ index page. ``scripts/test-package`` installs the wheel and runs the examples wi
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import tarfile
 import tomllib
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import fence
 import fence.adapters
@@ -54,7 +57,8 @@ def test_wheel_layout(tmp_path: Path) -> None:
 
 
 def test_version_is_exposed() -> None:
-    assert fence.__version__ == "0.1.0"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert fence.__version__ == project["version"] == "0.2.0"
     completed = subprocess.run(
         [sys.executable, "-m", "fence", "--version"], capture_output=True, text=True, check=True
     )
@@ -70,6 +74,17 @@ def test_core_import_needs_no_driver_package() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_dir_shows_the_public_names_and_hides_the_helpers() -> None:
+    code = "import json, sys, fence; print(json.dumps([dir(fence), sorted(sys.modules)]))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    names, loaded = json.loads(done.stdout)
+    assert set(fence.__all__) <= set(names)  # the lazy managers too, before their first use
+    assert "fence._sync.redis" not in loaded  # listing them loaded nothing
+    assert not {"Any", "TYPE_CHECKING", "annotations", "importlib"} & set(names)
+    assert not [n for n in names if n.startswith("_") and not n.startswith("__")]
+    assert "__version__" in names
+
+
 def test_sdist_ships_the_whole_project(tmp_path: Path) -> None:
     build = "import sys; from setuptools import build_meta; build_meta.build_sdist(sys.argv[1])"
     subprocess.run(
@@ -78,7 +93,7 @@ def test_sdist_ships_the_whole_project(tmp_path: Path) -> None:
     (sdist,) = tmp_path.glob("iofence-*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-    assert {"LICENSE", "README.md", "pyproject.toml"} <= names
+    assert {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml"} <= names
     # What the tests read beside themselves: tests/test_examples.py finds examples/.
     assert {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py")} <= names
     assert {f"docs/{p.name}" for p in (ROOT / "docs").iterdir()} <= names
@@ -102,3 +117,27 @@ def test_classifiers_name_only_the_python_the_suite_runs_on() -> None:
     prefix = "Programming Language :: Python :: "
     named = {c.removeprefix(prefix) for c in project["classifiers"] if c.startswith(prefix)}
     assert {v for v in named if "." in v} == {f"3.{sys.version_info.minor}"}
+
+
+def _check_package() -> Any:
+    spec = importlib.util.spec_from_file_location("check_package", ROOT / "tools/check_package.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_release_paperwork_is_checked(tmp_path: Path) -> None:
+    """The version has its CHANGELOG section; every project URL names a file that is there."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    urls = [f"{label}, {url}" for label, url in project["urls"].items()]
+    problems = _check_package().metadata_problems
+    assert problems(project["version"], urls, ROOT) == []
+    assert problems("9.9.9", urls, ROOT) == ["CHANGELOG.md has no section '## 9.9.9'"]
+    assert problems(project["version"], [], ROOT) == ["the metadata has no project URLs"]
+    assert problems(project["version"], ["Docs, docs/gone.md", "Home, https://"], ROOT) == [
+        "project URL 'Docs' names no file of the sdist: 'docs/gone.md'",
+        "project URL 'Home' is not an address: 'https://'",
+    ]
+    assert problems("0.2.0", urls, tmp_path)[0] == "no CHANGELOG.md"

@@ -11,19 +11,27 @@ servers handed in through ``REDIS_URL`` and ``DATABASE_URL`` when the text reads
 ``tests/test_examples.py`` and ``tests/test_docs.py`` do. Nothing of the checkout is on the
 path: the programs import the installed package, and the check says where it came from.
 
-Exit status 0 when every program ran and exited 0; 1 otherwise, with the failures' output.
+Before that, the release's paperwork: the installed metadata's version has its section in
+the sdist's ``CHANGELOG.md``, and every project URL of the metadata is there (a path names a
+file of the sdist; a web address is well formed, not fetched).
+
+Exit status 0 when the paperwork is in order and every program ran and exited 0; 1
+otherwise, with the failures' output.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -37,6 +45,34 @@ def _unpack(sdist: Path, into: Path) -> Path:
         archive.extractall(into, filter="data")
     (top,) = into.iterdir()
     return top
+
+
+def metadata_problems(version: str, urls: list[str], source: Path) -> list[str]:
+    """What is wrong with a release's version and project URLs; empty when nothing is.
+
+    Args:
+        version: the package's version, as its metadata says.
+        urls: the metadata's ``Project-URL`` values, ``"label, url"``.
+        source: the unpacked sdist (or the checkout).
+    """
+    problems = []
+    changelog = source / "CHANGELOG.md"
+    if not changelog.is_file():
+        problems.append("no CHANGELOG.md")
+    elif not re.search(rf"^## {re.escape(version)}\b", changelog.read_text(), re.MULTILINE):
+        problems.append(f"CHANGELOG.md has no section '## {version}'")
+    if not urls:
+        problems.append("the metadata has no project URLs")
+    for entry in urls:
+        label, _, url = entry.partition(",")
+        url = url.strip()
+        parts = urlparse(url)
+        if parts.scheme in ("http", "https"):
+            if not parts.netloc:
+                problems.append(f"project URL {label!r} is not an address: {url!r}")
+        elif parts.scheme or not (source / url).is_file():
+            problems.append(f"project URL {label!r} names no file of the sdist: {url!r}")
+    return problems
 
 
 def _environment() -> dict[str, str]:
@@ -64,6 +100,21 @@ def main() -> int:
         if "site-packages" not in where or str(ROOT) in where:
             print(f"check_package: fence comes from {where}, not from the installed wheel")
             return 1
+        meta = (
+            "import importlib.metadata as m, json; d = m.metadata('iofence'); "
+            "print(json.dumps([d['Version'], d.get_all('Project-URL') or []]))"
+        )
+        version, urls = json.loads(
+            subprocess.run(
+                [python, "-c", meta], capture_output=True, text=True, cwd=work, env=env, check=True
+            ).stdout
+        )
+        problems = metadata_problems(version, urls, source)
+        for problem in problems:
+            print(f"check_package: {problem}")
+        if problems:
+            return 1
+        print(f"  ok          iofence {version}: CHANGELOG section, {len(urls)} project URLs")
         command = Path(python).parent / "fence"
         subprocess.run(
             [str(command), "ddl", "--dialect", "sqlite"],

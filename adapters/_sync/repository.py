@@ -13,7 +13,7 @@ import logging
 import string
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 from sqlalchemy import Table
 from sqlalchemy.orm import Session
@@ -30,7 +30,25 @@ __all__ = ["UnitOfWork"]
 
 _log = logging.getLogger("fence")
 
-_Fn = Callable[..., Any]
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+# A unit of work that takes the session first, then the caller's arguments _P; what the
+# caller calls; and a unit of work whose session is a keyword argument, which PEP 612
+# cannot take out of its parameters (only leading positional ones).
+_Work = Callable[Concatenate[Session, _P], _R]
+_Call = Callable[_P, _R]
+_AnyCall = Callable[..., _R]
+
+
+class _Decorator(Protocol):
+    """What :meth:`UnitOfWork.fenced` returns: a decorator that keeps the types of
+    the function's other parameters and of its result."""
+
+    @overload
+    def __call__(self, fn: _Work[_P, _R], /) -> _Call[_P, _R]: ...
+    @overload
+    def __call__(self, fn: _AnyCall[_R], /) -> _AnyCall[_R]: ...
 
 
 class UnitOfWork:
@@ -79,8 +97,8 @@ class UnitOfWork:
             order.state = "paid"
 
         @uow.fenced("order:{order_id}")
-        def pay(order_id: int, *, session: Session) -> None:
-            (session.get(Order, order_id)).state = "paid"
+        def pay(session: Session, order_id: int) -> None:
+            (session.get_one(Order, order_id)).state = "paid"
 
         pay(42)
     """
@@ -169,8 +187,15 @@ class UnitOfWork:
 
     def fenced(
         self, resource: str | Callable[..., str], *, mode: LeaseMode | str | None = None
-    ) -> Callable[[_Fn], _Fn]:
-        """Decorate a function to run as a unit of work; it gets the session as ``session=``.
+    ) -> _Decorator:
+        """Decorate a function to run as a unit of work; it gets the session.
+
+        The function takes the session as its first parameter, named ``session``, and is
+        called without it: type checkers see the decorated function with the other
+        parameters and the result of the function (``Concatenate``, PEP 612). A function
+        that takes ``session`` as a keyword argument instead is served too, but type
+        checkers then see its parameters as ``...`` (PEP 612 cannot take a keyword
+        parameter out of a signature); its result keeps its type.
 
         Args:
             resource: a ``str.format`` template filled from the call's arguments by name
@@ -185,8 +210,8 @@ class UnitOfWork:
         Example::
 
             @uow.fenced("account:{account_id}")
-            def deposit(account_id: int, amount: int, *, session: Session) -> None:
-                account = session.get(Account, account_id)
+            def deposit(session: Session, account_id: int, amount: int) -> None:
+                account = session.get_one(Account, account_id)
                 account.balance += amount
 
             deposit(7, 100)
@@ -194,13 +219,22 @@ class UnitOfWork:
 
         chosen = None if mode is None else validate_mode(mode)
 
-        def decorate(fn: _Fn) -> _Fn:
+        def decorate(fn: _AnyCall[Any]) -> _AnyCall[Any]:
             signature = inspect.signature(fn)
             if "session" not in signature.parameters:
                 raise ConfigurationError(f"{fn.__qualname__} must take a 'session' argument")
+            first = next(iter(signature.parameters.values()))
+            leading = first.name == "session" and first.kind in (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            )
+            # The caller's view: the function's parameters without the session.
+            outer = signature.replace(
+                parameters=[p for p in signature.parameters.values() if p.name != "session"]
+            )
             if isinstance(resource, str):
                 names = {f[1] for f in string.Formatter().parse(resource) if f[1]}
-                unknown = names - set(signature.parameters)
+                unknown = names - set(outer.parameters)
                 if unknown:
                     raise ConfigurationError(
                         f"resource template {resource!r} names {sorted(unknown)}, which "
@@ -212,12 +246,15 @@ class UnitOfWork:
                 if callable(resource):
                     name = resource(*args, **kwargs)
                 else:
-                    bound = signature.bind_partial(*args, **kwargs)
+                    bound = outer.bind_partial(*args, **kwargs)
                     bound.apply_defaults()
                     name = resource.format(**bound.arguments)
                 with self(name, mode=chosen) as session:
+                    if leading:
+                        return fn(session, *args, **kwargs)
                     return fn(*args, session=session, **kwargs)
 
+            run.__signature__ = outer  # type: ignore[attr-defined]
             return run
 
         return decorate

@@ -5,6 +5,7 @@ acquire, bind, claim, run, commit, release; and what happens when the lease is l
 from __future__ import annotations
 
 import asyncio  # unasync: import time
+import inspect
 import secrets
 from typing import Any
 
@@ -87,6 +88,26 @@ async def test_the_unit_of_work_commits_under_the_lease(engine: AsyncEngine, env
         second = await deposit(1, amount=7)
         assert second > token
         assert await balance(engine, env) == (12, second)
+
+
+async def test_a_unit_of_work_may_take_the_session_first(engine: AsyncEngine, env: Env) -> None:
+    async with AsyncMemoryLockManager(ttl=5) as manager:
+        uow = AsyncUnitOfWork(manager, async_sessionmaker(engine), register=env.register)
+
+        @uow.fenced("account:{account_id}")
+        async def deposit(session: AsyncSession, account_id: int, amount: int = 1) -> int:
+            (await session.get(env.Account, account_id)).balance += amount
+            found = binding(session)
+            assert found is not None
+            assert found.scope == f"account:{account_id}"
+            return found.token
+
+        # The caller's signature leaves the session out, as type checkers see it.
+        assert list(inspect.signature(deposit).parameters) == ["account_id", "amount"]
+        first = await deposit(1, 3)
+        second = await deposit(account_id=1)
+        assert second > first
+        assert await balance(engine, env) == (4, second)
 
 
 async def test_an_error_rolls_back_and_releases(engine: AsyncEngine, env: Env) -> None:

@@ -6,6 +6,7 @@ acquire, bind, claim, run, commit, release; and what happens when the lease is l
 
 from __future__ import annotations
 
+import inspect
 import secrets
 import time
 from typing import Any
@@ -87,6 +88,26 @@ def test_the_unit_of_work_commits_under_the_lease(engine: Engine, env: Env) -> N
         second = deposit(1, amount=7)
         assert second > token
         assert balance(engine, env) == (12, second)
+
+
+def test_a_unit_of_work_may_take_the_session_first(engine: Engine, env: Env) -> None:
+    with MemoryLockManager(ttl=5) as manager:
+        uow = UnitOfWork(manager, sessionmaker(engine), register=env.register)
+
+        @uow.fenced("account:{account_id}")
+        def deposit(session: Session, account_id: int, amount: int = 1) -> int:
+            (session.get(env.Account, account_id)).balance += amount
+            found = binding(session)
+            assert found is not None
+            assert found.scope == f"account:{account_id}"
+            return found.token
+
+        # The caller's signature leaves the session out, as type checkers see it.
+        assert list(inspect.signature(deposit).parameters) == ["account_id", "amount"]
+        first = deposit(1, 3)
+        second = deposit(account_id=1)
+        assert second > first
+        assert balance(engine, env) == (4, second)
 
 
 def test_an_error_rolls_back_and_releases(engine: Engine, env: Env) -> None:
