@@ -595,6 +595,10 @@ async def test_upgrade_ddl_migrates_an_earlier_lease_table(
     assert reader.token > writer.token
     await reader.release()
     if dialect == "postgresql":
+        # The failed acquire's clean-up may still be retrying in the background, and with
+        # asyncio the blocking DROP below would stop it inside its transaction, whose locks
+        # the DROP waits for: closed first, it is done.
+        await manager.close()
         run(f'DROP TABLE "{name}", "{name}_shared"')
 
 
@@ -635,6 +639,7 @@ async def test_upgrade_ddl_adds_the_tombstones_on_postgresql(
     assert late.token is None
     assert not late.queued
     assert await manager.inspect(resource) is None
+    await manager.close()  # its clean-ups done before the blocking DROP (see above)
     pg_execute(postgres_server, f'DROP TABLE "{name}", "{name}_shared"')
 
 
