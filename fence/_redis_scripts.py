@@ -261,7 +261,9 @@ end
 -- (so that it keeps new readers out); other refused writers wait the exclusive way (with
 -- FIFO, their wait takes a place). A new token is above the counter and the guards'
 -- fence register, for readers too. An attempt whose acquire was cancelled (CANCEL left
--- its tombstone) is refused with wait_ms -1.
+-- its tombstone) is refused without a place in the queue and without a heartbeat, with
+-- wait_ms -1 (or the holder's PTTL, as the fast path says): its client is gone, and a
+-- place of its would be woken by the next release while the others wait for it to expire.
 -- Error 'token space exhausted' when the next token would pass 2**53-1.
 -- (held: the HMGET of the fast path above; the caller's own lock returned there.)
 local base = base_of(KEYS[1])
@@ -275,14 +277,15 @@ if mine and tonumber(mine) > now then
 end
 local readers = live_readers(base, now)
 local queue, deadlines = KEYS[4], KEYS[5]
+local void = redis.call('EXISTS', base .. 'void:' .. ARGV[1]) == 1
 local place = tonumber(redis.call('ZSCORE', queue, ARGV[5]))
-if place then
+if place and not void then
   heartbeat(queue, deadlines, ARGV[5], ARGV[6], now)
 end
 local wait_ms = nil
 if held[1] then
   wait_ms = redis.call('PTTL', KEYS[1])
-elseif redis.call('EXISTS', base .. 'void:' .. ARGV[1]) == 1 then
+elseif void then
   return {0, -1, 0}
 elseif readers > 0 and not reading then
   wait_ms = tonumber(redis.call('ZRANGE', base .. 'readers', -1, -1, 'WITHSCORES')[2]) - now
@@ -300,6 +303,7 @@ else
   end
 end
 if wait_ms then
+  if void then return {0, wait_ms, 0} end
   if place then
     return {0, wait_ms, 1}
   end
@@ -395,8 +399,14 @@ ENQUEUE = (
 -- ENQUEUE: put a FIFO writer at the tail of the queue (or refresh its place).
 -- KEYS[1] lock hash      KEYS[2] queue           KEYS[3] queue deadlines
 -- ARGV[1] waiter id      ARGV[2] queue entry lifetime in ms
+-- ARGV[3] owner secret
 -- Returns 1 if the lock is free (no writer, no reader) and the caller is first in line
--- (try again now), else 0.
+-- (try again now), else 0. A request that arrives after its acquire was cancelled (CANCEL
+-- left its tombstone), or after its owner took the lock, takes no place and returns 0.
+if redis.call('EXISTS', base_of(KEYS[1]) .. 'void:' .. ARGV[3]) == 1
+    or redis.call('HGET', KEYS[1], 'secret') == ARGV[3] then
+  return 0
+end
 local now = now_ms()
 enqueue(KEYS[2], KEYS[3], ARGV[1], true, ARGV[2], now)
 if redis.call('EXISTS', KEYS[1]) == 0 and live_readers(base_of(KEYS[1]), now) == 0
@@ -436,8 +446,13 @@ CANCEL = (
 -- ARGV[1] owner secret   ARGV[2] tombstone ttl in ms (the lease's ttl)
 -- ARGV[3] waiter id      ARGV[4] '1' with FIFO, else '0'
 -- Returns 1 if the secret held the lock (released now), else 0. A waiter that leaves the
--- queue passes the turn on, as in ABANDON.
-redis.call('SET', base_of(KEYS[1]) .. 'void:' .. ARGV[1], '1', 'PX', ARGV[2])
+-- queue passes the turn on, as in ABANDON. A tombstone is never shortened: a FIFO wait's
+-- CANCEL (queue_ttl) may follow its acquire's (the lease's ttl), whose attempt may still
+-- be on its way.
+local void = base_of(KEYS[1]) .. 'void:' .. ARGV[1]
+if redis.call('PTTL', void) < tonumber(ARGV[2]) then
+  redis.call('SET', void, '1', 'PX', ARGV[2])
+end
 local queued = drop(KEYS[2], KEYS[3], ARGV[3])
 local fifo = ARGV[4] == '1'
 if redis.call('HGET', KEYS[1], 'secret') == ARGV[1] then

@@ -181,8 +181,9 @@ def lease_error(exc: BaseException, where: str, dialect: SQLDialect, pool: Any) 
         return BackendError(
             f"{where}: the lease table or its shared table is missing, or lacks a column "
             f"({message}); create them with the manager's create_table() or in a "
-            "migration with the DDL of lease_schema_ddl(); a lease table made before "
-            "shared locks needs the migration of lease_upgrade_ddl()",
+            "migration with the DDL of lease_schema_ddl(); a lease table made by an "
+            "earlier version (before shared locks, or on PostgreSQL before tombstones) "
+            "needs the migration of lease_upgrade_ddl()",
             code="SCHEMA",
         )
     if fault is Fault.NO_DATABASE:

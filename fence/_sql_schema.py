@@ -12,6 +12,8 @@ One row per resource, kept for ever::
     holder      TEXT                  the holder's label, for inspection
     expires_at  TIMESTAMPTZ NOT NULL  end of the lease by the database's clock (PostgreSQL)
                 REAL NOT NULL         the same in Unix seconds (SQLite)
+    voids       JSONB                 PostgreSQL: the tombstones of acquires that gave up,
+                                      ``{secret: end in Unix seconds}`` (see ``void``)
 
 A release or a revoke keeps the row (owner NULL, ``expires_at`` now), so the next token is
 computed from the last one and tokens keep increasing.
@@ -40,6 +42,7 @@ __all__ = [
     "SHARED_COLUMNS",
     "SQLITE_STEPS",
     "STATEMENT_SETS",
+    "VOID_COLUMNS",
     "LeaseStatements",
     "lease_schema_ddl",
     "lease_statements",
@@ -61,10 +64,26 @@ DEFAULT_TABLE = "fence_leases"
 SHARED_COLUMNS = ("readers", "read_until", "wtoken")
 
 
+#: The lease table's column of tombstones, with its SQL type, by dialect name: where a
+#: statement runs on after its client gave up (a server's connection), the clean-up of an
+#: acquire leaves a tombstone in the resource's row that refuses the acquire's statement
+#: should it run later (:func:`postgresql_statements`, ``void``). A table made before them
+#: lacks the column, and :func:`lease_upgrade_ddl` adds it. SQLite runs a statement to its
+#: end in the client's process before the clean-up starts, and has none.
+VOID_COLUMNS: dict[str, tuple[str, str]] = {"postgresql": ("voids", "JSONB")}
+
+
 def _shared_columns(dialect: SQLDialect) -> list[tuple[str, str]]:
     """The columns of :data:`SHARED_COLUMNS` with their SQL types, for ``dialect``."""
     types = ("INTEGER NOT NULL DEFAULT 0", dialect.timestamp_type, "BIGINT NOT NULL DEFAULT 0")
     return list(zip(SHARED_COLUMNS, types, strict=True))
+
+
+def _added_columns(dialect: SQLDialect) -> list[tuple[str, str]]:
+    """The lease table's columns added after its first version, with their SQL types:
+    those of shared locks, then the tombstones' (:data:`VOID_COLUMNS`) where there are."""
+    void = VOID_COLUMNS.get(dialect.name)
+    return _shared_columns(dialect) + ([void] if void is not None else [])
 
 
 def _qualified(dialect: SQLDialect, table: str, schema: str | None) -> str:
@@ -130,7 +149,7 @@ def lease_table_ddl(
     found = dialect_for(dialect)
     name = _qualified(found, table, schema)
     expires = f"{found.timestamp_type} NOT NULL"
-    shared = ",\n".join(f"    {column:<10} {kind}" for column, kind in _shared_columns(found))
+    shared = ",\n".join(f"    {column:<10} {kind}" for column, kind in _added_columns(found))
     return (
         f"CREATE TABLE IF NOT EXISTS {name} (\n"
         "    resource   TEXT PRIMARY KEY,\n"
@@ -192,14 +211,17 @@ def lease_schema_ddl(
 def lease_upgrade_ddl(
     dialect: str = "postgresql", *, table: str = DEFAULT_TABLE, schema: str | None = None
 ) -> list[str]:
-    """The migration of a lease table made before shared locks (C13): three new columns on
-    the lease table and the new shared table. Run once, before the new version's managers
-    start; managers of the earlier version keep working on the migrated table (they ignore
-    the new columns), but they know nothing of readers: do not mix them with shared locks.
+    """The migration of a lease table made by an earlier version: the columns of shared
+    locks (C13, three) and, on PostgreSQL, the column of tombstones (``voids``, see
+    :data:`VOID_COLUMNS`) on the lease table, and the new shared table. Run once, before
+    the new version's managers start; managers of an earlier version keep working on the
+    migrated table (they ignore the new columns), but they know nothing of readers: do not
+    mix them with shared locks.
 
     PostgreSQL adds the columns with ``ADD COLUMN IF NOT EXISTS`` (a metadata change, no
-    table rewrite); SQLite has no ``IF NOT EXISTS`` there, so its statements are for a
-    table that has not been migrated yet.
+    table rewrite), so its statements also migrate a table that has some of them already;
+    SQLite has no ``IF NOT EXISTS`` there, so its statements are for a table made before
+    shared locks.
 
     Raises:
         ConfigurationError: an unsupported dialect or an empty name.
@@ -207,7 +229,7 @@ def lease_upgrade_ddl(
     found = dialect_for(dialect)
     name = _qualified(found, table, schema)
     shared = shared_table_ddl(dialect, table=table, schema=schema)
-    columns = _shared_columns(found)
+    columns = _added_columns(found)
     if found.add_column_if_missing:
         adds = ",\n".join(f"    ADD COLUMN IF NOT EXISTS {c} {kind}" for c, kind in columns)
         return [f"ALTER TABLE {name}\n{adds}", shared]
@@ -221,7 +243,8 @@ def lease_table(
     ``metadata.create_all`` or Alembic autogenerate); return the lease table.
 
     ``expires_at`` and ``read_until`` are ``TIMESTAMP WITH TIME ZONE`` on PostgreSQL and
-    ``REAL`` (Unix seconds) on SQLite, as in :func:`lease_schema_ddl`.
+    ``REAL`` (Unix seconds) on SQLite, as in :func:`lease_schema_ddl`; ``voids`` is
+    ``JSONB`` on PostgreSQL (on SQLite the column is there, as ``JSON``, and unused).
 
     Args:
         metadata: the metadata to add the tables to.
@@ -229,6 +252,7 @@ def lease_table(
         schema: the schema, or ``None``.
     """
     from sqlalchemy import (
+        JSON,
         BigInteger,
         CheckConstraint,
         Column,
@@ -241,6 +265,7 @@ def lease_table(
         Text,
         text,
     )
+    from sqlalchemy.dialects.postgresql import JSONB
 
     when = DateTime(timezone=True).with_variant(Float(), "sqlite")
     Table(
@@ -268,6 +293,7 @@ def lease_table(
         Column("readers", Integer, nullable=False, server_default=text("0")),
         Column("read_until", when, nullable=True),
         Column("wtoken", BigInteger, nullable=False, server_default=text("0")),
+        Column("voids", JSON().with_variant(JSONB(), "postgresql"), nullable=True),
         CheckConstraint(f"token BETWEEN 1 AND {MAX_TOKEN}", name=f"{name}_token_range"),
         schema=schema,
     )
@@ -304,9 +330,13 @@ class LeaseStatements:
         wake: wakes listeners for ``:resource`` without changing anything (PostgreSQL).
         raise_fence: SQLite with a fence register: raises the register's row ``:resource``
             to ``:token`` (run right after ``revoke``); otherwise ``None``.
-        lock_row: PostgreSQL: takes the row lock of ``:resource`` (``FOR UPDATE``), so that
-            a statement after it in the same transaction sees what a statement that held
-            the lock did; ``None`` on SQLite, where ``BEGIN IMMEDIATE`` does that.
+        void: PostgreSQL: the first statement of the clean-up of an acquire that gave up
+            (the driver's ``cancel``). It leaves the tombstone of ``:secret`` in the row of
+            ``:resource`` for ``:ttl`` seconds (creating the row if there is none, with a
+            token of its own), which refuses every later attempt of that secret, and takes
+            the row's lock, so that the statements after it in the same transaction see
+            what an attempt that held the lock did; ``None`` on SQLite, where
+            ``BEGIN IMMEDIATE`` takes the lock and no statement outlives its client.
         steps: a dialect that decides in process: the statements of the driver's
             transactions (SQLite: :data:`SQLITE_STEPS`); empty on PostgreSQL.
     """
@@ -324,7 +354,7 @@ class LeaseStatements:
     revoke: str
     wake: str | None
     raise_fence: str | None = None
-    lock_row: str | None = None
+    void: str | None = None
     steps: dict[str, str] = field(default_factory=dict)
 
 
@@ -350,6 +380,32 @@ _PG_CLOCK = "WITH c AS MATERIALIZED (SELECT $clock_sql AS now)"
 # the resource's row, or the resource's row before the waiter's own queue row, so that no
 # two statements wait for each other.
 
+# Tombstones (PostgreSQL). An acquire that gave up without its statement's answer (the
+# caller's deadline cut the connection, the task was cancelled, the connection broke) does
+# not know whether that statement will still run: the server may not even have read it yet
+# (a loaded or frozen server, a slow network), and once it has, it runs to its end whether
+# the client is there or not. Releasing after it is not enough, because nothing orders the
+# two: the statement can reach the row after the release. Row locks do not order them
+# either: the release queues behind a statement that waits for the row in the tuple-lock
+# queue, but an INSERT ... ON CONFLICT whose row is being written by another transaction
+# waits for that transaction itself, outside the queue, and whoever wakes first goes
+# first. So the clean-up (``void``, then the releases, in one transaction) leaves a
+# tombstone of the attempt's secret in the resource's row, and every acquire reads it in
+# the row it locks, which is the row's latest version whenever the statement started:
+#
+#   t=0  A's acquire is sent; the server has not read it yet
+#   t=1  A gives up: void (tombstone of A's secret, row lock), release: nothing; commit
+#   t=2  the server runs A's acquire: it locks the row, finds the tombstone, and changes
+#        nothing but a row version (no grant, no place in the queue)
+#
+# Had A's statement locked the row first, the clean-up would have waited for it and then
+# released what it took. The tombstone is keyed by the secret, which no later attempt
+# uses again (each acquire() call has its own), and stays at least its ttl (the lease's):
+# the next clean-up of the resource drops those whose time is up. A statement of a
+# tombstoned secret updates the row to itself (``$void``), so that its ``RETURNING``
+# tells the statement's other parts not to queue it: those read the snapshot, which may
+# predate the tombstone.
+
 # A writer: granted when nobody holds the lock and nobody live is queued ahead of it; a
 # refused writer joins the queue (or keeps its place) while readers hold or queue. The
 # holder's remaining time comes from the statement's snapshot, so a refusal costs no second
@@ -364,22 +420,25 @@ up AS (
     SELECT :resource, f.t, :secret, :holder, c.now + make_interval(secs => :ttl), f.t
     FROM c, (SELECT $first AS t FROM c) AS f
     ON CONFLICT (resource) DO UPDATE SET
-        token = CASE WHEN $mine THEN l.token ELSE GREATEST(l.token + 1, EXCLUDED.token) END,
-        owner = EXCLUDED.owner,
-        holder = EXCLUDED.holder,
-        expires_at = EXCLUDED.expires_at,
-        readers = CASE WHEN $mine THEN l.readers ELSE 0 END,
-        read_until = CASE WHEN $mine THEN l.read_until END,
-        wtoken = CASE WHEN $mine THEN l.wtoken ELSE GREATEST(l.token + 1, EXCLUDED.token) END
-    WHERE $mine OR (
+        token = CASE WHEN $void OR $mine THEN l.token
+                     ELSE GREATEST(l.token + 1, EXCLUDED.token) END,
+        owner = CASE WHEN $void THEN l.owner ELSE EXCLUDED.owner END,
+        holder = CASE WHEN $void THEN l.holder ELSE EXCLUDED.holder END,
+        expires_at = CASE WHEN $void THEN l.expires_at ELSE EXCLUDED.expires_at END,
+        readers = CASE WHEN $void OR $mine THEN l.readers ELSE 0 END,
+        read_until = CASE WHEN $void OR $mine THEN l.read_until END,
+        wtoken = CASE WHEN $void OR $mine THEN l.wtoken
+                      ELSE GREATEST(l.token + 1, EXCLUDED.token) END
+    WHERE $void OR $mine OR (
         (l.owner IS NULL OR l.expires_at <= (SELECT now FROM c))
         AND (l.readers = 0 OR l.read_until <= (SELECT now FROM c))
         AND NOT $ahead_any)
-    RETURNING l.token
+    RETURNING l.token, $void AS voided
 ),
+granted AS (SELECT up.token FROM up WHERE NOT up.voided),
 gone AS (
     DELETE FROM $shared AS q USING c
-    WHERE q.resource = :resource AND EXISTS (SELECT 1 FROM up)
+    WHERE q.resource = :resource AND EXISTS (SELECT 1 FROM granted)
       AND (q.member = :secret OR q.expires_at < c.now - interval '60 seconds')
 ),
 wait AS (
@@ -394,8 +453,8 @@ wait AS (
     ON CONFLICT (resource, member) DO UPDATE SET expires_at = EXCLUDED.expires_at
     RETURNING 1
 )
-SELECT (SELECT token FROM up) AS token,
-       EXISTS (SELECT 1 FROM up) AS granted,
+SELECT (SELECT token FROM granted) AS token,
+       EXISTS (SELECT 1 FROM granted) AS granted,
        (SELECT CAST(extract(epoch FROM CASE
                     WHEN h.owner IS NOT NULL AND h.expires_at > c.now THEN h.expires_at
                     WHEN h.readers > 0 AND h.read_until > c.now THEN h.read_until
@@ -404,6 +463,9 @@ SELECT (SELECT token FROM up) AS token,
        EXISTS (SELECT 1 FROM wait) AS queued"""
 
 _PG_MINE = "(l.owner = EXCLUDED.owner AND l.expires_at > (SELECT now FROM c))"
+
+# The secret has a tombstone in the row (its acquire gave up): the attempt changes nothing.
+_PG_VOID_OF = "(l.voids -> CAST(:secret AS TEXT) IS NOT NULL)"
 
 # Somebody live queued ahead of the caller (anywhere, if it has no place): any waiter for a
 # writer, a writer for a reader.
@@ -415,7 +477,8 @@ _PG_AHEAD = """EXISTS (SELECT 1 FROM $shared AS q, c
 
 # A reader: granted when no writer holds the lock and no live writer is queued ahead of it;
 # its row in the shared table carries its token and lease. The same secret again (an
-# attempt whose reply was lost) keeps its token. A refused reader joins the queue.
+# attempt whose reply was lost) keeps its token. A refused reader joins the queue. A
+# tombstoned secret changes nothing, as a writer's.
 _PG_ACQUIRE_READ = """$clock,
 mine AS (
     UPDATE $shared AS q SET expires_at = c.now + make_interval(secs => :ttl) FROM c
@@ -432,30 +495,32 @@ up AS (
     INSERT INTO $table AS l (resource, token, owner, holder, expires_at, readers, read_until)
     SELECT :resource, $first, NULL, NULL, c.now, 1, c.now + make_interval(secs => :ttl) FROM c
     ON CONFLICT (resource) DO UPDATE SET
-        token = CASE WHEN EXISTS (SELECT 1 FROM mine) THEN l.token
+        token = CASE WHEN $void OR EXISTS (SELECT 1 FROM mine) THEN l.token
                      ELSE GREATEST(l.token + 1, EXCLUDED.token) END,
-        readers = CASE WHEN EXISTS (SELECT 1 FROM mine) THEN l.readers
+        readers = CASE WHEN $void OR EXISTS (SELECT 1 FROM mine) THEN l.readers
                        WHEN l.readers > 0 AND l.read_until > (SELECT now FROM c)
                        THEN l.readers + 1
                        ELSE 1 END,
-        read_until = CASE WHEN l.readers > 0 AND l.read_until > (SELECT now FROM c)
+        read_until = CASE WHEN $void THEN l.read_until
+                          WHEN l.readers > 0 AND l.read_until > (SELECT now FROM c)
                           THEN GREATEST(l.read_until, EXCLUDED.read_until)
                           ELSE EXCLUDED.read_until END
-    WHERE EXISTS (SELECT 1 FROM mine) OR (
+    WHERE $void OR EXISTS (SELECT 1 FROM mine) OR (
         (l.owner IS NULL OR l.expires_at <= (SELECT now FROM c)) AND NOT $ahead_writer)
-    RETURNING l.token
+    RETURNING l.token, $void AS voided
 ),
+granted AS (SELECT up.token FROM up WHERE NOT up.voided),
 ins AS (
     INSERT INTO $shared AS q (resource, member, kind, token, holder, expires_at, seq)
-    SELECT :resource, :secret, 'r', up.token, :holder, c.now + make_interval(secs => :ttl), 0
-    FROM up, c WHERE NOT EXISTS (SELECT 1 FROM mine)
+    SELECT :resource, :secret, 'r', g.token, :holder, c.now + make_interval(secs => :ttl), 0
+    FROM granted AS g, c WHERE NOT EXISTS (SELECT 1 FROM mine)
     ON CONFLICT (resource, member) DO UPDATE SET
         kind = 'r', token = EXCLUDED.token, holder = EXCLUDED.holder,
         expires_at = EXCLUDED.expires_at, seq = 0
 ),
 gone AS (
     DELETE FROM $shared AS q USING c
-    WHERE q.resource = :resource AND q.member <> :secret AND EXISTS (SELECT 1 FROM up)
+    WHERE q.resource = :resource AND q.member <> :secret AND EXISTS (SELECT 1 FROM granted)
       AND q.expires_at < c.now - interval '60 seconds'
 ),
 wait AS (
@@ -465,8 +530,8 @@ wait AS (
     ON CONFLICT (resource, member) DO UPDATE SET expires_at = EXCLUDED.expires_at
     RETURNING 1
 )
-SELECT COALESCE((SELECT token FROM mine), (SELECT token FROM up)) AS token,
-       EXISTS (SELECT 1 FROM up) AS granted,
+SELECT COALESCE((SELECT token FROM mine), (SELECT token FROM granted)) AS token,
+       EXISTS (SELECT 1 FROM granted) AS granted,
        (SELECT CAST(extract(epoch FROM h.expires_at - c.now) AS DOUBLE PRECISION)
           FROM $table AS h, c WHERE h.resource = :resource AND h.owner IS NOT NULL
           AND h.expires_at > c.now) AS remaining,
@@ -564,8 +629,22 @@ reg AS (
     ON CONFLICT (scope) DO UPDATE SET fence = GREATEST(g.fence, EXCLUDED.fence)
 )"""
 
+# The clean-up's first statement (see "Tombstones" above): the tombstone of :secret for
+# :ttl seconds, beside those of other secrets whose time is not up, in the resource's row,
+# which it creates if there is none (with a token of its own, as a revoke does) so that an
+# attempt still on its way conflicts with it and reads it.
+_PG_VOID = """$clock
+INSERT INTO $table AS l (resource, token, owner, holder, expires_at, wtoken, voids)
+SELECT :resource, f.t, NULL, NULL, c.now, f.t,
+       jsonb_build_object(CAST(:secret AS TEXT), extract(epoch FROM c.now) + :ttl)
+FROM c, (SELECT $first AS t FROM c) AS f
+ON CONFLICT (resource) DO UPDATE SET voids = COALESCE(
+    (SELECT jsonb_object_agg(v.key, v.value) FROM jsonb_each(l.voids) AS v
+     WHERE CAST(v.value AS DOUBLE PRECISION) > (SELECT extract(epoch FROM now) FROM c)),
+    CAST('{}' AS JSONB)) || EXCLUDED.voids
+RETURNING l.token"""
+
 _PG_WAKE = "SELECT CAST(pg_notify(:channel, :resource) AS TEXT)"
-_PG_LOCK_ROW = "SELECT 1 FROM $table WHERE resource = :resource FOR UPDATE"
 _PG_NOTIFY = "CAST(pg_notify(:channel, $alias.resource) AS TEXT)"
 _PG_NOTIFY_WRITERS = "CAST(pg_notify(:channel_w, $alias.resource) AS TEXT)"
 
@@ -743,6 +822,7 @@ def postgresql_statements(
         "floor": floor if token_mode is TokenMode.HYBRID else "1",
         "us": floor,
         "mine": _PG_MINE,
+        "void": _PG_VOID_OF,
     }
     for alias in ("r", "up", "u", "q"):
         values[f"notify_{alias}"] = (
@@ -776,7 +856,7 @@ def postgresql_statements(
         inspect=pg(_PG_INSPECT),
         revoke=pg(_PG_REVOKE),
         wake=_PG_WAKE,
-        lock_row=pg(_PG_LOCK_ROW),
+        void=pg(_PG_VOID),
     )
 
 

@@ -10,10 +10,12 @@ cancelled (its timeouts are in ``tests/_async/test_manager_deadlines.py``).
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import signal
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -120,8 +122,8 @@ async def test_postgres_cancelled_inside_the_round_trip(
     postgres_server: PostgresServer, resource: str
 ) -> None:
     """The acquire's statement waits behind another transaction's row lock when the task
-    is cancelled: psycopg cancels it on the server, the manager releases whatever it did,
-    and when the other transaction ends the lock is free."""
+    is cancelled: psycopg cancels it on the server, the manager's clean-up refuses it and
+    releases whatever it did, and when the other transaction ends the lock is free."""
     table = f"leases_{secrets.token_hex(4)}"
     manager = AsyncSQLLockManager(postgres_server.url, table=table, create_table=True, ttl=60)
     try:
@@ -146,6 +148,62 @@ async def test_postgres_cancelled_inside_the_round_trip(
         await manager.close()
         with psycopg.connect(postgres_server.conninfo, autocommit=True) as conn:
             conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+
+
+async def test_postgres_cancelled_before_the_server_read_the_statement(
+    postgres_server: PostgresServer, resource: str
+) -> None:
+    """The task is cancelled while the acquire's statement waits, unread, for a backend
+    that is frozen (``SIGSTOP``); psycopg's cancel request reaches a backend that has not
+    started the statement, which ignores it. The clean-up commits first; then the backend
+    runs the statement, which finds the clean-up's tombstone and takes nothing."""
+    table = f"leases_{secrets.token_hex(4)}"
+    app = f"fence-{table}"
+    manager = AsyncSQLLockManager(
+        postgres_server.url,
+        table=table,
+        create_table=True,
+        ttl=60,
+        engine_options={"connect_args": {"application_name": app}},
+    )
+
+    def backends() -> list[tuple[int, str, str]]:
+        with psycopg.connect(postgres_server.conninfo, autocommit=True) as conn:
+            return conn.execute(
+                "SELECT pid, state, query FROM pg_stat_activity WHERE application_name = %s",
+                (app,),
+            ).fetchall()
+
+    async def until(condition: Callable[[], bool]) -> None:
+        for _ in range(1000):
+            if condition():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("gave up waiting")
+
+    try:
+        first = await manager.acquire(resource)
+        await first.release()
+        (pid,) = [row[0] for row in backends()]  # the pool's one connection
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            task = asyncio.create_task(manager.acquire(resource, timeout=30))
+            await cancel_after(task, 0.3)
+            await until(
+                lambda: any(p != pid and s == "idle" and q == "COMMIT" for p, s, q in backends())
+            )
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await until(lambda: pid not in {row[0] for row in backends()})
+        assert await manager.inspect(resource) is None
+        lease = await manager.try_acquire(resource)
+        assert lease is not None
+        assert lease.token > first.token
+        await lease.release()
+    finally:
+        await manager.close()
+        with psycopg.connect(postgres_server.conninfo, autocommit=True) as conn:
+            conn.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_shared"')
 
 
 async def test_memory_cancelled_while_the_backend_is_paused(resource: str) -> None:

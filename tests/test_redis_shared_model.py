@@ -6,8 +6,10 @@ ACQUIRE, ENQUEUE, RENEW, RELEASE, ABANDON, CANCEL, REVOKE) in the emulation of
 and explores *every* interleaving of their steps and of time: each contender tries, waits
 (a refused attempt), tries again, joins the queue from its wait (FIFO writers), gives up
 (ABANDON) or cancels (CANCEL), holds, renews, releases; time passes in whole ticks, so
-leases and queue places expire; an administrator revokes. Each script is one atomic step,
-as on the server. It checks, at every grant and after every step:
+leases and queue places expire; an administrator revokes. A contender that cancels from
+its wait has a request whose reply it never had (another ACQUIRE, or a FIFO writer's
+ENQUEUE), which may reach the server at any later step, or never. Each script is one
+atomic step, as on the server. It checks, at every grant and after every step:
 
 - **exclusion**: never a writer beside anyone (a holder whose lease ended is out: its
   client deadline ended first, C10);
@@ -17,7 +19,11 @@ as on the server. It checks, at every grant and after every step:
   (or, if the reader is not queued, at all); no writer while anyone live is queued ahead;
 - **no lost wake-up**: a step that lets a queued waiter in (a release, the last reader
   leaving, a waiter giving up, a revoke) publishes that waiter's id; one that lets an
-  unqueued waiter in (without FIFO) publishes the empty wake-up.
+  unqueued waiter in (without FIFO) publishes the empty wake-up;
+- **no orphan**: once a contender has cancelled, it holds neither the lock nor a read lease
+  nor a place in the queue, whatever arrives after CANCEL; a request of its that arrives
+  late is refused (a place left behind would be woken by the next release, and the
+  waiters behind it would wait for it to expire).
 
 ACQUIRE and RELEASE have a fast path for a writer, run before the rest of the prelude is
 defined (nobody queued, no reader). A second search runs every ACQUIRE and RELEASE twice,
@@ -27,7 +33,10 @@ its own. A last test runs both paths on a real redis-server and on the emulation
 
 Mutants of the scripts show that the checker can fail: a reader that ignores queued
 writers, a writer that ignores readers, a wake-up that names only the head of a batch of
-readers, a fast grant that ignores readers and a fast release that ignores the queue.
+readers, a fast grant that ignores readers, a fast release that ignores the queue, and
+the scripts as they were before CANCEL's tombstone refused a late attempt's place (an
+ACQUIRE that queues a cancelled reader behind a writer, an ENQUEUE that queues a
+cancelled writer).
 """
 
 from __future__ import annotations
@@ -58,6 +67,10 @@ START = 1_000_000_000  # server ms; TIME works from it
 KEYS = resource_keys("fence:", "r")
 
 IDLE, WAIT, HOLD, DONE = "idle", "wait", "hold", "done"
+#: Holds the lock without a client: an attempt that arrived after its CANCEL's tombstone
+#: had expired. Nobody releases or renews it; it ends with its ttl.
+ORPHAN = "orphan"
+HELD = (HOLD, ORPHAN)
 
 SCRIPTS = {
     "acquire": ACQUIRE,
@@ -101,6 +114,11 @@ class Contender:
     queued: bool = False  # its last reply said it has a place in the queue
     lease_end: int = 0
     token: int = 0
+    cancelled: bool = False  # it sent CANCEL: nothing of its own may stay
+    late: str = ""  # a request sent before CANCEL that has not reached the server yet
+    # Its late request arrived after the tombstone had expired (it lives the lease's ttl):
+    # what it took is bounded by its ttl (a lock) or the queue's (a place), not refused.
+    stray: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,6 +175,11 @@ class Model:
         ]
         return self.run("acquire", keys, args, state)
 
+    def enqueue(self, state: State, index: int) -> tuple[Store, Any, Any]:
+        keys = [KEYS.lock, KEYS.queue, KEYS.deadlines]
+        args = [waiter_id(secret(index)), str(QUEUE_LIFE), secret(index)]
+        return self.run("enqueue", keys, args, state)
+
     def grantable(self, state: State, index: int) -> bool:
         _, reply, _ = self.acquire(state, index)
         return not isinstance(reply, list)
@@ -181,11 +204,10 @@ class Model:
                         self._grant(state, after, i, int(reply)),
                         published,
                     )
-            if c.phase == WAIT and b.fifo and c.mode == "w" and not c.queued:
+            enqueues = c.phase == WAIT and b.fifo and c.mode == "w" and not c.queued
+            if enqueues:
                 # The FIFO wait queues the writer, and tries at once if it is first in line.
-                store, go, published = self.run(
-                    "enqueue", queue_keys, [waiter_id(secret(i)), str(QUEUE_LIFE)], state
-                )
+                store, go, published = self.enqueue(state, i)
                 del go  # go: try again at once, which the search does anyway
                 queued = replace(c, queued=True)
                 yield (
@@ -200,6 +222,7 @@ class Model:
                 )
                 gone = replace(state, store=store, give_ups=state.give_ups + 1)
                 yield i, f"{i} gives up", self._with(gone, i, replace(c, phase=DONE)), published
+            if c.phase == WAIT and state.give_ups < b.give_ups:
                 store, _, published = self.run(
                     "cancel",
                     queue_keys,
@@ -207,7 +230,39 @@ class Model:
                     state,
                 )
                 gone = replace(state, store=store, give_ups=state.give_ups + 1)
-                yield i, f"{i} cancels", self._with(gone, i, replace(c, phase=DONE)), published
+                # What may still be on its way, to arrive at any later step or never: the
+                # attempt whose reply was lost, or the FIFO wait's ENQUEUE.
+                for late in ("acquire", "enqueue") if enqueues else ("acquire",):
+                    done = replace(c, phase=DONE, cancelled=True, late=late)
+                    yield (
+                        i,
+                        f"{i} cancels ({late} on its way)",
+                        self._with(gone, i, done),
+                        published,
+                    )
+            if c.late:
+                stray = not _alive(state, KEYS.void_prefix + secret(i))
+                label = f"{i}'s {c.late} arrives after its CANCEL" + (
+                    " and its tombstone" if stray else ""
+                )
+                if c.late == "acquire":
+                    store, reply, published = self.acquire(state, i)
+                    if not isinstance(reply, list):
+                        if not stray:
+                            raise Violation(f"{i}'s attempt after its CANCEL was granted")
+                        orphan = replace(
+                            self._grant(state, replace(state, store=store), i, int(reply)),
+                            contenders=state.contenders,
+                        )
+                        held = replace(
+                            c, phase=ORPHAN, late="", stray=True, lease_end=state.now + TTL
+                        )
+                        yield i, label + " (granted)", self._with(orphan, i, held), published
+                        continue
+                else:
+                    store, _, published = self.enqueue(state, i)
+                arrived = replace(state, store=store)
+                yield i, label, self._with(arrived, i, replace(c, late="", stray=stray)), published
             if c.phase == HOLD:
                 store, released, published = self.run(
                     "release", queue_keys, [secret(i), self.fifo], state
@@ -228,7 +283,7 @@ class Model:
         if state.ticks < b.ticks:
             now = state.now + TICK
             contenders = tuple(
-                replace(c, phase=DONE) if c.phase == HOLD and c.lease_end <= now else c
+                replace(c, phase=DONE) if c.phase in HELD and c.lease_end <= now else c
                 for c in state.contenders
             )
             ticked = replace(state, now=now, contenders=contenders, ticks=state.ticks + 1)
@@ -239,7 +294,7 @@ class Model:
             if int(token) <= state.top:
                 raise Violation(f"revoke returned {token} after {state.top}")
             contenders = tuple(
-                replace(c, phase=DONE) if c.phase == HOLD else c for c in state.contenders
+                replace(c, phase=DONE) if c.phase in HELD else c for c in state.contenders
             )
             after = replace(
                 state,
@@ -251,6 +306,20 @@ class Model:
             )
             yield None, "revoke", after, published
 
+    def check_no_orphans(self, state: State) -> None:
+        """A contender that cancelled holds nothing and has no place in the queue (unless
+        a request of its arrived after the tombstone had expired: see ``stray``)."""
+        holder = dict(_hash(state.store, KEYS.lock)).get("secret")
+        readers = _zset(state.store, KEYS.readers)
+        queue = _zset(state.store, KEYS.queue)
+        for i, c in enumerate(state.contenders):
+            if not c.cancelled or c.stray:
+                continue
+            if holder == secret(i) or secret(i) in readers:
+                raise Violation(f"{i} cancelled, yet it holds the lock")
+            if waiter_id(secret(i)) in queue:
+                raise Violation(f"{i} cancelled, yet it has an orphan place in the queue")
+
     def _with(self, state: State, index: int, contender: Contender) -> State:
         contenders = list(state.contenders)
         contenders[index] = contender
@@ -258,7 +327,7 @@ class Model:
 
     def _grant(self, before: State, after: State, index: int, token: int) -> State:
         c = before.contenders[index]
-        others = [o for j, o in enumerate(before.contenders) if j != index and o.phase == HOLD]
+        others = [o for j, o in enumerate(before.contenders) if j != index and o.phase in HELD]
         if c.mode == "w" and others:
             raise Violation(f"writer {index} granted beside holders {others}")
         if c.mode == "r" and any(o.mode == "w" for o in others):
@@ -312,6 +381,11 @@ class Model:
                 raise Violation(f"unqueued waiter {i} can go now but nothing woke: {published}")
             # A waiter told it was queued whose place is gone or dead missed its heartbeat
             # (its attempts come every queue_ttl/3): its own timer wakes it.
+
+
+def _alive(state: State, key: str) -> bool:
+    """``key`` exists at ``state.now`` (it has not expired)."""
+    return any(k == key and (end is None or end > state.now) for k, _, end in state.store)
 
 
 def _entry(store: Store, key: str) -> Any:
@@ -387,11 +461,15 @@ def explore(
         state, trace = stack.pop()
         try:
             following = list(model.steps(state))
-            for actor, label, after, published in following:
-                if label != "tick":
-                    model.check_wake_ups(actor, state, after, published)
         except Violation as exc:
             raise Violation(f"{exc} after {list(trace)}") from None
+        for actor, label, after, published in following:
+            try:
+                if label != "tick":
+                    model.check_wake_ups(actor, state, after, published)
+                model.check_no_orphans(after)
+            except Violation as exc:
+                raise Violation(f"{exc} after {[*trace, label]}") from None
         for _, label, after, _ in following:
             if after not in seen:
                 seen.add(after)
@@ -442,6 +520,26 @@ def test_checker_catches_a_wake_up_that_misses_readers_of_the_batch() -> None:
     assert scripts != SCRIPTS
     with pytest.raises(Violation, match="not woken"):
         explore(Bounds(modes=("w", "r", "r")), scripts)
+
+
+def test_checker_catches_a_late_attempt_that_takes_a_place_after_its_cancel() -> None:
+    """ACQUIRE as it was before the tombstone refused a place: a reader whose acquire was
+    cancelled arrives while a writer holds the lock, and queues."""
+    scripts = _mutant("acquire", "  if void then return {0, wait_ms, 0} end\n", "")
+    with pytest.raises(Violation, match="orphan place"):
+        explore(Bounds(modes=("r", "w", "r")), scripts)
+
+
+def test_checker_catches_a_late_enqueue_that_takes_a_place_after_its_cancel() -> None:
+    """ENQUEUE as it was before it read the tombstone: a FIFO writer's wait queues it after
+    its acquire was cancelled."""
+    scripts = _mutant(
+        "enqueue",
+        "if redis.call('EXISTS', base_of(KEYS[1]) .. 'void:' .. ARGV[3]) == 1\n    or ",
+        "if ",
+    )
+    with pytest.raises(Violation, match="orphan place"):
+        explore(Bounds(modes=("r", "w", "w"), fifo=True, renews=0), scripts)
 
 
 TWIN_CONFIGS = [

@@ -291,9 +291,11 @@ class AsyncSQLDriver:
         if self.statements.raise_fence is not None:
             self._raw_sql["raise_fence"] = self.statements.raise_fence
             self._sql["raise_fence"] = text(self.statements.raise_fence)
-        if self.statements.acquire_read is not None:
-            self._raw_sql["acquire_read"] = self.statements.acquire_read
-            self._sql["acquire_read"] = text(self.statements.acquire_read)
+        for optional in ("acquire_read", "void"):
+            sql = getattr(self.statements, optional)
+            if sql is not None:
+                self._raw_sql[optional] = sql
+                self._sql[optional] = text(sql)
         self._steps = {name: text(sql) for name, sql in self.statements.steps.items()}
         # The dialect's ways, resolved once: the calls test these flags, not the dialect.
         # Shared locks and queued writers decided in process, in a transaction:
@@ -311,8 +313,11 @@ class AsyncSQLDriver:
         # their calls take the shared table's statements.
         self._reading: set[tuple[str, str]] = set()
         self._placed: set[tuple[str, str]] = set()
-        lock_row = self.statements.lock_row
-        self._lock_row = None if lock_row is None else text(lock_row)
+        # The clean-up of an acquire that gave up: a tombstone first where a statement can
+        # outlive its client (PostgreSQL), then the releases, in one transaction.
+        self._undo_steps: tuple[str, ...] = ("release", "release_read", "abandon")
+        if self.statements.void is not None:
+            self._undo_steps = ("void", *self._undo_steps)
         # Autocommit: each statement is its own transaction, one round trip, no BEGIN/COMMIT.
         self._auto = (
             engine if autocommit else engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -504,14 +509,31 @@ class AsyncSQLDriver:
 
     async def cancel(self, resource: str, secret: str, ttl: float) -> bool:
         """An acquire gave up without knowing what its last statement did (a timeout, a
-        cancellation): release the lock (or the read lease) if that statement took it, and
-        the place in the queue if it took one.
+        cancellation, a broken connection): refuse that statement should it still run,
+        release the lock (or the read lease) if it took it, and the place in the queue if
+        it took one. Returns whether the lock was held.
 
-        The statement may still be waiting in the database, behind another transaction's
-        lock on the row. The release therefore first takes that row lock itself, in a
-        transaction, so it queues behind the stranded statement and sees what it did
-        (PostgreSQL grants row locks in arrival order). ``ttl`` is unused: SQL has no
-        tombstone. Returns whether the lock was held.
+        On PostgreSQL the statement may not have run yet: the server may not even have
+        read it (a loaded or frozen server, a slow network), and it runs to its end
+        whether the client is there or not. The clean-up is one transaction whose first
+        statement leaves a tombstone of ``secret`` for ``ttl`` seconds in the resource's
+        row and takes the row's lock; every acquire reads the tombstones of the row it
+        locks, at its latest version. Whichever of the two locks the row first, nothing
+        is left::
+
+            the statement first                 the clean-up first
+            t=0  acquire locks the row, takes   t=0  tombstone, row lock; release: none
+                 the lock, commits              t=1  commit
+            t=1  tombstone, row lock            t=2  acquire locks the row, finds the
+                 (waits for t=0's commit)            tombstone: no lock, no place in
+            t=2  release: held, released             the queue
+            t=3  commit
+
+        Waiting for the row lock alone would order them only if the statement were
+        already queued for it, and an ``INSERT ... ON CONFLICT`` is not always in that
+        queue: it waits outside it for a transaction that writes the row. SQLite runs a
+        statement to its end in this process before the clean-up starts (see
+        :meth:`_execute`), and its ``BEGIN IMMEDIATE`` is the lock.
         """
         # The release may have to open a connection, which the caller's deadline cannot
         # cut short (psycopg waits at least 2 s for a server that hangs): it runs on its
@@ -546,12 +568,18 @@ class AsyncSQLDriver:
         self._reading.discard(key)
         self._placed.discard(key)
         try:
-            params = {"resource": resource, "secret": secret, **self._params}
-            rows = await self._execute_locked(
-                resource, [("release", params), ("release_read", params), ("abandon", params)]
+            params = {"resource": resource, "secret": secret, "ttl": float(ttl), **self._params}
+            rows = dict(
+                zip(
+                    self._undo_steps,
+                    await self._execute_locked(
+                        resource, [(step, params) for step in self._undo_steps]
+                    ),
+                    strict=True,
+                )
             )
-            held = rows[0] is not None or rows[1] is not None
-            if (held or rows[2] is not None) and self._wakes_here:
+            held = rows["release"] is not None or rows["release_read"] is not None
+            if (held or rows["abandon"] is not None) and self._wakes_here:
                 self._board.wake(resource)
             outcome.append(held)
         except Exception as exc:
@@ -727,8 +755,8 @@ class AsyncSQLDriver:
     async def _execute_locked(
         self, resource: str, steps: list[tuple[str, dict[str, Any]]]
     ) -> list[Row[Any] | None]:
-        """Run statements in one transaction that first takes the resource's row lock
-        (PostgreSQL) or the database's write lock (SQLite); their first rows."""
+        """Run statements in one transaction (SQLite's takes the database's write lock);
+        their first rows."""
 
         async def body(run: _Run) -> list[Any]:
             found = []
@@ -743,8 +771,7 @@ class AsyncSQLDriver:
         """Run ``body(run)`` in one transaction, where ``run(step, params)`` runs a
         statement of :attr:`LeaseStatements.steps` (or of the driver's) and returns its
         rows. The transaction begins with the dialect's ``BEGIN`` (SQLite: ``BEGIN
-        IMMEDIATE``, the database's write lock) and the resource's row lock where the
-        statements have one (PostgreSQL). Rolled back if ``body`` raises."""
+        IMMEDIATE``, the database's write lock). Rolled back if ``body`` raises."""
         if self._create_pending:
             await self.create_table()
 
@@ -763,8 +790,6 @@ class AsyncSQLDriver:
 
             await conn.exec_driver_sql(self._begin)
             try:
-                if self._lock_row is not None:
-                    await conn.execute(self._lock_row, {"resource": resource})
                 outcome = await body(run)
                 await conn.exec_driver_sql("COMMIT")
             except BaseException:

@@ -609,6 +609,10 @@ class RedisDriver:
         self.board = WakeBoard()
         self._listener = _Listener(self)
         self._closed = False
+        # (resource, waiter id) of FIFO waits whose ENQUEUE got no answer (a timeout, a
+        # cancellation): it may still reach the server, so giving up must leave CANCEL's
+        # tombstone, which ENQUEUE reads, and not only leave the queue.
+        self._unanswered: set[tuple[str, str]] = set()
         # A FIFO waiter's attempts are its heartbeat: it must try again well inside
         # queue_ttl, or it loses its place.
         self.max_wait = min(_MAX_WAIT, self.queue_ttl / 3) if self.fifo else _MAX_WAIT
@@ -737,11 +741,14 @@ class RedisDriver:
         else:
             reply = self._run(self._acquire, script_keys, args, "acquire", resource)
         if not isinstance(reply, list):  # granted: the bare token
+            if self._unanswered:
+                self._unanswered.discard((resource, wid))
             return AcquireReply(int(reply))
         wait_ms, queued = int(reply[1]), int(reply[2])
         # PTTL is truncated to whole ms: add one so the wait does not end just before expiry.
         holder_ttl = (wait_ms + 1) / 1000 if wait_ms >= 0 else None
-        return AcquireReply(None, holder_ttl, (mark, wid, bool(queued)), queued=bool(queued))
+        cookie = (mark, wid, bool(queued), secret)
+        return AcquireReply(None, holder_ttl, cookie, queued=bool(queued))
 
     def _pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send commands in one pipeline on one connection; errors are returned in place."""
@@ -821,10 +828,10 @@ class RedisDriver:
         if timeout <= 0 or self._closed:
             return
         cookie = reply.cookie
-        if isinstance(cookie, tuple) and len(cookie) == 3:
-            mark, wid, queued = cookie
+        if isinstance(cookie, tuple) and len(cookie) == 4:
+            mark, wid, queued, secret = cookie
         else:  # a reply that is not this driver's (the quorum's): no mark to trust
-            mark, wid, queued = None, "", False
+            mark, wid, queued, secret = None, "", False, ""
         if (queued or self.fifo) and wid:
             # A queued waiter's attempts are its heartbeat: try again well inside queue_ttl.
             timeout = min(timeout, self.queue_ttl / 3)
@@ -834,13 +841,16 @@ class RedisDriver:
         listener.enter(resource)
         try:
             if self.fifo and wid and not queued:
+                place = (resource, wid)
+                self._unanswered.add(place)
                 go = self._run(
                     self._enqueue,
                     [keys.lock, keys.queue, keys.deadlines],
-                    [wid, self._queue_ms],
+                    [wid, self._queue_ms, secret],
                     "enqueue",
                     resource,
                 )
+                self._unanswered.discard(place)
                 if go:
                     return
                 queued = True
@@ -860,9 +870,18 @@ class RedisDriver:
 
     def abandon(self, resource: str, secret: str) -> None:
         """A waiter gave up: drop it from the FIFO queue and, if the lock is free, publish a
-        wake-up in its place."""
+        wake-up in its place. A wait whose ENQUEUE got no answer first leaves CANCEL's
+        tombstone (for ``queue_ttl``), so that the ENQUEUE takes no place should it
+        arrive later."""
         keys = self.keys(resource)
-        args: list[Any] = [waiter_id(secret), self._fifo_flag]
+        wid = waiter_id(secret)
+        place = (resource, wid)
+        if place in self._unanswered:
+            # Forgotten first: a CANCEL that fails here leaves a place that ends with
+            # queue_ttl, and nothing to keep for it.
+            self._unanswered.discard(place)
+            self.cancel(resource, secret, self.queue_ttl)
+        args: list[Any] = [wid, self._fifo_flag]
         self._run(
             self._abandon,
             [keys.lock, keys.queue, keys.deadlines],

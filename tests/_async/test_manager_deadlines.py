@@ -14,7 +14,9 @@ asyncio-only cases (a task cancelled inside the round trip) are in
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 import sqlite3
 import threading
 import time
@@ -99,6 +101,25 @@ async def timed(fn: Callable[[], Awaitable[Any]]) -> tuple[Any, float]:
         return outcome, time.monotonic() - start
 
     return tuple(await join(await spawn(run)))  # type: ignore[return-value]
+
+
+def backends(conninfo: str, app: str) -> list[tuple[int, str, str, str | None]]:
+    """``(pid, state, last statement, wait event type)`` of each backend of ``app``."""
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT pid, state, query, wait_event_type FROM pg_stat_activity"
+            " WHERE application_name = %s",
+            (app,),
+        ).fetchall()
+
+
+async def until(condition: Callable[[], bool], what: str, seconds: float = 20.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``seconds``."""
+    end = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"gave up waiting for {what}")
+        await sleep(0.02)
 
 
 async def voids(url: str, resource: str) -> int:
@@ -462,8 +483,9 @@ async def test_postgres_failed_acquire_leaves_no_lock(
     pg: PostgresServer, managers: list[Any], resource: str
 ) -> None:
     """The acquire's statement waits on a row lock held by another transaction and the
-    caller's timeout runs out: its release is queued behind it, so when the row lock goes,
-    the attempt that was granted after all is released at once, not after the ttl."""
+    caller's timeout runs out: the clean-up leaves its tombstone and releases once it has
+    the row, so when the other transaction ends, the lock is free at once, not after the
+    ttl, whichever of the statement and the clean-up gets the row first."""
     table = f"leases_{secrets.token_hex(4)}"
     manager = AsyncSQLLockManager(pg.url, table=table, create_table=True, ttl=60)
     managers.append(manager)
@@ -474,7 +496,7 @@ async def test_postgres_failed_acquire_leaves_no_lock(
         outcome, elapsed = await timed(lambda: manager.acquire(resource, timeout=0.5))
         assert isinstance(outcome, BackendError), outcome
         assert elapsed < 0.5 + SLACK
-    # The blocker committed: the stranded attempt ran, and the clean-up right after it.
+    # The blocker committed: the stranded attempt and the clean-up ran, in either order.
     for _ in range(100):
         if await manager.inspect(resource) is None:
             break
@@ -483,6 +505,91 @@ async def test_postgres_failed_acquire_leaves_no_lock(
     lease = await manager.try_acquire(resource)
     assert lease is not None
     assert lease.token > first.token
+    await lease.release()
+
+
+def frozen_manager(pg: PostgresServer, managers: list[Any]) -> tuple[Any, str, str]:
+    """A manager of a table of its own whose connections name the table (to find them in
+    ``pg_stat_activity``); returns it, the table and that name."""
+    table = f"leases_{secrets.token_hex(4)}"
+    app = f"fence-{table}"
+    manager = AsyncSQLLockManager(
+        pg.url,
+        table=table,
+        create_table=True,
+        ttl=60,
+        engine_options={"connect_args": {"application_name": app}},
+    )
+    managers.append(manager)
+    return manager, table, app
+
+
+async def test_postgres_attempt_that_arrives_after_its_clean_up_is_refused(
+    pg: PostgresServer, managers: list[Any], resource: str
+) -> None:
+    """The acquire's statement reaches the database only after the clean-up has run: its
+    backend is frozen (``SIGSTOP``) when the statement is sent, as a loaded server or a
+    slow network leaves it in a socket buffer. The acquire times out, the clean-up runs to
+    its commit on another connection and finds nothing; then the backend runs the late
+    statement. The clean-up's tombstone refuses it, so the lock stays free (before the
+    tombstone, the late statement took the lock for its whole ttl)."""
+    manager, _, app = frozen_manager(pg, managers)
+    first = await manager.acquire(resource)
+    await first.release()
+    (pid,) = [row[0] for row in backends(pg.conninfo, app)]  # the pool's one connection
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        outcome, elapsed = await timed(lambda: manager.acquire(resource, timeout=0.5))
+        assert isinstance(outcome, BackendError), outcome
+        assert elapsed < 0.5 + SLACK
+        await until(
+            lambda: any(
+                p != pid and state == "idle" and query == "COMMIT"
+                for p, state, query, _ in backends(pg.conninfo, app)
+            ),
+            "the clean-up's commit",
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # The backend runs the late statement, then finds the client gone and ends.
+    await until(lambda: pid not in {row[0] for row in backends(pg.conninfo, app)}, "the attempt")
+    assert await manager.inspect(resource) is None
+    lease = await manager.try_acquire(resource)
+    assert lease is not None
+    assert lease.token > first.token
+    await lease.release()
+
+
+async def test_postgres_attempt_queued_behind_its_clean_up_is_refused(
+    pg: PostgresServer, managers: list[Any], resource: str
+) -> None:
+    """The clean-up queues for the row ahead of the acquire's statement: another
+    transaction holds the row, the statement's backend is frozen until the clean-up waits
+    for the row (``pg_stat_activity``), and runs on until it waits behind the clean-up.
+    When the row is free the clean-up goes first and the statement after it: the
+    tombstone, read in the row the statement locks, refuses it."""
+    manager, table, app = frozen_manager(pg, managers)
+    first = await manager.acquire(resource)
+    await first.release()
+    (pid,) = [row[0] for row in backends(pg.conninfo, app)]
+
+    def waiting() -> set[int]:
+        return {p for p, _, _, event in backends(pg.conninfo, app) if event == "Lock"}
+
+    with psycopg.connect(pg.conninfo) as blocker:
+        blocker.execute(f'SELECT 1 FROM "{table}" WHERE resource = %s FOR UPDATE', (resource,))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            outcome, _ = await timed(lambda: manager.acquire(resource, timeout=0.5))
+            assert isinstance(outcome, BackendError), outcome
+            await until(lambda: len(waiting() - {pid}) == 1, "the clean-up to wait for the row")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await until(lambda: pid in waiting(), "the attempt to wait behind the clean-up")
+    await until(lambda: pid not in {row[0] for row in backends(pg.conninfo, app)}, "the attempt")
+    assert await manager.inspect(resource) is None
+    lease = await manager.try_acquire(resource)
+    assert lease is not None
     await lease.release()
 
 

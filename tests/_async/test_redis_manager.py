@@ -9,10 +9,12 @@ loss, a cluster, a replica) are in ``tests/test_redis_manager_faults.py``.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio
 from redis.crc import key_slot
 
@@ -26,12 +28,14 @@ from fence import (
     TokenMode,
 )
 from fence._async.redis import AsyncRedisLockManager
+from fence._core import LeaseMode
 from fence._errors import FenceWarning
 from fence._redis_keys import resource_keys, waiter_id
+from fence._redis_scripts import DRIVER_SCRIPTS
 from fence.abc import AcquireReply
 from fence.adapters.redis import AsyncRedisGuard
 from tests._acompat import join, sleep, spawn
-from tests.servers import free_port
+from tests.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -492,7 +496,7 @@ async def test_fifo_newcomer_queues_behind_waiters(redis_url: str, resource: str
     manager = AsyncRedisLockManager(redis_url, fifo=True, queue_ttl=30)
     try:
         holder = await manager.acquire(resource)
-        await manager.driver.wait(resource, 0.01, _reply(waiter_id("queued-secret")))
+        await manager.driver.wait(resource, 0.01, _reply("queued-secret"))
         await holder.release()  # wakes the queued (absent) waiter, who has the turn
 
         async def newcomer() -> Any:
@@ -553,7 +557,7 @@ async def test_fifo_dead_waiter_expires_from_the_queue(
     try:
         holder = await manager.acquire(resource)
         dead = waiter_id("dead-secret")
-        await manager.driver.wait(resource, 0.001, _reply(dead))  # enqueue, never return
+        await manager.driver.wait(resource, 0.001, _reply("dead-secret"))  # enqueue, never return
         assert await client.zscore(keys.queue, dead) is not None
         await holder.release()  # wakes the dead waiter, who never comes
 
@@ -600,8 +604,8 @@ async def test_fifo_abandon_leaves_the_queue_and_wakes_the_next(
         await pubsub.subscribe(keys.signal)
         holder = await manager.acquire(resource)
         first, second = waiter_id("first-secret"), waiter_id("second-secret")
-        await manager.driver.wait(resource, 0.001, _reply(first))
-        await manager.driver.wait(resource, 0.001, _reply(second))
+        await manager.driver.wait(resource, 0.001, _reply("first-secret"))
+        await manager.driver.wait(resource, 0.001, _reply("second-secret"))
         assert await client.zrange(keys.queue, 0, -1) == [first.encode(), second.encode()]
         await holder.release()  # wakes the head, "first", by name
         assert (await next_message(pubsub))["data"] == first.encode()
@@ -613,10 +617,99 @@ async def test_fifo_abandon_leaves_the_queue_and_wakes_the_next(
         await manager.close()
 
 
-def _reply(wid: str) -> AcquireReply:
-    """What a failed attempt of a waiter that is not queued yet hands to ``wait`` (no
-    mark of the board: the wait takes its own)."""
-    return AcquireReply(None, None, (None, wid, False))
+async def test_attempt_after_its_cancel_takes_no_place_and_holds_up_nobody(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """A reader's acquire is cancelled while a writer holds the lock, and its attempt
+    reaches the server after CANCEL (sent here in that order): the tombstone refuses it
+    without a place in the queue. Before, the attempt queued, and the waiters behind its
+    place (a writer here) waited for that place to expire (``queue_ttl``), since the
+    release woke only the absent reader."""
+    keys = resource_keys("fence:", resource)
+    manager = AsyncRedisLockManager(redis_url, queue_ttl=30)
+    try:
+        holder = await manager.acquire(resource)
+        driver = manager.driver
+        assert await driver.cancel(resource, "cancelled-reader", 5.0) is False
+        late = await driver.acquire(resource, "cancelled-reader", 5.0, "late", LeaseMode.READ)
+        assert late.token is None
+        assert not late.queued
+        assert await client.zscore(keys.queue, waiter_id("cancelled-reader")) is None
+
+        async def writer() -> tuple[int, float]:
+            lease = await manager.acquire(resource, timeout=60)
+            at = time.monotonic()
+            await lease.release()
+            return int(lease.token), at
+
+        task = await spawn(writer)
+        await sleep(0.2)  # the writer waits
+        released = time.monotonic()
+        await holder.release()
+        token, granted = await join(task)
+        assert token > holder.token
+        assert granted - released < 10  # not the queue's 30 s
+        assert await client.zcard(keys.queue) == 0
+    finally:
+        await manager.close()
+
+
+async def test_late_enqueue_after_an_unanswered_wait_takes_no_place(resource: str) -> None:
+    """A FIFO wait whose ENQUEUE got no answer (the server froze) gives up: the manager's
+    abandon leaves CANCEL's tombstone, so the ENQUEUE, reaching the server after it (sent
+    here in that order), takes no place. Before, it queued a waiter that was gone."""
+    server = RedisServer().start()
+    keys = resource_keys("fence:", resource)
+    manager = AsyncRedisLockManager(server.url, fifo=True, queue_ttl=30, check_config=False)
+    raw = redis.Redis.from_url(server.url)
+    try:
+        holder = await manager.acquire(resource)
+        driver = manager.driver
+        secret = "unanswered-secret"
+        refused = await driver.acquire(resource, secret, 5.0, "waiter")
+        assert refused.token is None
+        server.pause()
+        try:
+            with pytest.raises(BackendError):
+                await driver.wait(resource, 0.3, refused)  # its ENQUEUE gets no answer
+        finally:
+            server.resume()
+        await driver.abandon(resource, secret)
+        assert raw.exists(keys.void_prefix + secret) == 1
+        enqueue = [keys.lock, keys.queue, keys.deadlines]
+        args = [waiter_id(secret), "30000", secret]
+        assert raw.eval(DRIVER_SCRIPTS["enqueue"].source, 3, *enqueue, *args) == 0
+        assert raw.zscore(keys.queue, waiter_id(secret)) is None
+        await holder.release()
+    finally:
+        raw.close()
+        await manager.close()
+        server.stop()
+
+
+async def test_a_shorter_cancel_keeps_the_longer_tombstone(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """An acquire that gave up leaves its tombstone for the lease's ttl; its FIFO wait's
+    CANCEL that follows (for ``queue_ttl``, shorter here) must not shorten it, or an
+    attempt still on its way would be granted once the shorter one ended."""
+    keys = resource_keys("fence:", resource)
+    manager = AsyncRedisLockManager(redis_url, fifo=True, queue_ttl=0.2)
+    try:
+        driver = manager.driver
+        await driver.cancel(resource, "gave-up", 30.0)
+        await driver.cancel(resource, "gave-up", 0.2)
+        assert await client.pttl(keys.void_prefix + "gave-up") > 20_000
+        await driver.cancel(resource, "gave-up", 60.0)  # a longer one lengthens it
+        assert await client.pttl(keys.void_prefix + "gave-up") > 50_000
+    finally:
+        await manager.close()
+
+
+def _reply(secret: str) -> AcquireReply:
+    """What a failed attempt of a waiter (owner ``secret``) that is not queued yet hands to
+    ``wait`` (no mark of the board: the wait takes its own)."""
+    return AcquireReply(None, None, (None, waiter_id(secret), False, secret))
 
 
 # -- clients ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ loss, a cluster, a replica) are in ``tests/test_redis_manager_faults.py``.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,13 +28,15 @@ from fence import (
     StaleTokenError,
     TokenMode,
 )
+from fence._core import LeaseMode
 from fence._errors import FenceWarning
 from fence._redis_keys import resource_keys, waiter_id
+from fence._redis_scripts import DRIVER_SCRIPTS
 from fence._sync.redis import RedisLockManager
 from fence.abc import AcquireReply
 from fence.adapters.redis import RedisGuard
 from tests._compat import join, sleep, spawn
-from tests.servers import free_port
+from tests.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -488,7 +491,7 @@ def test_fifo_newcomer_queues_behind_waiters(redis_url: str, resource: str) -> N
     manager = RedisLockManager(redis_url, fifo=True, queue_ttl=30)
     try:
         holder = manager.acquire(resource)
-        manager.driver.wait(resource, 0.01, _reply(waiter_id("queued-secret")))
+        manager.driver.wait(resource, 0.01, _reply("queued-secret"))
         holder.release()  # wakes the queued (absent) waiter, who has the turn
 
         def newcomer() -> Any:
@@ -549,7 +552,7 @@ def test_fifo_dead_waiter_expires_from_the_queue(
     try:
         holder = manager.acquire(resource)
         dead = waiter_id("dead-secret")
-        manager.driver.wait(resource, 0.001, _reply(dead))  # enqueue, never return
+        manager.driver.wait(resource, 0.001, _reply("dead-secret"))  # enqueue, never return
         assert client.zscore(keys.queue, dead) is not None
         holder.release()  # wakes the dead waiter, who never comes
 
@@ -596,8 +599,8 @@ def test_fifo_abandon_leaves_the_queue_and_wakes_the_next(
         pubsub.subscribe(keys.signal)
         holder = manager.acquire(resource)
         first, second = waiter_id("first-secret"), waiter_id("second-secret")
-        manager.driver.wait(resource, 0.001, _reply(first))
-        manager.driver.wait(resource, 0.001, _reply(second))
+        manager.driver.wait(resource, 0.001, _reply("first-secret"))
+        manager.driver.wait(resource, 0.001, _reply("second-secret"))
         assert client.zrange(keys.queue, 0, -1) == [first.encode(), second.encode()]
         holder.release()  # wakes the head, "first", by name
         assert (next_message(pubsub))["data"] == first.encode()
@@ -609,10 +612,99 @@ def test_fifo_abandon_leaves_the_queue_and_wakes_the_next(
         manager.close()
 
 
-def _reply(wid: str) -> AcquireReply:
-    """What a failed attempt of a waiter that is not queued yet hands to ``wait`` (no
-    mark of the board: the wait takes its own)."""
-    return AcquireReply(None, None, (None, wid, False))
+def test_attempt_after_its_cancel_takes_no_place_and_holds_up_nobody(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """A reader's acquire is cancelled while a writer holds the lock, and its attempt
+    reaches the server after CANCEL (sent here in that order): the tombstone refuses it
+    without a place in the queue. Before, the attempt queued, and the waiters behind its
+    place (a writer here) waited for that place to expire (``queue_ttl``), since the
+    release woke only the absent reader."""
+    keys = resource_keys("fence:", resource)
+    manager = RedisLockManager(redis_url, queue_ttl=30)
+    try:
+        holder = manager.acquire(resource)
+        driver = manager.driver
+        assert driver.cancel(resource, "cancelled-reader", 5.0) is False
+        late = driver.acquire(resource, "cancelled-reader", 5.0, "late", LeaseMode.READ)
+        assert late.token is None
+        assert not late.queued
+        assert client.zscore(keys.queue, waiter_id("cancelled-reader")) is None
+
+        def writer() -> tuple[int, float]:
+            lease = manager.acquire(resource, timeout=60)
+            at = time.monotonic()
+            lease.release()
+            return int(lease.token), at
+
+        task = spawn(writer)
+        sleep(0.2)  # the writer waits
+        released = time.monotonic()
+        holder.release()
+        token, granted = join(task)
+        assert token > holder.token
+        assert granted - released < 10  # not the queue's 30 s
+        assert client.zcard(keys.queue) == 0
+    finally:
+        manager.close()
+
+
+def test_late_enqueue_after_an_unanswered_wait_takes_no_place(resource: str) -> None:
+    """A FIFO wait whose ENQUEUE got no answer (the server froze) gives up: the manager's
+    abandon leaves CANCEL's tombstone, so the ENQUEUE, reaching the server after it (sent
+    here in that order), takes no place. Before, it queued a waiter that was gone."""
+    server = RedisServer().start()
+    keys = resource_keys("fence:", resource)
+    manager = RedisLockManager(server.url, fifo=True, queue_ttl=30, check_config=False)
+    raw = redis.Redis.from_url(server.url)
+    try:
+        holder = manager.acquire(resource)
+        driver = manager.driver
+        secret = "unanswered-secret"
+        refused = driver.acquire(resource, secret, 5.0, "waiter")
+        assert refused.token is None
+        server.pause()
+        try:
+            with pytest.raises(BackendError):
+                driver.wait(resource, 0.3, refused)  # its ENQUEUE gets no answer
+        finally:
+            server.resume()
+        driver.abandon(resource, secret)
+        assert raw.exists(keys.void_prefix + secret) == 1
+        enqueue = [keys.lock, keys.queue, keys.deadlines]
+        args = [waiter_id(secret), "30000", secret]
+        assert raw.eval(DRIVER_SCRIPTS["enqueue"].source, 3, *enqueue, *args) == 0
+        assert raw.zscore(keys.queue, waiter_id(secret)) is None
+        holder.release()
+    finally:
+        raw.close()
+        manager.close()
+        server.stop()
+
+
+def test_a_shorter_cancel_keeps_the_longer_tombstone(
+    redis_url: str, client: Any, resource: str
+) -> None:
+    """An acquire that gave up leaves its tombstone for the lease's ttl; its FIFO wait's
+    CANCEL that follows (for ``queue_ttl``, shorter here) must not shorten it, or an
+    attempt still on its way would be granted once the shorter one ended."""
+    keys = resource_keys("fence:", resource)
+    manager = RedisLockManager(redis_url, fifo=True, queue_ttl=0.2)
+    try:
+        driver = manager.driver
+        driver.cancel(resource, "gave-up", 30.0)
+        driver.cancel(resource, "gave-up", 0.2)
+        assert client.pttl(keys.void_prefix + "gave-up") > 20_000
+        driver.cancel(resource, "gave-up", 60.0)  # a longer one lengthens it
+        assert client.pttl(keys.void_prefix + "gave-up") > 50_000
+    finally:
+        manager.close()
+
+
+def _reply(secret: str) -> AcquireReply:
+    """What a failed attempt of a waiter (owner ``secret``) that is not queued yet hands to
+    ``wait`` (no mark of the board: the wait takes its own)."""
+    return AcquireReply(None, None, (None, waiter_id(secret), False, secret))
 
 
 # -- clients ------------------------------------------------------------------------------

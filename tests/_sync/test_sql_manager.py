@@ -30,7 +30,13 @@ from fence import (
     NotOwnerError,
     TokenMode,
 )
-from fence._sql_schema import lease_schema_ddl, lease_table, lease_upgrade_ddl, notify_channel
+from fence._sql_schema import (
+    lease_schema_ddl,
+    lease_table,
+    lease_upgrade_ddl,
+    notify_channel,
+    shared_table_ddl,
+)
 from fence._sync.sql import SQLDriver, SQLLockManager
 from fence.adapters._sql_common import REGISTER_TABLE_DDL
 from fence.testing import EventRecorder
@@ -582,7 +588,52 @@ def test_upgrade_ddl_migrates_an_earlier_lease_table(
     assert reader.token > writer.token
     reader.release()
     if dialect == "postgresql":
+        # The failed acquire's clean-up may still be retrying in the background, and with
+        # asyncio the blocking DROP below would stop it inside its transaction, whose locks
+        # the DROP waits for: closed first, it is done.
+        manager.close()
         run(f'DROP TABLE "{name}", "{name}_shared"')
+
+
+# The PostgreSQL lease table as versions with shared locks but before tombstones made it.
+_BEFORE_TOMBSTONES_DDL = """CREATE TABLE {name} (resource TEXT PRIMARY KEY,
+    token BIGINT NOT NULL CHECK (token BETWEEN 1 AND 9007199254740991),
+    owner TEXT, holder TEXT, expires_at TIMESTAMPTZ NOT NULL,
+    readers INTEGER NOT NULL DEFAULT 0, read_until TIMESTAMPTZ,
+    wtoken BIGINT NOT NULL DEFAULT 0)"""
+
+
+def test_upgrade_ddl_adds_the_tombstones_on_postgresql(
+    postgres_server: PostgresServer, managers: list[Any], resource: str
+) -> None:
+    """A PostgreSQL lease table from before tombstones: the manager names the migration,
+    ``lease_upgrade_ddl()`` adds only the missing column (the others are there), and the
+    clean-up's tombstone then refuses a late attempt of its secret."""
+    name = f"prev_{secrets.token_hex(3)}"
+    pg_execute(postgres_server, _BEFORE_TOMBSTONES_DDL.format(name=name))
+    pg_execute(postgres_server, shared_table_ddl("postgresql", table=name))
+    pg_execute(
+        postgres_server,
+        f"INSERT INTO {name} (resource, token, expires_at) VALUES (%s, 41, now())",
+        resource,
+    )
+    manager = SQLLockManager(postgres_server.url, table=name)
+    managers.append(manager)
+    with pytest.raises(BackendError, match="lease_upgrade_ddl"):
+        manager.acquire(resource)
+    for statement in lease_upgrade_ddl("postgresql", table=name):
+        pg_execute(postgres_server, statement)
+    lease = manager.acquire(resource)
+    assert lease.token > 41
+    lease.release()
+    driver = manager.sql_driver
+    assert driver.cancel(resource, "gone", 5.0) is False
+    late = driver.acquire(resource, "gone", 5.0, "late")
+    assert late.token is None
+    assert not late.queued
+    assert manager.inspect(resource) is None
+    manager.close()  # its clean-ups done before the blocking DROP (see above)
+    pg_execute(postgres_server, f'DROP TABLE "{name}", "{name}_shared"')
 
 
 # -- SQLite configuration ---------------------------------------------------------------------

@@ -1,0 +1,198 @@
+"""An acquire granted by the server whose reply is lost with the connection leaves no lock
+behind, on Redis and PostgreSQL, sync and asyncio.
+
+A proxy between the manager and the server forwards everything until it is armed; while
+armed, it throws away every reply of the server and closes that connection at both ends.
+The acquire tries for a second and gives up with an error; the server has granted one of
+its attempts (its token counter moved), and the clean-up cannot get through either. Once
+replies flow again, the clean-up (retried from the background) frees the lock well within
+its ttl (60 s here); without it, the lock stays for the whole ttl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+
+from fence import BackendError
+from fence._async.redis import AsyncRedisLockManager
+from fence._async.sql import AsyncSQLLockManager
+from fence._redis_keys import resource_keys
+from fence._sql_schema import lease_schema_ddl
+from fence._sync.redis import RedisLockManager
+from fence._sync.sql import SQLLockManager
+from tests.servers import PostgresServer, free_port
+
+pytestmark = pytest.mark.slow
+
+TTL = 60.0
+
+
+class ReplyDropper:
+    """A TCP proxy to ``upstream`` that, while armed, drops every reply of the server and
+    closes that connection at both ends (the requests it carried may have run)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.port = free_port()
+        self.armed = threading.Event()
+        self.dropped = 0
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        for sock in [self._listener, *self._sockets]:
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self._sockets += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, replies: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if replies and self.armed.is_set():
+                    self.dropped += 1
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def resource() -> str:
+    return f"res:{secrets.token_hex(4)}"
+
+
+# The asyncio managers' loop, the same for every call of a test: their background work
+# (the clean-up that retries) belongs to it.
+loop = asyncio.new_event_loop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_loop() -> Iterator[None]:
+    yield
+    loop.close()
+
+
+def run(flavour: str, target: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``target``'s ``method`` (a manager's, a lease's), awaited if it is asyncio's."""
+    if flavour == "sync":
+        return getattr(target, method)(*args, **kwargs)
+
+    async def call() -> Any:
+        return await getattr(target, method)(*args, **kwargs)
+
+    return loop.run_until_complete(call())
+
+
+def check_reply_lost(flavour: str, manager: Any, proxy: ReplyDropper, resource: str) -> None:
+    """Warm up (config check, scripts, a pooled connection), then lose every reply while an
+    acquire tries for a second: it gives up with an error, its clean-up cannot get through
+    either, and once replies flow again the clean-up (from the background) frees the lock
+    long before its ttl."""
+    run(flavour, run(flavour, manager, "acquire", resource), "release")
+    proxy.armed.set()
+    try:
+        with pytest.raises(BackendError):
+            run(flavour, manager, "acquire", resource, timeout=1)
+    finally:
+        proxy.armed.clear()
+    assert proxy.dropped > 0
+    assert wait_free(flavour, manager, resource, 20.0)
+
+
+def wait_free(flavour: str, manager: Any, resource: str, seconds: float) -> bool:
+    """Whether the lock is free within ``seconds`` (the manager's background work runs
+    meanwhile, on its event loop for asyncio)."""
+
+    async def poll() -> bool:
+        for _ in range(int(seconds / 0.1)):
+            if await manager.inspect(resource) is None:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    if flavour != "sync":
+        return loop.run_until_complete(poll())
+    for _ in range(int(seconds / 0.1)):
+        if manager.inspect(resource) is None:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_redis_reply_lost(redis_url: str, resource: str, flavour: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    host, port = (
+        client.connection_pool.connection_kwargs["host"],
+        client.connection_pool.connection_kwargs["port"],
+    )
+    proxy = ReplyDropper(host, port)
+    url = f"redis://127.0.0.1:{proxy.port}/0"
+    cls = RedisLockManager if flavour == "sync" else AsyncRedisLockManager
+    manager = cls(url, ttl=TTL, check_config=False)
+    try:
+        check_reply_lost(flavour, manager, proxy, resource)
+        token = int(client.get(resource_keys("fence:", resource).token))
+        assert token >= 2  # the server granted the acquire whose reply was lost
+        assert client.exists(resource_keys("fence:", resource).lock) == 0
+    finally:
+        run(flavour, manager, "close")
+        proxy.close()
+        client.close()
+
+
+@pytest.fixture
+def table(postgres_server: PostgresServer) -> Iterator[str]:
+    name = f"leases_{secrets.token_hex(4)}"
+    with psycopg.connect(postgres_server.conninfo, autocommit=True) as conn:
+        for statement in lease_schema_ddl("postgresql", table=name):
+            conn.execute(statement)
+    yield name
+    with psycopg.connect(postgres_server.conninfo, autocommit=True) as conn:
+        conn.execute(f'DROP TABLE IF EXISTS "{name}", "{name}_shared"')
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_postgres_reply_lost(
+    postgres_server: PostgresServer, table: str, resource: str, flavour: str
+) -> None:
+    proxy = ReplyDropper("127.0.0.1", postgres_server.port)
+    url = postgres_server.url.replace(f":{postgres_server.port}/", f":{proxy.port}/")
+    cls = SQLLockManager if flavour == "sync" else AsyncSQLLockManager
+    manager = cls(url, table=table, ttl=TTL)
+    try:
+        check_reply_lost(flavour, manager, proxy, resource)
+        with psycopg.connect(postgres_server.conninfo, autocommit=True) as conn:
+            token, owner = conn.execute(
+                f'SELECT token, owner FROM "{table}" WHERE resource = %s', (resource,)
+            ).fetchone()
+        assert token >= 2  # the server granted the acquire whose reply was lost
+        assert owner is None
+    finally:
+        run(flavour, manager, "close")
+        proxy.close()
