@@ -108,7 +108,7 @@ class LockedCall:
             parameter nor keyword-only.
     """
 
-    __slots__ = ("fields", "leading", "signature", "template", "wants_lease")
+    __slots__ = ("fields", "leading", "name", "signature", "template", "wants_lease")
 
     def __init__(
         self, fn: Callable[..., object], template: str, manager: str, *, is_async: bool
@@ -139,6 +139,7 @@ class LockedCall:
             )
         self.template = template
         self.fields = fields
+        self.name = _name(fn)
 
     def resource(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """The resource one call locks: the template filled from its arguments.
@@ -147,6 +148,9 @@ class LockedCall:
             TypeError: the arguments do not fit the function's signature (a ``lease``
                 passed by the caller included).
         """
+        if self.wants_lease and LEASE in kwargs:
+            # Checked here too: a function with ``**kwargs`` would bind it there.
+            raise TypeError(f"{self.name}() gets its lease from the lock; do not pass 'lease'")
         bound = self.signature.bind(*args, **kwargs)
         if not self.fields:
             return self.template

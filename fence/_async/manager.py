@@ -548,7 +548,9 @@ class AsyncBaseLockManager:
         function with the function's other parameters and its result (``Concatenate``,
         PEP 612), as they see a function without ``lease`` unchanged. A keyword-only
         ``lease`` (after ``*``) gets the lease too, but type checkers still ask callers
-        for it: PEP 612 cannot take a keyword parameter out of a signature.
+        for it: PEP 612 cannot take a keyword parameter out of a signature. (Type checkers
+        match the first parameter by type, not by name: a first parameter typed ``object``
+        is taken for the lease's place too.)
 
         With ``retry``, a call that fails with an error the policy retries runs again
         from the acquire, under a new lease with a newer token; it is the same as
@@ -569,9 +571,10 @@ class AsyncBaseLockManager:
                 again on the errors it retries.
 
         Raises:
-            ConfigurationError: at decoration time: the function is not an ``async def``
-                function (a plain one for the sync manager), is a generator function, or
-                takes ``lease`` other than first or keyword-only; the template does not
+            ConfigurationError: at decoration time: a bad ``mode``, ``ttl`` or
+                ``timeout``; the function is not an ``async def`` function (a plain one
+                for the sync manager), is a generator function, or takes ``lease``
+                other than first or keyword-only; the template does not
                 parse or names a parameter the function does not take; ``retry`` is a
                 policy of the other kind. At call time :meth:`acquire` raises as usual
                 (an invalid formatted resource: :class:`fence.InvalidResourceError`).
@@ -589,6 +592,8 @@ class AsyncBaseLockManager:
         mode = validate_mode(mode)
         if ttl is not None:
             ttl = validate_ttl(ttl)
+        if timeout is not None and not timeout >= 0:
+            raise ConfigurationError(f"timeout must be >= 0 or None, got {timeout!r}")
 
         def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
             call = LockedCall(fn, resource, name, is_async=IS_ASYNC)

@@ -285,6 +285,8 @@ def test_locked_refuses_a_policy_of_the_other_kind() -> None:
         manager.locked("job", mode="exclusive")
     with pytest.raises(ConfigurationError):
         manager.locked("job", ttl=-1)
+    with pytest.raises(ConfigurationError):
+        manager.locked("job", timeout=-1)
     manager.close()
 
 
