@@ -20,8 +20,9 @@ from fence._deadline import time_left
 
 if TYPE_CHECKING:
     from fence._async.manager import AsyncLease
+    from fence._async.manager import _Locked as _AsyncLocked
     from fence._errors import LeaseLostError
-    from fence._sync.manager import Lease
+    from fence._sync.manager import Lease, _Locked
 
 __all__ = [
     "AcquireReply",
@@ -239,6 +240,21 @@ class LockManager(Protocol):
         """Take the lock if it is free now; else return ``None``."""
         ...
 
+    def locked(
+        self,
+        resource: str,
+        *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LostCallback | None = None,
+    ) -> _Locked:
+        """Decorate a function to run under the lock on ``resource``, a ``str.format``
+        template filled from the call's arguments; a parameter named ``lease`` gets the
+        lease."""
+        ...
+
     def inspect(self, resource: str) -> LockInfo | None:
         """Who holds ``resource``, with its token and the backend's remaining ttl."""
         ...
@@ -279,6 +295,19 @@ class AsyncLockManager(Protocol):
         on_lost: LostCallback | None = None,
     ) -> AsyncLease | None:
         """See :meth:`LockManager.try_acquire`."""
+        ...
+
+    def locked(
+        self,
+        resource: str,
+        *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LostCallback | None = None,
+    ) -> _AsyncLocked:
+        """See :meth:`LockManager.locked`; it decorates ``async def`` functions."""
         ...
 
     async def inspect(self, resource: str) -> LockInfo | None:

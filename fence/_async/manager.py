@@ -7,6 +7,7 @@ the lost-lease signal, and events.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -14,10 +15,10 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 from fence._acompat import Waiter, cancel_after, current_owner, shield, spawn
 from fence._clock import Clock, subscribe, system_clock
@@ -30,6 +31,7 @@ from fence._core import (
     validate_ttl,
 )
 from fence._deadline import reset, set_deadline
+from fence._decorate import LockedCall
 from fence._errors import (
     AcquireTimeout,
     BackendError,
@@ -42,6 +44,9 @@ from fence._errors import (
 from fence._events import EventBus, EventKind, default_bus
 from fence._signal import Signal
 from fence.abc import AcquireReply, AsyncDriver, LockInfo
+
+if TYPE_CHECKING:
+    from fence._async.retry import AsyncRetryPolicy
 
 __all__ = ["AsyncBaseLockManager", "AsyncLease"]
 
@@ -70,6 +75,28 @@ _GRACE = 0.05
 _HOST = socket.gethostname()
 
 LeaseCallback = Callable[["AsyncLease", LeaseLostError], None]
+
+IS_ASYNC = True  # unasync: IS_ASYNC = False
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+_LeaseFirst = Callable[
+    Concatenate["AsyncLease", _P], Awaitable[_R]  # unasync: Concatenate["Lease", _P], _R
+]
+_Fn = Callable[_P, Awaitable[_R]]  # unasync: _Fn = Callable[_P, _R]
+_Run = Callable[_P, Coroutine[Any, Any, _R]]  # unasync: _Run = Callable[_P, _R]
+
+
+class _Locked(Protocol):
+    """What :meth:`AsyncBaseLockManager.locked` returns: a decorator that keeps the types
+    of the function's parameters (without ``lease``) and of its result."""
+
+    @overload
+    def __call__(self, fn: _LeaseFirst[_P, _R], /) -> _Run[_P, _R]: ...
+    @overload
+    def __call__(self, fn: _Fn[_P, _R], /) -> _Run[_P, _R]: ...
 
 
 class AsyncLease:
@@ -497,6 +524,105 @@ class AsyncBaseLockManager:
             owner=owner,
         ) as lease:
             yield lease
+
+    def locked(
+        self,
+        resource: str,
+        *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LeaseCallback | None = None,
+        owner: object = None,
+        retry: AsyncRetryPolicy | None = None,
+    ) -> _Locked:
+        """Decorate a function to run under the lock on a resource named by its arguments.
+
+        Each call formats ``resource`` from the call's arguments by name (defaults
+        applied), takes the lock as :meth:`lock` does, runs the function and releases the
+        lock when it returns or raises (or, under asyncio, is cancelled).
+
+        A function that takes a parameter named ``lease`` gets the lease there; callers do
+        not pass it. Take it as the first parameter: type checkers then see the decorated
+        function with the function's other parameters and its result (``Concatenate``,
+        PEP 612), as they see a function without ``lease`` unchanged. A keyword-only
+        ``lease`` (after ``*``) gets the lease too, but type checkers still ask callers
+        for it: PEP 612 cannot take a keyword parameter out of a signature. (Type checkers
+        match the first parameter by type, not by name: a first parameter typed ``object``
+        is taken for the lease's place too.)
+
+        With ``retry``, a call that fails with an error the policy retries runs again
+        from the acquire, under a new lease with a newer token; it is the same as
+        decorating the locked function with the policy (``@policy`` above
+        ``@manager.locked(...)``), never the other way round, which would retry inside
+        the held lease with the same token.
+
+        Args:
+            resource: a ``str.format`` template whose fields name the function's
+                parameters (``"order:{order_id}"``, ``"user:{user.id}"``).
+            mode: ``"write"`` (exclusive, the default) or ``"read"`` (shared, C13).
+            ttl: lease time in seconds (default: the manager's).
+            timeout: how long each call waits for the lock (see :meth:`acquire`).
+            renew: run the renewal watchdog (default: the manager's).
+            on_lost: called once if a call's lease is lost; see :meth:`AsyncLease.on_lost`.
+            owner: who holds the lock (default: the current task or thread).
+            retry: an :class:`fence.AsyncRetryPolicy` that runs the whole locked call
+                again on the errors it retries.
+
+        Raises:
+            ConfigurationError: at decoration time: a bad ``mode``, ``ttl`` or
+                ``timeout``; the function is not an ``async def`` function (a plain one
+                for the sync manager), is a generator function, or takes ``lease``
+                other than first or keyword-only; the template does not
+                parse or names a parameter the function does not take; ``retry`` is a
+                policy of the other kind. At call time :meth:`acquire` raises as usual
+                (an invalid formatted resource: :class:`fence.InvalidResourceError`).
+
+        Example::
+
+            @manager.locked("order:{order_id}", ttl=10, timeout=5)
+            async def pay(lease: AsyncLease, order_id: int) -> None:
+                await guard.claim(f"order:{order_id}", lease.token)
+                ...
+
+            await pay(42)
+        """
+        name = type(self).__name__
+        mode = validate_mode(mode)
+        if ttl is not None:
+            ttl = validate_ttl(ttl)
+        if timeout is not None and not timeout >= 0:
+            raise ConfigurationError(f"timeout must be >= 0 or None, got {timeout!r}")
+
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            call = LockedCall(fn, resource, name, is_async=IS_ASYNC)
+            leading = call.leading
+            wants_lease = call.wants_lease
+
+            @functools.wraps(fn)
+            async def run(*args: Any, **kwargs: Any) -> Any:
+                async with self.lock(
+                    call.resource(args, kwargs),
+                    mode=mode,
+                    ttl=ttl,
+                    timeout=timeout,
+                    renew=renew,
+                    on_lost=on_lost,
+                    owner=owner,
+                ) as lease:
+                    if leading:
+                        return await fn(lease, *args, **kwargs)
+                    if wants_lease:
+                        return await fn(*args, lease=lease, **kwargs)
+                    return await fn(*args, **kwargs)
+
+            run.__signature__ = call.signature  # type: ignore[attr-defined]
+            if retry is not None:
+                return retry(run)
+            return run
+
+        return decorate
 
     async def inspect(self, resource: str) -> LockInfo | None:
         """Who holds ``resource``: its token, the backend's remaining ttl, and the holder's

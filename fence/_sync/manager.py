@@ -9,6 +9,7 @@ the lost-lease signal, and events.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 from fence._clock import Clock, subscribe, system_clock
 from fence._compat import Waiter, cancel_after, current_owner, shield, spawn
@@ -32,6 +33,7 @@ from fence._core import (
     validate_ttl,
 )
 from fence._deadline import reset, set_deadline
+from fence._decorate import LockedCall
 from fence._errors import (
     AcquireTimeout,
     BackendError,
@@ -44,6 +46,9 @@ from fence._errors import (
 from fence._events import EventBus, EventKind, default_bus
 from fence._signal import Signal
 from fence.abc import AcquireReply, Driver, LockInfo
+
+if TYPE_CHECKING:
+    from fence._sync.retry import RetryPolicy
 
 __all__ = ["BaseLockManager", "Lease"]
 
@@ -72,6 +77,26 @@ _GRACE = 0.05
 _HOST = socket.gethostname()
 
 LeaseCallback = Callable[["Lease", LeaseLostError], None]
+
+IS_ASYNC = False
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+_LeaseFirst = Callable[Concatenate["Lease", _P], _R]
+_Fn = Callable[_P, _R]
+_Run = Callable[_P, _R]
+
+
+class _Locked(Protocol):
+    """What :meth:`BaseLockManager.locked` returns: a decorator that keeps the types
+    of the function's parameters (without ``lease``) and of its result."""
+
+    @overload
+    def __call__(self, fn: _LeaseFirst[_P, _R], /) -> _Run[_P, _R]: ...
+    @overload
+    def __call__(self, fn: _Fn[_P, _R], /) -> _Run[_P, _R]: ...
 
 
 class Lease:
@@ -499,6 +524,105 @@ class BaseLockManager:
             owner=owner,
         ) as lease:
             yield lease
+
+    def locked(
+        self,
+        resource: str,
+        *,
+        mode: LeaseMode | str = LeaseMode.WRITE,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool | None = None,
+        on_lost: LeaseCallback | None = None,
+        owner: object = None,
+        retry: RetryPolicy | None = None,
+    ) -> _Locked:
+        """Decorate a function to run under the lock on a resource named by its arguments.
+
+        Each call formats ``resource`` from the call's arguments by name (defaults
+        applied), takes the lock as :meth:`lock` does, runs the function and releases the
+        lock when it returns or raises (or, under asyncio, is cancelled).
+
+        A function that takes a parameter named ``lease`` gets the lease there; callers do
+        not pass it. Take it as the first parameter: type checkers then see the decorated
+        function with the function's other parameters and its result (``Concatenate``,
+        PEP 612), as they see a function without ``lease`` unchanged. A keyword-only
+        ``lease`` (after ``*``) gets the lease too, but type checkers still ask callers
+        for it: PEP 612 cannot take a keyword parameter out of a signature. (Type checkers
+        match the first parameter by type, not by name: a first parameter typed ``object``
+        is taken for the lease's place too.)
+
+        With ``retry``, a call that fails with an error the policy retries runs again
+        from the acquire, under a new lease with a newer token; it is the same as
+        decorating the locked function with the policy (``@policy`` above
+        ``@manager.locked(...)``), never the other way round, which would retry inside
+        the held lease with the same token.
+
+        Args:
+            resource: a ``str.format`` template whose fields name the function's
+                parameters (``"order:{order_id}"``, ``"user:{user.id}"``).
+            mode: ``"write"`` (exclusive, the default) or ``"read"`` (shared, C13).
+            ttl: lease time in seconds (default: the manager's).
+            timeout: how long each call waits for the lock (see :meth:`acquire`).
+            renew: run the renewal watchdog (default: the manager's).
+            on_lost: called once if a call's lease is lost; see :meth:`Lease.on_lost`.
+            owner: who holds the lock (default: the current task or thread).
+            retry: an :class:`fence.RetryPolicy` that runs the whole locked call
+                again on the errors it retries.
+
+        Raises:
+            ConfigurationError: at decoration time: a bad ``mode``, ``ttl`` or
+                ``timeout``; the function is not an ``def`` function (a plain one
+                for the sync manager), is a generator function, or takes ``lease``
+                other than first or keyword-only; the template does not
+                parse or names a parameter the function does not take; ``retry`` is a
+                policy of the other kind. At call time :meth:`acquire` raises as usual
+                (an invalid formatted resource: :class:`fence.InvalidResourceError`).
+
+        Example::
+
+            @manager.locked("order:{order_id}", ttl=10, timeout=5)
+            def pay(lease: Lease, order_id: int) -> None:
+                guard.claim(f"order:{order_id}", lease.token)
+                ...
+
+            pay(42)
+        """
+        name = type(self).__name__
+        mode = validate_mode(mode)
+        if ttl is not None:
+            ttl = validate_ttl(ttl)
+        if timeout is not None and not timeout >= 0:
+            raise ConfigurationError(f"timeout must be >= 0 or None, got {timeout!r}")
+
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            call = LockedCall(fn, resource, name, is_async=IS_ASYNC)
+            leading = call.leading
+            wants_lease = call.wants_lease
+
+            @functools.wraps(fn)
+            def run(*args: Any, **kwargs: Any) -> Any:
+                with self.lock(
+                    call.resource(args, kwargs),
+                    mode=mode,
+                    ttl=ttl,
+                    timeout=timeout,
+                    renew=renew,
+                    on_lost=on_lost,
+                    owner=owner,
+                ) as lease:
+                    if leading:
+                        return fn(lease, *args, **kwargs)
+                    if wants_lease:
+                        return fn(*args, lease=lease, **kwargs)
+                    return fn(*args, **kwargs)
+
+            run.__signature__ = call.signature  # type: ignore[attr-defined]
+            if retry is not None:
+                return retry(run)
+            return run
+
+        return decorate
 
     def inspect(self, resource: str) -> LockInfo | None:
         """Who holds ``resource``: its token, the backend's remaining ttl, and the holder's

@@ -6,6 +6,7 @@ Each test runs once per backend registered in ``tests/backend_*.py``. The sync t
 
 from __future__ import annotations
 
+import asyncio  # unasync: remove
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +21,7 @@ from fence import (
     ConfigurationError,
     EventBus,
     EventKind,
+    FenceError,
     InvalidResourceError,
     LeaseExpiredError,
     LeaseLostError,
@@ -33,6 +35,9 @@ from tests.registry import ManagerBackend
 IS_ASYNC = True  # unasync: IS_ASYNC = False
 
 Make = Callable[..., Any]
+
+#: How a call under the lock is cut short: a task is cancelled, a thread is interrupted.
+Interrupted = asyncio.CancelledError  # unasync: Interrupted = KeyboardInterrupt
 
 
 @pytest.fixture
@@ -492,3 +497,150 @@ async def test_events(make_manager: Make, resource: str) -> None:
     assert recorder.kinds() == ["acquired", "released"]
     assert {e.token for e in recorder.events} == {lease.token}
     assert {e.scope for e in recorder.events} == {resource}
+
+
+# -- the lock decorator ----------------------------------------------------------------
+
+
+async def test_locked_formats_the_resource_and_passes_the_lease(
+    make_manager: Make, resource: str
+) -> None:
+    manager = make_manager(ttl=5)
+    seen: list[tuple[Any, Any]] = []
+
+    @manager.locked(resource + ":{order_id}:{part}", ttl=4, timeout=5)
+    async def first(lease: AsyncLease, order_id: int, part: str = "a") -> int:
+        seen.append((lease, await manager.inspect(lease.resource)))
+        return order_id
+
+    @manager.locked(resource + ":{order_id}")
+    async def keyword(order_id: int, *, lease: AsyncLease) -> str:
+        seen.append((lease, await manager.inspect(lease.resource)))
+        return "kw"
+
+    @manager.locked(resource + ":{order_id}")
+    async def without(order_id: int) -> int | None:
+        info = await manager.inspect(f"{resource}:{order_id}")
+        return None if info is None else info.token
+
+    assert await first(7) == 7
+    assert await first(order_id=8, part="b") == 8
+    assert await keyword(9) == "kw"
+    assert [lease.resource for lease, _ in seen] == [
+        f"{resource}:7:a",
+        f"{resource}:8:b",
+        f"{resource}:9",
+    ]
+    for lease, info in seen:
+        assert isinstance(lease, AsyncLease)
+        assert info is not None
+        assert info.token == lease.token
+        assert lease.ttl == (4 if lease.resource.count(":") == 3 else 5)
+        assert lease.released
+        assert await manager.inspect(lease.resource) is None
+    token = await without(10)
+    assert token is not None
+    assert token > 0
+    assert await manager.inspect(f"{resource}:10") is None
+    assert first.__name__ == "first"
+
+
+async def test_locked_releases_when_the_function_raises(make_manager: Make, resource: str) -> None:
+    manager = make_manager()
+    leases: list[AsyncLease] = []
+
+    @manager.locked(resource)
+    async def fail(lease: AsyncLease) -> None:
+        leases.append(lease)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        await fail()
+    assert leases[0].released
+    assert await manager.inspect(resource) is None
+    async with manager.lock(resource, timeout=5) as lease:
+        assert lease.token > leases[0].token
+
+
+async def test_locked_releases_when_the_call_is_cancelled(
+    make_manager: Make, resource: str
+) -> None:
+    """Cancelled (a task) or interrupted (a thread, by KeyboardInterrupt): released."""
+    manager = make_manager()
+    started: list[AsyncLease] = []
+
+    @manager.locked(resource)
+    async def work(lease: AsyncLease) -> None:
+        started.append(lease)
+        await sleep(60)  # unasync: raise KeyboardInterrupt
+
+    task = await spawn(work)
+    deadline = time.monotonic() + 10
+    while not started and time.monotonic() < deadline:
+        await sleep(0.01)
+    assert started
+    task.cancel()  # unasync: remove
+    with pytest.raises(Interrupted):
+        await join(task)
+    assert started[0].released
+    assert await manager.inspect(resource) is None
+
+
+async def test_locked_refuses_at_decoration_time(make_manager: Make, resource: str) -> None:
+    manager = make_manager()
+
+    async def work(order_id: int) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match=r"\['user_id'\]") as refused:
+        manager.locked("order:{user_id}")(work)
+    assert isinstance(refused.value, FenceError)
+    with pytest.raises(ConfigurationError, match="positional field"):
+        manager.locked("order:{0}")(work)
+    with pytest.raises(ConfigurationError, match="does not parse"):
+        manager.locked("order:{order_id")(work)
+    with pytest.raises(ConfigurationError, match="not an argument"):
+        manager.locked("order:{lease}")(work)
+
+    def wrong_kind() -> None:  # unasync: async def wrong_kind() -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match="wrong_kind"):
+        manager.locked(resource)(wrong_kind)
+
+    async def generator() -> Any:
+        yield 1
+
+    with pytest.raises(ConfigurationError, match="generator"):
+        manager.locked(resource)(generator)
+
+    async def lease_in_the_middle(order_id: int, lease: AsyncLease) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match="first parameter, or keyword-only"):
+        manager.locked(resource)(lease_in_the_middle)
+    assert await manager.inspect(resource) is None
+
+
+async def test_locked_invalid_resource_and_wrong_calls(make_manager: Make, resource: str) -> None:
+    """A formatted resource that is not valid, or a call that does not fit the function,
+    is refused before any lock is taken."""
+    manager = make_manager()
+    calls: list[str] = []
+
+    @manager.locked("{name}")
+    async def work(lease: AsyncLease, name: str) -> None:
+        calls.append(name)
+
+    with pytest.raises(InvalidResourceError):
+        await work("")
+    with pytest.raises(InvalidResourceError):
+        await work("x" * 513)
+    with pytest.raises(TypeError):
+        await work(resource, lease=None)
+    with pytest.raises(TypeError):
+        await work()
+    assert calls == []
+    await work(resource)
+    assert calls == [resource]
+    assert await manager.inspect(resource) is None

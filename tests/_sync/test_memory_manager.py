@@ -11,17 +11,26 @@ import pytest
 
 from fence import (
     AcquireTimeout,
+    ConfigurationError,
     EventBus,
     EventKind,
+    Lease,
     LeaseLostError,
+    LeaseMode,
     MemoryBackend,
     MemoryLockManager,
     NotOwnerError,
+    Reason,
+    RetryPolicy,
     StaleTokenError,
     TokenMode,
 )
+from fence._async import retry as other
 from fence.testing import EventRecorder, ManualClock, MemoryGuard
 from tests._compat import join, sleep, spawn
+
+#: The retry policy of the other kind, which the manager's decorator refuses.
+OtherPolicy = other.AsyncRetryPolicy
 
 
 def test_holder_pause_is_fenced_on_a_manual_clock() -> None:
@@ -204,4 +213,101 @@ def test_owner_acquires_anew_after_a_known_loss() -> None:
         lost.release()
     assert fresh.valid
     fresh.release()
+    manager.close()
+
+
+# -- the lock decorator: what the conformance suite leaves to one backend ----------------
+
+
+def test_locked_retry_runs_the_whole_locked_call_again() -> None:
+    """``retry=`` retries from the acquire: each attempt has a new lease and a newer token;
+    an error the policy does not retry leaves at once."""
+    manager = MemoryLockManager()
+    guard = MemoryGuard()
+    policy = RetryPolicy(attempts=3, backoff=lambda n: 0.0)
+    tokens: list[int] = []
+
+    @manager.locked("order:{order_id}", retry=policy)
+    def pay(lease: Lease, order_id: int) -> int:
+        tokens.append(lease.token)
+        if len(tokens) == 1:
+            # A newer holder wrote first: a new lease cures it.
+            raise StaleTokenError(lease.resource, lease.token, lease.token + 1, Reason.STALE)
+        guard.write(lease.resource, lease.token, order_id)
+        return len(tokens)
+
+    assert pay(42) == 2
+    assert tokens[1] > tokens[0]
+    assert manager.inspect("order:42") is None
+
+    @manager.locked("order:{order_id}", retry=policy)
+    def missing(lease: Lease, order_id: int) -> None:
+        tokens.append(lease.token)
+        raise StaleTokenError(lease.resource, lease.token, lease.token, Reason.MISSING)
+
+    tokens.clear()
+    with pytest.raises(StaleTokenError):
+        missing(42)
+    assert len(tokens) == 1
+    assert manager.inspect("order:42") is None
+    manager.close()
+
+
+def test_locked_stacked_under_a_policy_is_the_same() -> None:
+    """``@policy`` above ``@manager.locked`` retries the locked call, new lease each time."""
+    manager = MemoryLockManager()
+    policy = RetryPolicy(attempts=2, backoff=lambda n: 0.0)
+    tokens: list[int] = []
+
+    @policy
+    @manager.locked("job:{job_id}")
+    def run(job_id: int, *, lease: Lease) -> None:
+        tokens.append(lease.token)
+        if len(tokens) == 1:
+            lease._mark_lost("revoked in a test")
+            lease.check()
+
+    run(1)
+    assert len(tokens) == 2
+    assert tokens[1] > tokens[0]
+    manager.close()
+
+
+def test_locked_refuses_a_policy_of_the_other_kind() -> None:
+    manager = MemoryLockManager()
+
+    def work() -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match="cannot retry 'test_locked_refuses"):
+        manager.locked("job", retry=OtherPolicy())(work)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError):
+        manager.locked("job", mode="exclusive")
+    with pytest.raises(ConfigurationError):
+        manager.locked("job", ttl=-1)
+    with pytest.raises(ConfigurationError):
+        manager.locked("job", timeout=-1)
+    manager.close()
+
+
+def test_locked_passes_mode_owner_and_on_lost() -> None:
+    clock = ManualClock()
+    manager = MemoryLockManager(clock=clock)
+    lost: list[Lease] = []
+
+    @manager.locked(
+        "doc:{doc}", mode="read", owner="reader", on_lost=lambda lease, _: lost.append(lease)
+    )
+    def read(lease: Lease, doc: str) -> Lease:
+        other = manager.acquire(f"doc:{doc}", mode="read", owner="other", timeout=0)
+        other.release()
+        clock.advance(lease.ttl + 1)
+        assert lease.wait_lost(0)
+        return lease
+
+    with pytest.raises(NotOwnerError):  # the lease ran out under the call: release says so
+        read("a")
+    assert len(lost) == 1
+    assert lost[0].mode is LeaseMode.READ
+    assert lost[0]._owner == "reader"
     manager.close()
