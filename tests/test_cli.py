@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sqlite3
@@ -33,7 +34,7 @@ from fence.adapters.sql import (
     FenceRegister,
     fence_register_table,
 )
-from tests.servers import RedisClusterServers
+from tests.servers import PostgresServer, RedisClusterServers
 
 
 def run(
@@ -229,12 +230,18 @@ def test_ddl_prints_the_library_ddl() -> None:
     for statement in fence.lease_schema_ddl("postgresql"):  # the shared locks' table too
         assert statement + ";" in text
     assert REGISTER_TABLE_DDL.format(table="fence_register") + ";" in text
-    assert FENCE_COLUMN_DDL.format(table="accounts") + ";" in text
-    assert TOMBSTONE_COLUMN_DDL.format(table="accounts") + ";" in text
-    assert FENCE_COLUMN_DDL.format(table='app."Orders"') + ";" in text  # quoted as needed
+
+    def again(ddl: str) -> str:  # PostgreSQL's ALTERs may run again
+        return ddl.replace(" ADD COLUMN ", " ADD COLUMN IF NOT EXISTS ")
+
+    assert again(FENCE_COLUMN_DDL.format(table="accounts")) + ";" in text
+    assert again(TOMBSTONE_COLUMN_DDL.format(table="accounts")) + ";" in text
+    assert again(FENCE_COLUMN_DDL.format(table='app."Orders"')) + ";" in text  # quoted
     bare = run("ddl", "--dialect", "sqlite", "--no-lease-table", "--no-register", "--table", "t")
     statements = [s for s in bare.stdout.split(";") if s.strip() and "ALTER" in s]
     assert len(statements) == 2  # the fence column and the tombstone flag, nothing else
+    assert FENCE_COLUMN_DDL.format(table="t") + ";" in bare.stdout  # SQLite's, as they are
+    assert TOMBSTONE_COLUMN_DDL.format(table="t") + ";" in bare.stdout
     assert "TABLE IF NOT EXISTS" not in bare.stdout
 
 
@@ -292,6 +299,73 @@ def test_ddl_runs_on_postgresql_and_the_managers_use_it(postgres_url: str) -> No
         with engine.begin() as conn:
             conn.exec_driver_sql(f"DROP TABLE {table}, {leases}, {register}")
         engine.dispose()
+
+
+def psql(server: PostgresServer, script: str) -> subprocess.CompletedProcess[str]:
+    """``SCRIPT | psql -v ON_ERROR_STOP=1``, as the docs pipe ``fence ddl``."""
+    program = shutil.which("psql") or str(Path(server.bindir) / "psql")
+    return subprocess.run(
+        [program, "-X", "-q", "-v", "ON_ERROR_STOP=1", server.conninfo],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_postgresql_ddl_runs_again_through_psql(postgres_server: PostgresServer) -> None:
+    table, fenced = unique("cli_again"), unique("cli_fenced")
+    leases, register = unique("cli_leases"), unique("cli_reg")
+    made = psql(
+        postgres_server,
+        f"CREATE TABLE {table} (id INT PRIMARY KEY, balance INT);"
+        # A table that has its fence column already, as after a migration run before.
+        f"CREATE TABLE {fenced} (id INT PRIMARY KEY, fence BIGINT NOT NULL DEFAULT 0);",
+    )
+    assert made.returncode == 0, made.stderr
+    names = ["--lease-table", leases, "--register", register]
+    try:
+        for args in (
+            ["--table", table, "--table", fenced, *names],
+            ["--table", table, "--table", fenced, *names, "--no-triggers"],
+            ["--table", table, *names, "--triggers-only"],
+        ):
+            done = run("ddl", "--dialect", "postgresql", *args)
+            assert done.returncode == 0, done.stderr
+            for _ in range(2):
+                ran = psql(postgres_server, done.stdout)
+                assert ran.returncode == 0, (args, ran.stderr)
+            assert "ADD COLUMN IF NOT EXISTS" in done.stdout or "--triggers-only" in args
+    finally:
+        dropped = psql(
+            postgres_server,
+            f"DROP TABLE IF EXISTS {table}, {fenced}, {leases}, {leases}_shared, {register};",
+        )
+        assert dropped.returncode == 0, dropped.stderr
+
+
+def test_the_sqlite_ddl_says_how_to_run_it_again(tmp_path: Path) -> None:
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER)")
+    done = run("ddl", "--dialect", "sqlite", "--table", "accounts")
+    assert "SQLite has no ADD COLUMN IF NOT EXISTS" in done.stdout
+    assert "SQLite has no ADD COLUMN IF NOT EXISTS" in run("ddl", "--help").stdout
+    with sqlite3.connect(path) as db:
+        db.executescript(done.stdout)
+    with sqlite3.connect(path) as db, pytest.raises(sqlite3.OperationalError, match="duplicate"):
+        db.executescript(done.stdout)  # what the comment says: the ALTERs run once
+    # What it says to run instead, to upgrade the judge: again and again.
+    again = run("ddl", "--dialect", "sqlite", "--table", "accounts", "--triggers-only")
+    for _ in range(2):
+        with sqlite3.connect(path) as db:
+            db.executescript(again.stdout)
+    # And to fence one more table: the CREATEs run again, the new table's ALTERs once.
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+        db.executescript(run("ddl", "--dialect", "sqlite", "--table", "invoices").stdout)
+        columns = [row[1] for row in db.execute("PRAGMA table_info(invoices)")]
+    assert columns == ["id", "fence", "deleted"]
 
 
 def test_ddl_runs_on_sqlite_and_doctor_judges_the_file(tmp_path: Path) -> None:
