@@ -146,6 +146,34 @@ def test_wrong_redis_credentials_are_one_sentence(redis_url: str) -> None:
     assert "wrong" not in done.stderr  # the password is never shown
 
 
+@pytest.mark.parametrize(
+    ("wrong", "says"),
+    [
+        ("postgresql://nobody@{host}/postgres", 'role "nobody" does not exist'),
+        ("postgresql://postgres@{host}/no_such_db", 'database "no_such_db" does not exist'),
+    ],
+)
+def test_wrong_postgresql_user_or_database_is_not_called_unreachable(
+    postgres_server: PostgresServer, wrong: str, says: str
+) -> None:
+    url = wrong.format(host=f"127.0.0.1:{postgres_server.port}")
+    for args in (["inspect", url, "order:42"], ["revoke", url, "order:42"]):
+        done = run(*args, "--timeout", "2")
+        assert done.returncode == 1, done.stderr
+        assert says in done.stderr
+        assert "check the user, password and database in the URL" in done.stderr
+        assert "unreachable" not in done.stderr
+        assert "repeated" not in done.stderr  # not transient: the same URL fails again
+        assert done.stdout == ""
+    doctor = run("doctor", url, "--timeout", "2")
+    assert doctor.returncode == 1
+    first = lines(doctor.stdout)[1]
+    assert first.startswith("fail  reachable:"), doctor.stdout
+    assert "refused the connection" in first
+    assert says in first
+    assert "-> check the user, password and database in the URL" in lines(doctor.stdout)
+
+
 class _Worker:
     """An owner whose name, the end of the holder's label, holds a tab."""
 
