@@ -410,6 +410,7 @@ def _manager(args: argparse.Namespace, kind: str) -> Any:
             options["listen"] = False  # nothing here waits for a release
     elif kind in ("etcd", "zookeeper"):
         options["request_timeout"] = args.timeout
+        _refuse_if_nothing_listens(args.url, kind, args.timeout)
     token_mode = getattr(args, "token_mode", None)
     if token_mode is not None:
         if kind not in ("redis", "sql"):
@@ -423,6 +424,47 @@ def _manager(args: argparse.Namespace, kind: str) -> Any:
     if path is not None and not os.path.exists(path):
         raise _Failed(f"no SQLite database at {path}")
     return fence.connect(args.url, **options)
+
+
+def _refuse_if_nothing_listens(url: str, kind: str, timeout: float) -> None:
+    """Fail at once when every endpoint of an etcd or ZooKeeper URL refuses the connection.
+
+    The managers retry a refused connection until their deadline, as a member that
+    restarts refuses for a moment; a command run by hand learns sooner that nothing
+    listens where the URL points. A port that accepts, or that does not answer in time,
+    is left to the manager and its timeout.
+    """
+    import socket
+
+    from fence._etcd import parse_endpoints
+    from fence._zookeeper import parse_hosts
+
+    try:
+        if kind == "etcd":
+            parts = [urlsplit(e) for e in parse_endpoints(url)[0]]
+            default = {"https": 443}
+        else:
+            parts = [urlsplit(f"//{h.strip()}") for h in parse_hosts(url)[0].split(",")]
+            default = {"": 2181}  # kazoo's
+        endpoints = [(p.hostname, p.port or default.get(p.scheme, 80)) for p in parts]
+    except (ConfigurationError, ValueError):
+        return  # the manager says what is wrong with the URL
+    refused = []
+    for host, port in endpoints:
+        if host is None:
+            return
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                return
+        except ConnectionRefusedError:
+            refused.append(f"{host}:{port}")
+        except OSError:
+            return  # no such host, a timeout: the manager's error says it
+    name = "etcd" if kind == "etcd" else "ZooKeeper"
+    raise _Failed(
+        f"{name} at {', '.join(refused)} refused the connection (nothing listens there): "
+        "check the host and port in the URL, and that the server runs"
+    )
 
 
 def _resource(value: str) -> str:

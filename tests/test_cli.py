@@ -17,6 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,7 +211,7 @@ def test_a_resource_with_a_newline_is_shown_escaped(redis_url: str) -> None:
     [
         ("redis://127.0.0.1:{port}/0", "could not reach Redis at 127.0.0.1:"),
         ("postgresql://postgres@127.0.0.1:{port}/postgres", "unreachable"),
-        ("etcd://127.0.0.1:{port}", "did not serve"),
+        ("etcd://127.0.0.1:{port}", "refused the connection"),
     ],
 )
 def test_unreachable_server_exits_1(command: str, scheme: str, says: str) -> None:
@@ -715,3 +716,73 @@ def test_ctrl_c_on_a_hung_server_exits_130(command: str, says: str) -> None:
     assert proc.returncode == 130
     assert says in err
     assert "Traceback" not in err
+
+
+class _Deaf:
+    """A port that listens and never accepts: the kernel completes the handshake (the
+    backlog), and nothing ever reads or answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self.port = self.sock.getsockname()[1]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("silent", [_Silent, _Deaf], ids=["accepts", "never-accepts"])
+@pytest.mark.parametrize("scheme", ["zookeeper", "etcd"])
+def test_inspect_and_revoke_honour_the_timeout_of_a_server_that_never_answers(
+    scheme: str, silent: type[_Silent | _Deaf]
+) -> None:
+    server = silent()
+    try:
+        for command in ("inspect", "revoke"):
+            started = time.monotonic()
+            done = run(command, f"{scheme}://127.0.0.1:{server.port}", "x", "--timeout", "2")
+            took = time.monotonic() - started
+            assert done.returncode == 1, done.stderr
+            assert "2 s" in done.stderr  # what it says is what it waited
+            assert took < 2 + 3, (command, took)  # the timeout, the interpreter's start
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("scheme", ["zookeeper", "etcd"])
+def test_a_refused_connection_fails_at_once(scheme: str) -> None:
+    port = free_port()
+    for command in ("inspect", "revoke"):
+        started = time.monotonic()
+        done = run(command, f"{scheme}://127.0.0.1:{port}", "x", "--timeout", "10")
+        took = time.monotonic() - started
+        assert done.returncode == 1, done.stderr
+        assert f"127.0.0.1:{port} refused the connection" in done.stderr
+        assert "check the host and port in the URL, and that the server runs" in done.stderr
+        assert took < 4, (command, took)  # well under the timeout
+
+
+@pytest.mark.parametrize("command", ["inspect", "revoke"])
+@pytest.mark.parametrize("scheme", ["zookeeper", "etcd"])
+def test_ctrl_c_on_a_silent_consensus_server_exits_at_once(scheme: str, command: str) -> None:
+    server = _Silent()
+    try:
+        url = f"{scheme}://127.0.0.1:{server.port}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fence", command, url, "order:42", "--timeout", "100"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert server.accepted.wait(60), "the command never connected"
+        time.sleep(0.3)  # inside the call, waiting for an answer
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        server.close()
+    assert proc.returncode == 130, err
+    assert err.startswith("fence: interrupted")
+    assert "Traceback" not in err
+    assert took < 2.5, took
