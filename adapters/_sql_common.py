@@ -25,7 +25,14 @@ from fence._errors import (
     UnfencedWriteError,
 )
 from fence._events import EventBus, EventKind
-from fence._sql_dialect import JUDGE_FAULTS, Fault, fault_of, first_line, sqlstate
+from fence._sql_dialect import (
+    CHECK_LOGIN,
+    JUDGE_FAULTS,
+    Fault,
+    fault_of,
+    first_line,
+    sqlstate,
+)
 
 from .ddl import (
     DEFAULT_FENCE_COLUMN,
@@ -419,6 +426,12 @@ def translate_error(exc: BaseException, action: str, scope: str) -> FenceError:
             f"{action} on {scope}: the transaction was already aborted by an earlier error; "
             "roll it back before writing",
             code="ABORTED",
+        )
+    if fault is Fault.AUTH or fault is Fault.NO_DATABASE:
+        return BackendError(
+            f"{action} on {scope}: the server refused the login or has no such database "
+            f"({text}); {CHECK_LOGIN}",
+            code="AUTH" if fault is Fault.AUTH else "DATABASE",
         )
     if fault is Fault.CONNECTION or _looks_disconnected(exc):
         return BackendError(

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 from fence._core import TokenMode
 from fence._optional import sql_judge
 from fence._redis_settings import SETTINGS, Finding, judge_role, judge_settings, unreadable
+from fence._sql_dialect import CHECK_LOGIN, DIALECTS, Fault, first_line
 
 __all__ = [
     "CLOCK_LIMIT",
@@ -775,9 +776,22 @@ def sql_checks(
             checks += _fenced(conn, dialect, register, schema)
             return checks
     except sa.exc.DBAPIError as exc:
+        if dialect in DIALECTS and DIALECTS[dialect].classify(exc) in _LOGIN_FAULTS:
+            return [_refused(where, exc.orig if exc.orig is not None else exc)]
         return [_unreachable(where, exc.orig if exc.orig is not None else exc)]
     except OSError as exc:
         return [_unreachable(where, exc)]
+
+
+#: A login the server refused and a database it does not have: the server answered.
+_LOGIN_FAULTS = frozenset({Fault.AUTH, Fault.NO_DATABASE})
+
+
+def _refused(where: str, exc: BaseException) -> Check:
+    """The server answered and refused the URL's user, password or database."""
+    return Check(
+        FAIL, "reachable", f"{where} refused the connection: {first_line(exc)}", CHECK_LOGIN
+    )
 
 
 def _fenced(conn: Any, dialect: str, register: str, schema: str | None) -> list[Check]:

@@ -25,7 +25,7 @@ from sqlalchemy.engine import URL, make_url
 from fence._core import MAX_TOKEN
 from fence._errors import BackendError, ConfigurationError, InvalidTokenError, RetryableError
 from fence._rwlock import Holder, Waiting
-from fence._sql_dialect import Fault, SQLDialect, dialect_of_url, first_line
+from fence._sql_dialect import CHECK_LOGIN, Fault, SQLDialect, dialect_of_url, first_line
 from fence._wake import WakeBoard
 
 __all__ = [
@@ -186,16 +186,17 @@ def lease_error(exc: BaseException, where: str, dialect: SQLDialect, pool: Any) 
             "needs the migration of lease_upgrade_ddl()",
             code="SCHEMA",
         )
+    # A wrong user, password or database name fails the same way on every attempt: a
+    # mistake in the URL, not a database that is down, so neither is retryable.
     if fault is Fault.NO_DATABASE:
         return BackendError(
             f"{where}: the server answered, but the database does not exist ({message}); "
-            "create it or fix the database name in the URL",
+            f"create it, or {CHECK_LOGIN}",
             code="DATABASE",
         )
     if fault is Fault.AUTH:
         return BackendError(
-            f"{where}: the server refused the credentials ({message}); fix the user or "
-            "password in the URL",
+            f"{where}: the server refused the login ({message}); {CHECK_LOGIN}",
             code="AUTH",
         )
     if fault is Fault.CANNOT_OPEN:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 
 __all__ = [
+    "CHECK_LOGIN",
     "DIALECTS",
     "JUDGE_FAULTS",
     "PG_CONNECT_TIMEOUT",
@@ -79,6 +80,10 @@ SQLITE_PRAGMAS: dict[str, str | int] = {
 #: new connection this long at most (psycopg's floor is 2 s).
 PG_CONNECT_TIMEOUT = 5
 
+#: What to do about a login the server refused (:attr:`Fault.AUTH`) or a database it does
+#: not have (:attr:`Fault.NO_DATABASE`): the same URL fails the same way until it is fixed.
+CHECK_LOGIN = "check the user, password and database in the URL"
+
 #: The SQLSTATEs of the database's judge of fenced writes (C14, ``fence.adapters.ddl``): a
 #: write without a token, a write whose token is below the row's fence, a write that would
 #: lower or drop a fence. Class ``IO`` is no standard class, so no other error has them.
@@ -100,9 +105,11 @@ class Fault(enum.Enum):
         ABORTED: the transaction was already aborted by an earlier error (25P02).
         MISSING_TABLE: a table or schema does not exist (42P01, 3F000, ``no such table``).
         MISSING_COLUMN: a column does not exist (42703, ``no such column``).
-        NO_DATABASE: the server answered, but the database does not exist (3D000).
+        NO_DATABASE: the server answered, but the database does not exist (3D000): a
+            mistake in the URL, never transient.
         CANNOT_OPEN: SQLite cannot open the database file.
-        AUTH: the server refused the credentials (28P01, 28000).
+        AUTH: the server refused the login (28P01, a wrong password; 28000, a role that
+            does not exist or that ``pg_hba.conf`` turns away): never transient.
         CONNECTION: the connection is lost or closed (classes 08 and 57P).
         UNFENCED: the database's judge (C14) refused a write that carries no token
             (:data:`SQLSTATE_UNFENCED`; SQLite: a message ``iofence: unfenced ...``).
@@ -142,6 +149,17 @@ JUDGE_FAULTS = frozenset({Fault.UNFENCED, Fault.STALE, Fault.REFUSED})
 _RETRYABLE = frozenset(
     {Fault.SERIALIZATION, Fault.DEADLOCK, Fault.LOCK_TIMEOUT, Fault.CANCELED, Fault.BUSY}
 )
+
+
+def _refused_login(text: str) -> bool:
+    """Whether a connection error's message is a refused login: a wrong password
+    (28P01), or a user that does not exist or that ``pg_hba.conf`` turns away (28000). Read
+    before the missing database, whose message a role's name could resemble."""
+    return (
+        "authentication failed" in text
+        or ("FATAL:  role " in text and "does not exist" in text)
+        or "no pg_hba.conf entry" in text
+    )
 
 
 def sqlstate(exc: BaseException) -> str | None:
@@ -376,10 +394,10 @@ class PostgreSQLDialect(SQLDialect):
             return Fault.MISSING_TABLE
         if state == "42703":
             return Fault.MISSING_COLUMN
+        if state in ("28P01", "28000") or (state is None and _refused_login(text)):
+            return Fault.AUTH
         if state == "3D000" or ("database" in text and "does not exist" in text):
             return Fault.NO_DATABASE
-        if state in ("28P01", "28000") or "authentication failed" in text:
-            return Fault.AUTH
         if state == "55P03":
             return Fault.LOCK_TIMEOUT
         if state == "57014":

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import sys
+import textwrap
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -170,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the DDL iofence needs, for a migration or for psql / sqlite3: the "
         "SQL lock manager's lease table, the fence register and its judge, and for every "
         "--table the fence column, the tombstone flag and the database's judge (triggers that "
-        "refuse stale and unfenced writes, whoever sends them; run it again to upgrade them).",
+        "refuse stale and unfenced writes, whoever sends them; run it again to upgrade them). "
+        "The PostgreSQL script runs again unharmed (IF NOT EXISTS). " + _SQLITE_AGAIN,
     )
     ddl_parser.add_argument(
         "--dialect",
@@ -408,6 +410,7 @@ def _manager(args: argparse.Namespace, kind: str) -> Any:
             options["listen"] = False  # nothing here waits for a release
     elif kind in ("etcd", "zookeeper"):
         options["request_timeout"] = args.timeout
+        _refuse_if_nothing_listens(args.url, kind, args.timeout)
     token_mode = getattr(args, "token_mode", None)
     if token_mode is not None:
         if kind not in ("redis", "sql"):
@@ -421,6 +424,47 @@ def _manager(args: argparse.Namespace, kind: str) -> Any:
     if path is not None and not os.path.exists(path):
         raise _Failed(f"no SQLite database at {path}")
     return fence.connect(args.url, **options)
+
+
+def _refuse_if_nothing_listens(url: str, kind: str, timeout: float) -> None:
+    """Fail at once when every endpoint of an etcd or ZooKeeper URL refuses the connection.
+
+    The managers retry a refused connection until their deadline, as a member that
+    restarts refuses for a moment; a command run by hand learns sooner that nothing
+    listens where the URL points. A port that accepts, or that does not answer in time,
+    is left to the manager and its timeout.
+    """
+    import socket
+
+    from fence._etcd import parse_endpoints
+    from fence._zookeeper import parse_hosts
+
+    try:
+        if kind == "etcd":
+            parts = [urlsplit(e) for e in parse_endpoints(url)[0]]
+            default = {"https": 443}
+        else:
+            parts = [urlsplit(f"//{h.strip()}") for h in parse_hosts(url)[0].split(",")]
+            default = {"": 2181}  # kazoo's
+        endpoints = [(p.hostname, p.port or default.get(p.scheme, 80)) for p in parts]
+    except (ConfigurationError, ValueError):
+        return  # the manager says what is wrong with the URL
+    refused = []
+    for host, port in endpoints:
+        if host is None:
+            return
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                return
+        except ConnectionRefusedError:
+            refused.append(f"{host}:{port}")
+        except OSError:
+            return  # no such host, a timeout: the manager's error says it
+    name = "etcd" if kind == "etcd" else "ZooKeeper"
+    raise _Failed(
+        f"{name} at {', '.join(refused)} refused the connection (nothing listens there): "
+        "check the host and port in the URL, and that the server runs"
+    )
 
 
 def _resource(value: str) -> str:
@@ -608,6 +652,14 @@ def _revoke(args: argparse.Namespace) -> int:
 # -- ddl --------------------------------------------------------------------------------------
 
 
+_SQLITE_AGAIN = (
+    "SQLite has no ADD COLUMN IF NOT EXISTS: run the ALTER TABLE lines of a table once (run "
+    "again, the script stops at the first, with 'duplicate column name'). Name a table with "
+    "--table until it has its columns, and upgrade its judge with --triggers-only, which runs "
+    "again and again."
+)
+
+
 def _ddl_script(
     dialect: str,
     tables: Sequence[str] = (),
@@ -639,6 +691,14 @@ def _ddl_script(
 
     quote = dialect_for(dialect).quote
     fence_column_ddl, tombstone_ddl, register_ddl = sql_ddl()
+    if dialect == "postgresql":
+        # The library's templates run on SQLite too, which has no ADD COLUMN IF NOT EXISTS;
+        # PostgreSQL has it, so that the whole script can run again (`| psql`, a migration
+        # replayed) on tables that have their columns already.
+        fence_column_ddl, tombstone_ddl = (
+            ddl.replace(" ADD COLUMN ", " ADD COLUMN IF NOT EXISTS ", 1)
+            for ddl in (fence_column_ddl, tombstone_ddl)
+        )
     trigger_ddl = sql_trigger_ddl()
 
     def parts_of(name: str, in_schema: str | None = None) -> list[str]:
@@ -667,7 +727,14 @@ def _ddl_script(
             flag = "deleted" if tombstone else None
             out += ["", f"-- {table}: {judge_note}.", *judge(table, tombstone=flag)]
         return "\n".join(out) + "\n"
-    out = [f"-- iofence DDL for {dialect}: run it once, in a migration or by hand."]
+    if dialect == "postgresql":
+        out = [
+            "-- iofence DDL for postgresql, for a migration or psql: running it again changes",
+            "-- nothing but the judge, which it replaces (an upgrade).",
+        ]
+    else:
+        out = [f"-- iofence DDL for {dialect}, for a migration or sqlite3."]
+        out += ["-- " + line for line in textwrap.wrap(_SQLITE_AGAIN, 88)]
     if lease_table is not None:
         out += [
             "",

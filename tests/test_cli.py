@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from fence.adapters.sql import (
     FenceRegister,
     fence_register_table,
 )
-from tests.servers import RedisClusterServers
+from tests.servers import PostgresServer, RedisClusterServers
 
 
 def run(
@@ -145,6 +147,34 @@ def test_wrong_redis_credentials_are_one_sentence(redis_url: str) -> None:
     assert "wrong" not in done.stderr  # the password is never shown
 
 
+@pytest.mark.parametrize(
+    ("wrong", "says"),
+    [
+        ("postgresql://nobody@{host}/postgres", 'role "nobody" does not exist'),
+        ("postgresql://postgres@{host}/no_such_db", 'database "no_such_db" does not exist'),
+    ],
+)
+def test_wrong_postgresql_user_or_database_is_not_called_unreachable(
+    postgres_server: PostgresServer, wrong: str, says: str
+) -> None:
+    url = wrong.format(host=f"127.0.0.1:{postgres_server.port}")
+    for args in (["inspect", url, "order:42"], ["revoke", url, "order:42"]):
+        done = run(*args, "--timeout", "2")
+        assert done.returncode == 1, done.stderr
+        assert says in done.stderr
+        assert "check the user, password and database in the URL" in done.stderr
+        assert "unreachable" not in done.stderr
+        assert "repeated" not in done.stderr  # not transient: the same URL fails again
+        assert done.stdout == ""
+    doctor = run("doctor", url, "--timeout", "2")
+    assert doctor.returncode == 1
+    first = lines(doctor.stdout)[1]
+    assert first.startswith("fail  reachable:"), doctor.stdout
+    assert "refused the connection" in first
+    assert says in first
+    assert "-> check the user, password and database in the URL" in lines(doctor.stdout)
+
+
 class _Worker:
     """An owner whose name, the end of the holder's label, holds a tab."""
 
@@ -181,7 +211,7 @@ def test_a_resource_with_a_newline_is_shown_escaped(redis_url: str) -> None:
     [
         ("redis://127.0.0.1:{port}/0", "could not reach Redis at 127.0.0.1:"),
         ("postgresql://postgres@127.0.0.1:{port}/postgres", "unreachable"),
-        ("etcd://127.0.0.1:{port}", "did not serve"),
+        ("etcd://127.0.0.1:{port}", "refused the connection"),
     ],
 )
 def test_unreachable_server_exits_1(command: str, scheme: str, says: str) -> None:
@@ -229,12 +259,18 @@ def test_ddl_prints_the_library_ddl() -> None:
     for statement in fence.lease_schema_ddl("postgresql"):  # the shared locks' table too
         assert statement + ";" in text
     assert REGISTER_TABLE_DDL.format(table="fence_register") + ";" in text
-    assert FENCE_COLUMN_DDL.format(table="accounts") + ";" in text
-    assert TOMBSTONE_COLUMN_DDL.format(table="accounts") + ";" in text
-    assert FENCE_COLUMN_DDL.format(table='app."Orders"') + ";" in text  # quoted as needed
+
+    def again(ddl: str) -> str:  # PostgreSQL's ALTERs may run again
+        return ddl.replace(" ADD COLUMN ", " ADD COLUMN IF NOT EXISTS ")
+
+    assert again(FENCE_COLUMN_DDL.format(table="accounts")) + ";" in text
+    assert again(TOMBSTONE_COLUMN_DDL.format(table="accounts")) + ";" in text
+    assert again(FENCE_COLUMN_DDL.format(table='app."Orders"')) + ";" in text  # quoted
     bare = run("ddl", "--dialect", "sqlite", "--no-lease-table", "--no-register", "--table", "t")
     statements = [s for s in bare.stdout.split(";") if s.strip() and "ALTER" in s]
     assert len(statements) == 2  # the fence column and the tombstone flag, nothing else
+    assert FENCE_COLUMN_DDL.format(table="t") + ";" in bare.stdout  # SQLite's, as they are
+    assert TOMBSTONE_COLUMN_DDL.format(table="t") + ";" in bare.stdout
     assert "TABLE IF NOT EXISTS" not in bare.stdout
 
 
@@ -292,6 +328,73 @@ def test_ddl_runs_on_postgresql_and_the_managers_use_it(postgres_url: str) -> No
         with engine.begin() as conn:
             conn.exec_driver_sql(f"DROP TABLE {table}, {leases}, {register}")
         engine.dispose()
+
+
+def psql(server: PostgresServer, script: str) -> subprocess.CompletedProcess[str]:
+    """``SCRIPT | psql -v ON_ERROR_STOP=1``, as the docs pipe ``fence ddl``."""
+    program = shutil.which("psql") or str(Path(server.bindir) / "psql")
+    return subprocess.run(
+        [program, "-X", "-q", "-v", "ON_ERROR_STOP=1", server.conninfo],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_postgresql_ddl_runs_again_through_psql(postgres_server: PostgresServer) -> None:
+    table, fenced = unique("cli_again"), unique("cli_fenced")
+    leases, register = unique("cli_leases"), unique("cli_reg")
+    made = psql(
+        postgres_server,
+        f"CREATE TABLE {table} (id INT PRIMARY KEY, balance INT);"
+        # A table that has its fence column already, as after a migration run before.
+        f"CREATE TABLE {fenced} (id INT PRIMARY KEY, fence BIGINT NOT NULL DEFAULT 0);",
+    )
+    assert made.returncode == 0, made.stderr
+    names = ["--lease-table", leases, "--register", register]
+    try:
+        for args in (
+            ["--table", table, "--table", fenced, *names],
+            ["--table", table, "--table", fenced, *names, "--no-triggers"],
+            ["--table", table, *names, "--triggers-only"],
+        ):
+            done = run("ddl", "--dialect", "postgresql", *args)
+            assert done.returncode == 0, done.stderr
+            for _ in range(2):
+                ran = psql(postgres_server, done.stdout)
+                assert ran.returncode == 0, (args, ran.stderr)
+            assert "ADD COLUMN IF NOT EXISTS" in done.stdout or "--triggers-only" in args
+    finally:
+        dropped = psql(
+            postgres_server,
+            f"DROP TABLE IF EXISTS {table}, {fenced}, {leases}, {leases}_shared, {register};",
+        )
+        assert dropped.returncode == 0, dropped.stderr
+
+
+def test_the_sqlite_ddl_says_how_to_run_it_again(tmp_path: Path) -> None:
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER)")
+    done = run("ddl", "--dialect", "sqlite", "--table", "accounts")
+    assert "SQLite has no ADD COLUMN IF NOT EXISTS" in done.stdout
+    assert "SQLite has no ADD COLUMN IF NOT EXISTS" in run("ddl", "--help").stdout
+    with sqlite3.connect(path) as db:
+        db.executescript(done.stdout)
+    with sqlite3.connect(path) as db, pytest.raises(sqlite3.OperationalError, match="duplicate"):
+        db.executescript(done.stdout)  # what the comment says: the ALTERs run once
+    # What it says to run instead, to upgrade the judge: again and again.
+    again = run("ddl", "--dialect", "sqlite", "--table", "accounts", "--triggers-only")
+    for _ in range(2):
+        with sqlite3.connect(path) as db:
+            db.executescript(again.stdout)
+    # And to fence one more table: the CREATEs run again, the new table's ALTERs once.
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+        db.executescript(run("ddl", "--dialect", "sqlite", "--table", "invoices").stdout)
+        columns = [row[1] for row in db.execute("PRAGMA table_info(invoices)")]
+    assert columns == ["id", "fence", "deleted"]
 
 
 def test_ddl_runs_on_sqlite_and_doctor_judges_the_file(tmp_path: Path) -> None:
@@ -613,3 +716,73 @@ def test_ctrl_c_on_a_hung_server_exits_130(command: str, says: str) -> None:
     assert proc.returncode == 130
     assert says in err
     assert "Traceback" not in err
+
+
+class _Deaf:
+    """A port that listens and never accepts: the kernel completes the handshake (the
+    backlog), and nothing ever reads or answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self.port = self.sock.getsockname()[1]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("silent", [_Silent, _Deaf], ids=["accepts", "never-accepts"])
+@pytest.mark.parametrize("scheme", ["zookeeper", "etcd"])
+def test_inspect_and_revoke_honour_the_timeout_of_a_server_that_never_answers(
+    scheme: str, silent: type[_Silent | _Deaf]
+) -> None:
+    server = silent()
+    try:
+        for command in ("inspect", "revoke"):
+            started = time.monotonic()
+            done = run(command, f"{scheme}://127.0.0.1:{server.port}", "x", "--timeout", "2")
+            took = time.monotonic() - started
+            assert done.returncode == 1, done.stderr
+            assert "2 s" in done.stderr  # what it says is what it waited
+            assert took < 2 + 3, (command, took)  # the timeout, the interpreter's start
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("scheme", ["zookeeper", "etcd"])
+def test_a_refused_connection_fails_at_once(scheme: str) -> None:
+    port = free_port()
+    for command in ("inspect", "revoke"):
+        started = time.monotonic()
+        done = run(command, f"{scheme}://127.0.0.1:{port}", "x", "--timeout", "10")
+        took = time.monotonic() - started
+        assert done.returncode == 1, done.stderr
+        assert f"127.0.0.1:{port} refused the connection" in done.stderr
+        assert "check the host and port in the URL, and that the server runs" in done.stderr
+        assert took < 4, (command, took)  # well under the timeout
+
+
+@pytest.mark.parametrize("command", ["inspect", "revoke"])
+@pytest.mark.parametrize("scheme", ["zookeeper", "etcd"])
+def test_ctrl_c_on_a_silent_consensus_server_exits_at_once(scheme: str, command: str) -> None:
+    server = _Silent()
+    try:
+        url = f"{scheme}://127.0.0.1:{server.port}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fence", command, url, "order:42", "--timeout", "100"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert server.accepted.wait(60), "the command never connected"
+        time.sleep(0.3)  # inside the call, waiting for an answer
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        server.close()
+    assert proc.returncode == 130, err
+    assert err.startswith("fence: interrupted")
+    assert "Traceback" not in err
+    assert took < 2.5, took

@@ -28,6 +28,7 @@ from fence.adapters.orm import (
     fence_register_table,
     fenced_version,
     tombstone_column,
+    unbind,
 )
 from fence.adapters.sql import RowGuard
 from fence.testing import EventRecorder
@@ -250,6 +251,39 @@ def _unit(engine: Engine, env: Env, token: int, value: int) -> None:
         bind(s, token=token, scope="item:1", register=env.register)
         s.get(env.Item, 1).v = value
         s.commit()
+
+
+@pytest.mark.parametrize("after_commit", ["expire", "keep", "unbind"])
+def test_a_read_after_commit_claims_again_unless_nothing_expires(
+    engine: Engine, env: Env, after_commit: str
+) -> None:
+    """What a unit of work costs in register writes (docs/orm.md, "Every transaction claims
+    again"): SQLAlchemy's default ``expire_on_commit`` makes the first read after
+    ``commit()`` begin a transaction, and a bound transaction claims as it begins (one more
+    register write, accepted). ``expire_on_commit=False``, or unbinding after the commit,
+    leaves one claim per unit of work."""
+    bus = EventBus()
+    recorder = EventRecorder(bus)
+    units = 3
+    try:
+        for n in range(units):
+            with Session(engine, expire_on_commit=after_commit != "keep") as s:
+                bind(s, token=5, scope="item:1", register=env.register, events=bus)
+                item = s.get(env.Item, 1)
+                item.v = 100 + n
+                s.commit()
+                if after_commit == "unbind":
+                    unbind(s)
+                assert item.v == 100 + n  # the read after the commit
+                if after_commit == "unbind":
+                    item.v = 0  # a write after unbind() is refused, as docs/orm.md says
+                    with pytest.raises(TokenRequiredError):
+                        s.commit()
+        claims = [e for e in recorder.of(EventKind.WRITE_ACCEPTED) if e.scope == "item:1"]
+        per_unit = 2 if after_commit == "expire" else 1
+        assert len(claims) == per_unit * units
+    finally:
+        recorder.close()
 
 
 def _prepared(engine: Engine) -> list[str]:

@@ -197,6 +197,55 @@ def test_postgresql_reads_connection_errors_by_their_message() -> None:
 
 
 @pytest.mark.parametrize(
+    "message",
+    [
+        'FATAL:  role "nobody" does not exist',  # 28000
+        'FATAL:  role "database_admin" does not exist',  # not a missing database
+        'FATAL:  no pg_hba.conf entry for host "10.0.0.1", user "app", database "app"',
+        'FATAL:  password authentication failed for user "app"',  # 28P01
+    ],
+)
+def test_a_refused_login_is_read_from_its_message(message: str) -> None:
+    """psycopg raises a failed connection without a SQLSTATE: a wrong user or password is
+    a mistake in the URL, never a connection to repeat."""
+    raised = psycopg.OperationalError(f'connection failed: connection to server at "h" {message}')
+    assert PG.classify(_wrapped(sa_exc.OperationalError, raised)) is Fault.AUTH
+    error = lease_error(_wrapped(sa_exc.OperationalError, raised), "acquire of 'r'", PG, None)
+    assert (error.code, error.retryable) == ("AUTH", False)
+    assert "check the user, password and database in the URL" in str(error)
+    assert "unreachable" not in str(error)
+
+
+@pytest.mark.parametrize(
+    ("state", "code"), [("28000", "AUTH"), ("28P01", "AUTH"), ("3D000", "DATABASE")]
+)
+def test_the_guards_call_a_refused_login_no_connection_loss(state: str, code: str) -> None:
+    from fence.adapters._sql_common import translate_error
+
+    error = translate_error(_pg(state), "fenced update", "accounts(1)")
+    assert (type(error), error.code, error.retryable) == (BackendError, code, False)
+    assert "check the user, password and database in the URL" in str(error)
+
+
+def test_a_wrong_user_or_database_fails_the_manager_at_once(postgres_server: Any) -> None:
+    import fence
+
+    where = f"127.0.0.1:{postgres_server.port}"
+    for url, code in (
+        (f"postgresql://nobody@{where}/postgres", "AUTH"),
+        (f"postgresql://postgres@{where}/no_such_db", "DATABASE"),
+    ):
+        manager = fence.connect(url)
+        try:
+            with pytest.raises(BackendError) as caught:
+                manager.acquire("r", ttl=5)
+        finally:
+            manager.close()
+        assert (caught.value.code, caught.value.retryable) == (code, False)
+        assert "check the user, password and database in the URL" in str(caught.value)
+
+
+@pytest.mark.parametrize(
     ("message", "fault"),
     [
         ("no such table: t", Fault.MISSING_TABLE),

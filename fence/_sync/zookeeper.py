@@ -347,6 +347,7 @@ class ZooKeeperDriver:
         self._connect_waiters: list[Any] = []
         self._started = False
         self._closed = False
+        self._had_session = False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.hosts} root={self.root!r}>"
@@ -361,6 +362,7 @@ class ZooKeeperDriver:
     def _on_state(self, state: str) -> None:
         """kazoo's state listener (on its connection thread; must not block)."""
         if state == KazooState.CONNECTED:
+            self._had_session = True
             self._logger.setLevel(logging.WARNING)  # the probe has what it needs
             with self._lock:
                 waiters, self._connect_waiters = self._connect_waiters, []
@@ -862,7 +864,8 @@ class ZooKeeperDriver:
         )
 
     def close(self) -> None:
-        """Stop the reaper, close the session (ZooKeeper deletes its nodes) and the client."""
+        """Stop the reaper, close the session (ZooKeeper deletes its nodes) and the client.
+        A client that never had a session returns at once (within half a second)."""
         if self._closed:
             return
         self._closed = True
@@ -883,7 +886,15 @@ class ZooKeeperDriver:
 
         # kazoo's stop() joins its threads: off the event loop, on a thread of its own.
         threading.Thread(target=stop, name="fence-zookeeper-close", daemon=True).start()
-        done.wait(self.request_timeout + 15.0)
+        # Without a session the ensemble holds nothing of ours to delete, and stop() may
+        # wait out a handshake that a silent server never answers (kazoo joins its
+        # connection thread for up to the session timeout): a close, or a Ctrl-C, would
+        # take that long. Its threads are daemons and end on their own.
+        done.wait(self.request_timeout + 15.0 if self._had_session else _NO_SESSION_WAIT)
+
+
+#: How long ``close()`` waits for kazoo's stop when no session was ever established.
+_NO_SESSION_WAIT = 0.5
 
 
 class ZooKeeperLockManager(BaseLockManager):
