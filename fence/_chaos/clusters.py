@@ -100,7 +100,11 @@ class _Cluster:
         try:
             wait_for_port(self._client_port(member), timeout=60, proc=member.proc)
         except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError(f"{self.name} member {index} did not start: {exc}") from None
+            # The server's own words say why (a port taken, a file it could not read).
+            raise RuntimeError(
+                f"{self.name} member {index} did not start: {exc}; the end of its log:\n"
+                f"{self.tail(index, 2000)}"
+            ) from None
 
     def kill(self, index: int) -> None:
         """``SIGKILL`` member ``index``: no shutdown at all."""
