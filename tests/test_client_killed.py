@@ -1,12 +1,13 @@
 """A client killed (``SIGKILL``) while it holds a lock, or while it waits for it, leaves
 nothing that outlives its ttl (or its place's ``queue_ttl``): the next contender is granted
-within that bound, on Redis, PostgreSQL and SQLite, whether the dead client ran the sync
-or the asyncio manager.
+within that bound, on Redis, PostgreSQL, SQLite and etcd, whether the dead client ran the
+sync or the asyncio manager.
 
-A killed client sends no clean-up, so its lock lives out its ttl and its place in a queue
-its ``queue_ttl``; what these tests pin is that nothing lives longer. A dead waiter is
-given a long ttl (:data:`WAITER_TTL`): had it been granted the lock, or left anything
-tied to its lease, the next contender would wait that long, past every bound here.
+A killed client sends no clean-up, so its lock lives out its ttl (etcd: its lease,
+``ceil(ttl) + 1`` s) and its place in a queue its ``queue_ttl``; what these tests pin is
+that nothing lives longer. A dead waiter is given a long ttl (:data:`WAITER_TTL`): had it
+been granted the lock, or left anything tied to its lease, the next contender would wait
+that long, past every bound here.
 The other faults (a cancelled task, a timed-out acquire, a reply that never comes) are in
 ``tests/test_manager_cancellation.py``, ``tests/_async/test_manager_deadlines.py``,
 ``tests/test_reply_lost.py`` and ``tests/_async/test_redis_manager.py``; ZooKeeper's
@@ -15,6 +16,7 @@ killed contenders are in ``tests/_async/test_zookeeper_links.py``.
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import signal
@@ -26,15 +28,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 import redis
 
+from fence._etcd import lease_seconds, queue_prefix, range_end
 from fence._redis_keys import resource_keys
 from fence._sql_schema import DEFAULT_TABLE, lease_schema_ddl
+from fence._sync.etcd import EtcdLockManager
 from fence._sync.redis import RedisLockManager
 from fence._sync.sql import SQLLockManager
-from tests.servers import PostgresServer
+from tests.servers import EtcdCluster, PostgresServer
 
 pytestmark = pytest.mark.slow
 
@@ -341,6 +346,69 @@ def test_sqlite_holder_killed(tmp_path: Path, resource: str, flavour: str) -> No
         killed = time.monotonic()
         assert manager.inspect(resource) is not None
         granted_within(manager, resource, killed, TTL + SLACK)
+    finally:
+        if child is not None:
+            reap(child)
+        manager.close()
+
+
+# -- etcd ---------------------------------------------------------------------------------------
+
+
+def etcd_entries(cluster: EtcdCluster, url: str, resource: str) -> int:
+    """How many keys ``resource``'s queue has (its holder's and its waiters'), read
+    straight from the cluster."""
+    start = queue_prefix(url.split("/", 3)[3], resource)
+    reply = httpx.post(
+        f"http://{cluster.endpoints[0]}/v3/kv/range",
+        json={
+            "key": base64.b64encode(start).decode(),
+            "range_end": base64.b64encode(range_end(start)).decode(),
+            "count_only": True,
+        },
+        timeout=10,
+    ).json()
+    return int(reply.get("count", 0))
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_etcd_holder_killed(
+    etcd_cluster: EtcdCluster, etcd_url: str, resource: str, flavour: str
+) -> None:
+    """The holder is killed: no keepalive comes, its lease (``ceil(ttl) + 1`` s) expires
+    and takes its key, and the next acquire gets the lock."""
+    child = start_child(flavour, "etcd", etcd_url, "", resource, "hold")
+    manager = EtcdLockManager(etcd_url)
+    try:
+        kill(child)
+        killed = time.monotonic()
+        assert etcd_entries(etcd_cluster, etcd_url, resource) == 1
+        granted_within(manager, resource, killed, lease_seconds(TTL) + SLACK)
+        assert etcd_entries(etcd_cluster, etcd_url, resource) == 0
+    finally:
+        reap(child)
+        manager.close()
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_etcd_waiter_killed(
+    etcd_cluster: EtcdCluster, etcd_url: str, resource: str, flavour: str
+) -> None:
+    """A waiter is killed in the queue: when the holder releases, the dead waiter's key
+    comes first and goes when its lease expires (it renews that lease while it waits, so
+    the lease is ``ceil(ttl) + 1`` s); then the next contender gets the lock. The dead
+    waiter's ttl here is the short one: a waiter's lease is as long as its ttl."""
+    manager = EtcdLockManager(etcd_url)
+    child = None
+    try:
+        holder = manager.acquire(resource)
+        child = start_child(flavour, "etcd", etcd_url, "", resource, "wait")
+        until(lambda: etcd_entries(etcd_cluster, etcd_url, resource) == 2, "the waiter's key")
+        kill(child)
+        killed = time.monotonic()
+        holder.release()
+        granted_within(manager, resource, killed, lease_seconds(TTL) + SLACK)
+        assert etcd_entries(etcd_cluster, etcd_url, resource) == 0
     finally:
         if child is not None:
             reap(child)
