@@ -1,7 +1,7 @@
 """A client killed (``SIGKILL``) while it holds a lock, or while it waits for it, leaves
 nothing that outlives its ttl (or its place's ``queue_ttl``): the next contender is granted
-within that bound, on Redis, PostgreSQL, SQLite and etcd, whether the dead client ran the
-sync or the asyncio manager.
+within that bound, on Redis, PostgreSQL, SQLite, etcd and the Redis quorum, whether the
+dead client ran the sync or the asyncio manager.
 
 A killed client sends no clean-up, so its lock lives out its ttl (etcd: its lease,
 ``ceil(ttl) + 1`` s) and its place in a queue its ``queue_ttl``; what these tests pin is
@@ -37,6 +37,7 @@ from fence._etcd import lease_seconds, queue_prefix, range_end
 from fence._redis_keys import resource_keys
 from fence._sql_schema import DEFAULT_TABLE, lease_schema_ddl
 from fence._sync.etcd import EtcdLockManager
+from fence._sync.quorum import QuorumLockManager
 from fence._sync.redis import RedisLockManager
 from fence._sync.sql import SQLLockManager
 from tests.servers import EtcdCluster, PostgresServer
@@ -412,4 +413,30 @@ def test_etcd_waiter_killed(
     finally:
         if child is not None:
             reap(child)
+        manager.close()
+
+
+# -- the Redis quorum ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_quorum_holder_killed(quorum_urls: list[str], resource: str, flavour: str) -> None:
+    """The holder is killed: its lock ends with its ttl on every node, and the next
+    acquire gets it."""
+    child = start_child(flavour, "quorum", ",".join(quorum_urls), "", resource, "hold")
+    manager = QuorumLockManager(quorum_urls, check_config=False)
+    try:
+        kill(child)
+        killed = time.monotonic()
+        assert manager.inspect(resource) is not None
+        granted_within(manager, resource, killed, TTL + SLACK)
+        key = resource_keys("fence:", resource).lock
+        for url in quorum_urls:
+            client = redis.Redis.from_url(url)
+            try:
+                assert client.exists(key) == 0
+            finally:
+                client.close()
+    finally:
+        reap(child)
         manager.close()
