@@ -10,7 +10,7 @@ import base64
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ import httpx
 import pytest
 from kazoo.client import KazooClient
 
-from fence import ConfigurationError, InvalidTokenError, NotOwnerError
+from fence import AcquireTimeout, ConfigurationError, InvalidTokenError, NotOwnerError
 from fence._etcd import (
     lease_id,
     lease_seconds,
@@ -181,6 +181,14 @@ class Backend:
             client.close()
 
 
+def until(condition: Callable[[], object], what: str, seconds: float = 30.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``seconds``."""
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
 @pytest.fixture(params=["etcd", "zookeeper"])
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     kind = request.param
@@ -202,6 +210,36 @@ def test_failed_try_leaves_no_entry_in_the_queue(backend: Backend) -> None:
     assert backend.queue_length("try") == 1
     lease.release()
     assert backend.queue_length("try") == 0
+
+
+def test_timed_out_waiter_leaves_no_entry_in_the_queue(backend: Backend) -> None:
+    """An acquire that timed out while it waited in the queue behind a holder takes its
+    entry out (etcd: it revokes its lease; ZooKeeper: it deletes its node) as it gives
+    up, not when its lease or session ends (30 s here): the contender that comes next is
+    first behind the holder, and gets the lock as soon as the holder releases (10 s is
+    room for a loaded machine, a third of the lease)."""
+    holder, waiter = backend.manager(ttl=30), backend.manager(ttl=30)
+    lease = holder.acquire("timed-out")
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waiter.acquire("timed-out", timeout=2)
+        except AcquireTimeout as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    until(lambda: backend.queue_length("timed-out") == 2, "the waiter's entry")
+    thread.join(30)
+    assert len(outcome) == 1, outcome
+    until(lambda: backend.queue_length("timed-out") == 1, "the entry to go", seconds=10)
+    lease.release()
+    released = time.monotonic()
+    again = waiter.acquire("timed-out", timeout=30)
+    took = time.monotonic() - released
+    again.release()
+    assert took < 10.0, f"granted {took:.2f} s after the release"
 
 
 def test_waiters_are_served_in_arrival_order(backend: Backend) -> None:

@@ -3,21 +3,27 @@
 The request has reached the server (or will, when it runs again) when the task is
 cancelled; the attempt may be granted after all. The manager cleans up before the
 ``CancelledError`` reaches the caller, so the lock is free at the next round trip instead
-of being held for the whole ttl by a secret nobody has. asyncio only: a thread cannot be
-cancelled (its timeouts are in ``tests/_async/test_manager_deadlines.py``).
+of being held for the whole ttl by a secret nobody has. A task cancelled while it waits
+in the queue of etcd or ZooKeeper takes its entry out, so the contenders behind it do not
+wait for its lease or session to end. asyncio only: a thread cannot be cancelled (its
+timeouts are in ``tests/_async/test_manager_deadlines.py`` and, for a waiter on etcd and
+ZooKeeper, ``tests/test_consensus_managers.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import secrets
 import signal
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 import redis
@@ -25,14 +31,16 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from fence import MemoryBackend
+from fence._async.etcd import AsyncEtcdLockManager
 from fence._async.memory import AsyncMemoryLockManager
 from fence._async.redis import AsyncRedisLockManager
 from fence._async.sql import AsyncSQLLockManager
 from fence._async.zookeeper import AsyncZooKeeperLockManager
+from fence._etcd import queue_prefix, range_end
 from fence._redis_keys import resource_keys
 from fence._zookeeper import queue_order, resource_path
 from tests.proxy_zookeeper import MULTI, ZooKeeperProxy
-from tests.servers import PostgresServer, RedisServer, ZooKeeperEnsemble
+from tests.servers import EtcdCluster, PostgresServer, RedisServer, ZooKeeperEnsemble
 
 pytestmark = pytest.mark.slow
 
@@ -301,3 +309,71 @@ async def test_zookeeper_cancelled_inside_the_join(
         await manager.close()
         observer.stop()
         observer.close()
+
+
+def queue_entries(request: pytest.FixtureRequest, kind: str, url: str, resource: str) -> int:
+    """How many entries ``resource``'s queue has (its holder's and its waiters'), read
+    straight from the session's etcd cluster or ZooKeeper ensemble."""
+    path = url.split("/", 3)[3]
+    if kind == "etcd":
+        cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
+        start = queue_prefix(path, resource)
+        reply = httpx.post(
+            f"http://{cluster.endpoints[0]}/v3/kv/range",
+            json={
+                "key": base64.b64encode(start).decode(),
+                "range_end": base64.b64encode(range_end(start)).decode(),
+                "count_only": True,
+            },
+            timeout=10,
+        ).json()
+        return int(reply.get("count", 0))
+    ensemble: ZooKeeperEnsemble = request.getfixturevalue("zookeeper_ensemble")
+    client = KazooClient(hosts=ensemble.hosts)
+    client.start(timeout=15)
+    try:
+        node = resource_path("/" + path, resource)
+        client.sync(node)
+        return len(queue_order(client.get_children(node)))
+    except NoNodeError:
+        return 0
+    finally:
+        client.stop()
+        client.close()
+
+
+@pytest.mark.parametrize("kind", ["etcd", "zookeeper"])
+async def test_consensus_cancelled_while_waiting(
+    request: pytest.FixtureRequest, resource: str, kind: str
+) -> None:
+    """A task cancelled while it waits in the queue behind a holder takes its entry out
+    (etcd: it revokes its lease; ZooKeeper: it deletes its node) before the cancellation
+    reaches the caller, not when its lease or session ends (30 s here): once the holder
+    releases, the next contender gets the lock at once (10 s is room for a loaded
+    machine, a third of the lease)."""
+    url = request.getfixturevalue(f"{kind}_url")
+    cls = AsyncEtcdLockManager if kind == "etcd" else AsyncZooKeeperLockManager
+    holder, waiter = cls(url, ttl=30), cls(url, ttl=30)
+
+    async def until(condition: Callable[[], bool], what: str) -> None:
+        for _ in range(200):
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"gave up waiting for {what}")
+
+    try:
+        lease = await holder.acquire(resource)
+        task = asyncio.create_task(waiter.acquire(resource, timeout=60))
+        await until(lambda: queue_entries(request, kind, url, resource) == 2, "the waiter")
+        await cancel_after(task, 0.0)
+        await until(lambda: queue_entries(request, kind, url, resource) == 1, "the entry to go")
+        await lease.release()
+        released = time.monotonic()
+        again = await waiter.acquire(resource, timeout=30)
+        took = time.monotonic() - released
+        await again.release()
+        assert took < 10.0, f"granted {took:.2f} s after the release"
+    finally:
+        await holder.close()
+        await waiter.close()

@@ -19,18 +19,21 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 import redis
 
 from fence import BackendError
+from fence._async.etcd import AsyncEtcdLockManager
 from fence._async.redis import AsyncRedisLockManager
 from fence._async.sql import AsyncSQLLockManager
 from fence._redis_keys import resource_keys
 from fence._sql_schema import lease_schema_ddl
+from fence._sync.etcd import EtcdLockManager
 from fence._sync.redis import RedisLockManager
 from fence._sync.sql import SQLLockManager
-from tests.servers import PostgresServer, free_port
+from tests.servers import EtcdCluster, PostgresServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +42,13 @@ TTL = 60.0
 
 class ReplyDropper:
     """A TCP proxy to ``upstream`` that, while armed, drops every reply of the server and
-    closes that connection at both ends (the requests it carried may have run)."""
+    closes that connection at both ends (the requests it carried may have run). With
+    ``only``, it drops only the replies on connections whose requests contained those
+    bytes (an HTTP client with one connection per request: the replies to one call)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *, only: bytes | None = None) -> None:
         self.upstream = (host, port)
+        self.only = only
         self.port = free_port()
         self.armed = threading.Event()
         self.dropped = 0
@@ -62,13 +68,18 @@ class ReplyDropper:
                 return
             server = socket.create_connection(self.upstream)
             self._sockets += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+            marked = threading.Event()
+            for args in ((client, server, False, marked), (server, client, True, marked)):
+                threading.Thread(target=self._pipe, args=args, daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket, replies: bool) -> None:
+    def _pipe(
+        self, source: socket.socket, sink: socket.socket, replies: bool, marked: threading.Event
+    ) -> None:
         try:
             while data := source.recv(65536):
-                if replies and self.armed.is_set():
+                if not replies and self.only is not None and self.only in data:
+                    marked.set()  # before the request goes on: its reply comes after
+                if replies and self.armed.is_set() and (self.only is None or marked.is_set()):
                     self.dropped += 1
                     break
                 sink.sendall(data)
@@ -193,6 +204,38 @@ def test_postgres_reply_lost(
             ).fetchone()
         assert token >= 2  # the server granted the acquire whose reply was lost
         assert owner is None
+    finally:
+        run(flavour, manager, "close")
+        proxy.close()
+
+
+def etcd_revision(endpoint: str) -> int:
+    """The etcd cluster's current revision (every write moves it)."""
+    reply = httpx.post(f"http://{endpoint}/v3/kv/range", json={"key": "AA=="}, timeout=10)
+    return int(reply.json()["header"]["revision"])
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_etcd_reply_lost(
+    etcd_cluster: EtcdCluster, etcd_url: str, resource: str, flavour: str
+) -> None:
+    """The same against one etcd member, for the transaction that joins the queue (the
+    lease grant before it goes through): every reply to it is dropped, on a connection
+    of its own each, so the acquire, which sends it again, gives up after a second with
+    its key written. The clean-up revokes the lease, and the key goes with it, long
+    before the lease's 61 s."""
+    endpoint = etcd_cluster.endpoints[0]
+    host, port = endpoint.rsplit(":", 1)
+    proxy = ReplyDropper(host, int(port), only=b"/v3/kv/txn")
+    url = f"etcd://127.0.0.1:{proxy.port}/{etcd_url.split('/', 3)[3]}"
+    cls = EtcdLockManager if flavour == "sync" else AsyncEtcdLockManager
+    manager = cls(url, ttl=TTL)
+    try:
+        before = etcd_revision(endpoint)
+        check_reply_lost(flavour, manager, proxy, resource)
+        # The warm-up's put and delete, then the lost acquire's put and the clean-up's
+        # delete: the acquire whose replies were lost did write its key.
+        assert etcd_revision(endpoint) - before >= 4
     finally:
         run(flavour, manager, "close")
         proxy.close()
