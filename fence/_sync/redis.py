@@ -23,6 +23,7 @@ a wake-up posted between a refused attempt and the wait makes the wait return at
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
@@ -42,14 +43,16 @@ from fence._clock import Clock
 from fence._compat import Waiter, cancel_after
 from fence._core import LeaseMode, TokenMode, client_deadline, validate_ttl
 from fence._deadline import time_left
-from fence._errors import ConfigurationError, FenceWarning
+from fence._errors import ConfigurationError, FenceWarning, InvalidResourceError
 from fence._events import EventBus
 from fence._lua import Script
 from fence._redis_conn import closed_connection, describe_client
 from fence._redis_keys import (
     DEFAULT_PREFIX,
     ResourceKeys,
+    held_resource,
     resource_keys,
+    scan_pattern,
     validate_prefix,
     waiter_id,
 )
@@ -911,6 +914,50 @@ class RedisDriver:
         """The writer, or every reader; see :meth:`fence.abc.Driver.inspect`."""
         got = self._run(self._inspect, [self.keys(resource).lock], [], "inspect", resource)
         return lock_info(resource, got)
+
+    def list_page(
+        self, prefix: str, cursor: str | None, count: int
+    ) -> tuple[list[LockInfo], str | None]:
+        """One ``SCAN`` step over the keys of the resources that start with ``prefix``,
+        then each held one inspected, with its queue's length as ``waiters``.
+
+        The cursor is the ``SCAN`` cursor: rows come in the server's scan order, and a
+        resource may come twice (``SCAN``'s own guarantee); the manager drops repeats.
+
+        Raises:
+            ConfigurationError: a Redis Cluster client (its keys are spread over nodes
+                that one ``SCAN`` does not walk).
+        """
+        if self.is_cluster:
+            raise ConfigurationError(
+                "fence list does not walk a Redis Cluster yet: inspect a resource you know, "
+                "or list each primary with a redis:// URL"
+            )
+        command = ("SCAN", cursor or "0", "MATCH", scan_pattern(self.prefix, prefix))
+        try:
+            (reply,) = self._pipeline([(*command, "COUNT", count)])
+            if isinstance(reply, BaseException):
+                raise reply
+            after, keys = text(reply[0]), [text(k) for k in reply[1]]
+            names = list(dict.fromkeys(r for k in keys if (r := held_resource(self.prefix, k))))
+            names = [r for r in names if r.startswith(prefix) and self._listable(r)]
+            queued = self._pipeline([("ZCARD", self.keys(r).queue) for r in names])
+        except (ConnectionFailure, RespError, RedisError, OSError, TimeoutError) as exc:
+            raise self._error(exc, "list", prefix) from exc
+        rows = []
+        for name, waiting in zip(names, queued, strict=True):
+            info = self.inspect(name)
+            if info is not None:
+                waiters = waiting if isinstance(waiting, int) else 0
+                rows.append(dataclasses.replace(info, waiters=waiters))
+        return rows, None if after == "0" else after
+
+    def _listable(self, name: str) -> bool:
+        try:
+            self.keys(name)
+        except InvalidResourceError:
+            return False  # read from a key that is no lock's (a data key's fence)
+        return True
 
     def revoke(self, resource: str) -> int:
         """End the lease, issue a token above every earlier one and above the guards' fence
