@@ -205,7 +205,7 @@ def test_a_resource_with_a_newline_is_shown_escaped(redis_url: str) -> None:
     )
 
 
-@pytest.mark.parametrize("command", ["inspect", "revoke"])
+@pytest.mark.parametrize("command", ["inspect", "revoke", "list"])
 @pytest.mark.parametrize(
     ("scheme", "says"),
     [
@@ -536,6 +536,72 @@ def test_inspect_and_revoke_on_consensus(backend: str, request: pytest.FixtureRe
         assert manager.acquire("job:7", owner="next", ttl=5, timeout=10).token > int(revoked.stdout)
     finally:
         manager.close()
+
+
+# -- list ---------------------------------------------------------------------------------------
+
+
+def listed(text: str) -> dict[str, list[str]]:
+    """The rows of ``fence list`` by resource, each its columns after the resource."""
+    rows = [line.split() for line in text.splitlines()[1:]]
+    return {row[0]: row[1:] for row in rows}
+
+
+def test_list_on_redis(redis_url: str) -> None:
+    stem = unique("list")
+    client = redis.Redis.from_url(redis_url)
+    manager = fence.RedisLockManager(client, ttl=30)
+    try:
+        assert run("list", redis_url, stem).stdout == (
+            f"no locks held on resources that start with {stem!r}\n"
+        )
+        write = manager.acquire(f"{stem}:a*")
+        manager.acquire(f"{stem}:ab")
+        manager.acquire(f"{stem}:read", mode="read")
+        manager.acquire(f"{stem}:read", mode="read", owner="second")
+        manager.acquire(f"{stem}:odd\tname")
+        done = run("list", redis_url, stem)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[0].split() == [
+            "RESOURCE", "HOLDER", "TOKEN", "MODE", "READERS", "WAITERS", "TIME", "LEFT",
+        ]  # fmt: skip
+        rows = listed(done.stdout)
+        assert set(rows) == {f"{stem}:a*", f"{stem}:ab", f"{stem}:read", repr(f"{stem}:odd\tname")}
+        assert rows[f"{stem}:a*"][1:5] == [str(write.token), "write", "0", "0"]
+        assert rows[f"{stem}:read"][2:4] == ["read", "2"]
+        assert set(listed(run("list", redis_url, f"{stem}:a*").stdout)) == {f"{stem}:a*"}
+        assert len(listed(run("list", redis_url, stem, "--limit", "2").stdout)) == 2
+        objects = [
+            json.loads(line) for line in run("list", redis_url, stem, "--json").stdout.splitlines()
+        ]
+        assert {o["resource"] for o in objects} == {
+            f"{stem}:a*", f"{stem}:ab", f"{stem}:read", f"{stem}:odd\tname"
+        }  # fmt: skip
+        assert "0 or more" in run("list", redis_url, "--limit", "-1").stderr
+    finally:
+        manager.close()
+        client.close()
+
+
+def test_list_on_sqlite_and_a_backend_without_a_list(tmp_path: Path, etcd_url: str) -> None:
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    manager = fence.connect(url, create_table=True)
+    try:
+        manager.acquire("job", ttl=30).release()
+        assert run("list", url).stdout == "no locks held\n"
+        lease = manager.acquire("job%1", ttl=30)
+        manager.acquire("job_2", ttl=30)
+        manager.acquire("jobx", ttl=30)
+        assert list(listed(run("list", url).stdout)) == ["job%1", "job_2", "jobx"]
+        only = listed(run("list", url, "job%").stdout)
+        assert list(only) == ["job%1"]
+        assert only["job%1"][1] == str(lease.token)
+        assert list(listed(run("list", url, "job_").stdout)) == ["job_2"]
+    finally:
+        manager.close()
+    refused = run("list", etcd_url)
+    assert refused.returncode == 1
+    assert "fence list on etcd: the etcd backend has no list" in refused.stderr
 
 
 # -- doctor -----------------------------------------------------------------------------------
