@@ -583,7 +583,7 @@ def test_list_on_redis(redis_url: str) -> None:
         client.close()
 
 
-def test_list_on_sqlite_and_a_backend_without_a_list(tmp_path: Path, etcd_url: str) -> None:
+def test_list_on_sqlite_and_etcd(tmp_path: Path, etcd_url: str) -> None:
     url = f"sqlite:///{tmp_path / 'locks.db'}"
     manager = fence.connect(url, create_table=True)
     try:
@@ -599,9 +599,15 @@ def test_list_on_sqlite_and_a_backend_without_a_list(tmp_path: Path, etcd_url: s
         assert list(listed(run("list", url, "job_").stdout)) == ["job_2"]
     finally:
         manager.close()
-    refused = run("list", etcd_url)
-    assert refused.returncode == 1
-    assert "fence list on etcd: the etcd backend has no list" in refused.stderr
+    consensus = fence.connect(etcd_url)
+    try:
+        stem = unique("list")
+        lease = consensus.acquire(f"{stem}:a", ttl=30)
+        done = run("list", etcd_url, stem)
+        assert done.returncode == 0, done.stderr
+        assert listed(done.stdout)[f"{stem}:a"][1:3] == [str(lease.token), "write"]
+    finally:
+        consensus.close()
 
 
 # -- doctor -----------------------------------------------------------------------------------

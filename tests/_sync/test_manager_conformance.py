@@ -465,7 +465,7 @@ def _listed(manager: Any, prefix: str = "", **options: Any) -> list[Any]:
 
 
 #: The backends whose list reports the acquires that wait in their queue.
-_QUEUE_COUNTED = {"memory", "redis-fifo"}
+_QUEUE_COUNTED = {"memory", "redis-fifo", "etcd", "zookeeper"}
 
 
 def test_list_held_locks(
