@@ -7,6 +7,7 @@ server program and Ctrl-C each end in one line that says what happened.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -659,6 +660,14 @@ def test_doctor_redis_reads_eviction_persistence_and_clock(
 
 
 @pytest.mark.redis
+async def _listed_async(url: str, prefix: str) -> list[str]:
+    manager = fence.connect_async(url)
+    try:
+        return [info.resource async for info in manager.list(prefix)]
+    finally:
+        await manager.close()
+
+
 def test_doctor_inspect_and_revoke_on_a_redis_cluster() -> None:
     cluster = RedisClusterServers().start()
     try:
@@ -674,6 +683,16 @@ def test_doctor_inspect_and_revoke_on_a_redis_cluster() -> None:
         assert fields(run("inspect", url, "order:1").stdout)["fence"] == (
             f"{token} (fence:{{order:1}}:fence)"
         )
+        manager = fence.connect(url)
+        try:
+            names = [f"job:{i}" for i in range(12)]  # slots on every primary
+            for name in names:
+                manager.acquire(name, ttl=30)
+            assert sorted(info.resource for info in manager.list("job:")) == sorted(names)
+            assert sorted(listed(run("list", url, "job:").stdout)) == sorted(names)
+            assert sorted(asyncio.run(_listed_async(url, "job:"))) == sorted(names)
+        finally:
+            manager.close()
     finally:
         cluster.stop()
 

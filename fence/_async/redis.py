@@ -923,27 +923,43 @@ class AsyncRedisDriver:
         """One ``SCAN`` step over the keys of the resources that start with ``prefix``,
         then each held one inspected, with its queue's length as ``waiters``.
 
-        The cursor is the ``SCAN`` cursor: rows come in the server's scan order, and a
-        resource may come twice (``SCAN``'s own guarantee); the manager drops repeats.
-
-        Raises:
-            ConfigurationError: a Redis Cluster client (its keys are spread over nodes
-                that one ``SCAN`` does not walk).
+        The cursor is the ``SCAN`` cursor (on Redis Cluster, the primary's place among the
+        primaries by name, a colon, and its ``SCAN`` cursor: the primaries are scanned one
+        after the other). Rows come in the server's scan order, and a resource may come
+        twice (``SCAN``'s own guarantee); the manager drops repeats.
         """
-        if self.is_cluster:
-            raise ConfigurationError(
-                "fence list does not walk a Redis Cluster yet: inspect a resource you know, "
-                "or list each primary with a redis:// URL"
-            )
-        command = ("SCAN", cursor or "0", "MATCH", scan_pattern(self.prefix, prefix))
+        index, _, step = (cursor or "0:0").rpartition(":") if self.is_cluster else ("", "", "")
+        command = ("SCAN", step or cursor or "0", "MATCH", scan_pattern(self.prefix, prefix))
+        primaries: list[Any] = []
         try:
-            (reply,) = await self._pipeline([(*command, "COUNT", count)])
-            if isinstance(reply, BaseException):
-                raise reply
+            if self.is_cluster:
+                await self.client.initialize()  # unasync: remove
+                primaries = sorted(self.client.get_primaries(), key=lambda node: node.name)
+                if int(index) >= len(primaries):
+                    return [], None
+                async with cancel_after(max(time_left(self.socket_timeout), 0.0) + 0.05):
+                    reply = await self.client.execute_command(
+                        *command, "COUNT", count, target_nodes=primaries[int(index)]
+                    )
+                if isinstance(reply[0], dict):  # redis-py: the cursor of each node
+                    (next_step,) = reply[0].values()
+                    reply = [next_step, reply[1]]
+            else:
+                (reply,) = await self._pipeline([(*command, "COUNT", count)])
+                if isinstance(reply, BaseException):
+                    raise reply
             after, keys = text(reply[0]), [text(k) for k in reply[1]]
             names = list(dict.fromkeys(r for k in keys if (r := held_resource(self.prefix, k))))
             names = [r for r in names if r.startswith(prefix) and self._listable(r)]
-            queued = await self._pipeline([("ZCARD", self.keys(r).queue) for r in names])
+            if self.is_cluster:  # one slot a key: no pipeline across them
+                queued = []
+                for name in names:
+                    async with cancel_after(max(time_left(self.socket_timeout), 0.0) + 0.05):
+                        queued.append(
+                            await self.client.execute_command("ZCARD", self.keys(name).queue)
+                        )
+            else:
+                queued = await self._pipeline([("ZCARD", self.keys(r).queue) for r in names])
         except (ConnectionFailure, RespError, RedisError, OSError, TimeoutError) as exc:
             raise self._error(exc, "list", prefix) from exc
         rows = []
@@ -952,7 +968,13 @@ class AsyncRedisDriver:
             if info is not None:
                 waiters = waiting if isinstance(waiting, int) else 0
                 rows.append(dataclasses.replace(info, waiters=waiters))
-        return rows, None if after == "0" else after
+        if not self.is_cluster:
+            return rows, None if after == "0" else after
+        if after != "0":
+            return rows, f"{index}:{after}"
+        if int(index) + 1 < len(primaries):
+            return rows, f"{int(index) + 1}:0"
+        return rows, None
 
     def _listable(self, name: str) -> bool:
         try:

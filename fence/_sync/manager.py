@@ -640,8 +640,8 @@ class BaseLockManager:
         Each row is a :class:`LockInfo` (a writer, or readers as in :meth:`inspect`) with
         ``waiters``, the acquires queued for it, where the backend keeps a queue. Rows
         come in the backend's order: by resource on SQL, etcd, ZooKeeper and memory; in
-        scan order on Redis (node by node on the quorum, which lists only what a
-        majority agrees on). Redis Cluster has no list yet. The prefix matches
+        scan order on Redis (primary by primary on a cluster; node by node on the
+        quorum, which lists only what a majority agrees on). The prefix matches
         literally: ``*``, ``%`` or ``_`` in it are plain characters. The backend is
         read a page at a time (Redis ``SCAN``, SQL keyset pages, etcd ranges), never in
         one blocking call; a lock taken or released during the listing may or may not
