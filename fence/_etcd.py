@@ -49,9 +49,12 @@ __all__ = [
     "is_writer_key",
     "lease_id",
     "lease_seconds",
+    "list_range",
+    "listed_resource",
     "owner_range",
     "parse_endpoints",
     "predecessor_range",
+    "prefix_end",
     "queue_prefix",
     "range_kvs",
     "revision",
@@ -127,6 +130,35 @@ def entry_key(start: bytes, lease: int, *, reading: bool = False) -> bytes:
 def is_writer_key(start: bytes, key: bytes) -> bool:
     """Whether ``key`` of the queue starting at ``start`` is a writer's."""
     return key[len(start) : len(start) + 1] != READER
+
+
+def prefix_end(start: bytes) -> bytes:
+    """The end (exclusive) of the range of every key that begins with ``start``."""
+    trimmed = start.rstrip(b"\xff")
+    if not trimmed:
+        return b"\x00"  # etcd: to the end of the keyspace
+    return trimmed[:-1] + bytes([trimmed[-1] + 1])
+
+
+def list_range(prefix: str, start: str, after: bytes | None, count: int) -> dict[str, Any]:
+    """A range request (keys only, by key) for a page of the queue keys of the resources
+    that start with ``start``, from the key ``after`` on (the first page: ``None``)."""
+    first = prefix.encode() + start.encode()
+    return {
+        "key": b64(after or first),
+        "range_end": b64(prefix_end(first)),
+        "limit": count,
+        "keys_only": True,
+    }
+
+
+def listed_resource(prefix: str, key: bytes) -> str | None:
+    """The resource whose queue key ``key`` is, or ``None`` for a key of no queue."""
+    head = prefix.encode()
+    end = key.find(b"\x00", len(head))
+    if not key.startswith(head) or end <= len(head):
+        return None
+    return key[len(head) : end].decode("utf-8", "replace")
 
 
 def b64(data: bytes) -> str:

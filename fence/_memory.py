@@ -7,6 +7,7 @@ loses the token counters the way a crashed server can.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -215,6 +216,39 @@ class MemoryBackend:
                 for r in self._live_readers(resource, now).values()
             ]
             return LockInfo.of_readers(resource, readers)
+
+    def list_page(
+        self, prefix: str, after: str | None, count: int
+    ) -> tuple[list[LockInfo], str | None]:
+        """Up to ``count`` held locks whose resource starts with ``prefix``, by resource,
+        after the resource ``after``; and the last resource returned, or ``None`` if no
+        more (see :meth:`fence.abc.AsyncDriver`'s ``list_page``)."""
+        with self._mutex:
+            now = self.clock.monotonic()
+            names = sorted(
+                r
+                for r in {*self._locks, *self._readers, *self._queues}
+                if r.startswith(prefix) and (after is None or r > after)
+            )
+            rows: list[LockInfo] = []
+            for name in names:
+                if len(rows) >= count:
+                    return rows, rows[-1].resource
+                waiting = max(len(self._live_queue(name, now)), len(self._waiters.get(name, ())))
+                entry = self._live(name, now)
+                if entry is not None:
+                    info: LockInfo | None = LockInfo(
+                        name, entry.token, entry.expires_at - now, entry.holder
+                    )
+                else:
+                    readers = [
+                        LockInfo(name, r.token, r.expires_at - now, r.holder, LeaseMode.READ)
+                        for r in self._live_readers(name, now).values()
+                    ]
+                    info = LockInfo.of_readers(name, readers)
+                if info is not None:
+                    rows.append(dataclasses.replace(info, waiters=waiting))
+            return rows, None
 
     def revoke(self, resource: str) -> int:
         """See :meth:`fence.abc.AsyncDriver.revoke`: ends the writer's lease or every

@@ -64,11 +64,14 @@ __all__ = [
     "QuorumKeys",
     "ResourceKeys",
     "check_one_slot",
+    "glob_escape",
     "hash_tag",
+    "held_resource",
     "quorum_keys",
     "resource_base",
     "resource_keys",
     "resource_of",
+    "scan_pattern",
     "slot_of",
     "validate_prefix",
     "waiter_id",
@@ -265,6 +268,30 @@ def resource_keys(prefix: str, resource: str) -> ResourceKeys:
         reader_tokens=base + _READER_TOKENS,
         queue_writers=base + _QUEUE_WRITERS,
     )
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a Redis glob (``SCAN MATCH``) that matches only itself."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def scan_pattern(prefix: str, start: str) -> str:
+    """The ``SCAN MATCH`` pattern of every key of the resources that start with ``start``
+    (taken literally) under ``prefix``."""
+    return f"{glob_escape(prefix)}{{{glob_escape(start)}*"
+
+
+def held_resource(prefix: str, key: str) -> str | None:
+    """The resource whose lock or readers key ``key`` is, or ``None`` for any other key.
+
+    A data key's fence (``<prefix>{R}:key:<K>``) whose ``K`` ends like a lock key is read
+    as a resource that is never held; the caller's inspection drops it.
+    """
+    start = len(prefix) + 1
+    for suffix in ("}:" + _LOCK, "}:" + _READERS):
+        if key.endswith(suffix) and key.startswith(prefix + "{") and len(key) > start + len(suffix):
+            return key[start : -len(suffix)]
+    return None
 
 
 class QuorumKeys(NamedTuple):

@@ -63,6 +63,7 @@ STATEMENTS = (
     "abandon",
     "inspect",
     "revoke",
+    "list_page",
 )
 
 _L = TypeVar("_L")

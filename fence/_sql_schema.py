@@ -339,6 +339,11 @@ class LeaseStatements:
             ``BEGIN IMMEDIATE`` takes the lock and no statement outlives its client.
         steps: a dialect that decides in process: the statements of the driver's
             transactions (SQLite: :data:`SQLITE_STEPS`); empty on PostgreSQL.
+        list_page: one keyset page of the locks held now: the first ``:count`` resources
+            above ``:after`` (``''`` for the first page) whose first ``:length``
+            characters are ``:prefix``, by resource; rows ``(resource, kind, token,
+            remaining, holder, waiters)`` as ``inspect``'s, with the resource's queued
+            waiters on each.
     """
 
     dialect: str
@@ -356,6 +361,7 @@ class LeaseStatements:
     raise_fence: str | None = None
     void: str | None = None
     steps: dict[str, str] = field(default_factory=dict)
+    list_page: str = ""
 
 
 # Statement templates: ``$table`` is the quoted table name, ``$shared`` its shared table's,
@@ -644,6 +650,39 @@ ON CONFLICT (resource) DO UPDATE SET voids = COALESCE(
     CAST('{}' AS JSONB)) || EXCLUDED.voids
 RETURNING l.token"""
 
+# An operator's list (``fence list``): one keyset page over the primary key, never a scan
+# in one statement. The prefix is compared with substr(), not LIKE, so that its ``%`` and
+# ``_`` are plain characters and no escape is needed.
+_PG_LIST = """$clock,
+h AS (
+    SELECT l.resource FROM $table AS l, c
+    WHERE l.owner IS NOT NULL AND l.expires_at > c.now
+      AND l.resource > :after AND substr(l.resource, 1, :length) = :prefix
+    UNION
+    SELECT q.resource FROM $shared AS q JOIN $table AS l ON l.resource = q.resource, c
+    WHERE q.kind = 'r' AND q.expires_at > c.now AND q.token > l.wtoken
+      AND q.resource > :after AND substr(q.resource, 1, :length) = :prefix
+),
+p AS (SELECT h.resource FROM h ORDER BY h.resource LIMIT :count),
+w AS (
+    SELECT q.resource, count(*) AS n FROM $shared AS q, c
+    WHERE q.resource IN (SELECT p.resource FROM p) AND q.kind IN ('R', 'W')
+      AND q.expires_at > c.now
+    GROUP BY q.resource
+)
+SELECT l.resource, 'w', l.token,
+       CAST(extract(epoch FROM l.expires_at - c.now) AS DOUBLE PRECISION), l.holder,
+       COALESCE((SELECT w.n FROM w WHERE w.resource = l.resource), 0)
+FROM p JOIN $table AS l ON l.resource = p.resource, c
+WHERE l.owner IS NOT NULL AND l.expires_at > c.now
+UNION ALL
+SELECT q.resource, 'r', q.token,
+       CAST(extract(epoch FROM q.expires_at - c.now) AS DOUBLE PRECISION), q.holder,
+       COALESCE((SELECT w.n FROM w WHERE w.resource = q.resource), 0)
+FROM p JOIN $shared AS q ON q.resource = p.resource JOIN $table AS l ON l.resource = q.resource, c
+WHERE q.kind = 'r' AND q.expires_at > c.now AND q.token > l.wtoken
+ORDER BY 1"""
+
 _PG_WAKE = "SELECT CAST(pg_notify(:channel, :resource) AS TEXT)"
 _PG_NOTIFY = "CAST(pg_notify(:channel, $alias.resource) AS TEXT)"
 _PG_NOTIFY_WRITERS = "CAST(pg_notify(:channel_w, $alias.resource) AS TEXT)"
@@ -698,6 +737,34 @@ WHERE resource = :resource AND owner IS NOT NULL AND expires_at > $now
 UNION ALL
 SELECT 'r', token, expires_at - $now, holder FROM $shared
 WHERE resource = :resource AND kind = 'r' AND expires_at > $now"""
+
+_SQLITE_LIST = """WITH n AS (SELECT $now AS now),
+h AS (
+    SELECT l.resource FROM $table AS l, n
+    WHERE l.owner IS NOT NULL AND l.expires_at > n.now
+      AND l.resource > :after AND substr(l.resource, 1, :length) = :prefix
+    UNION
+    SELECT q.resource FROM $shared AS q, n
+    WHERE q.kind = 'r' AND q.expires_at > n.now
+      AND q.resource > :after AND substr(q.resource, 1, :length) = :prefix
+),
+p AS (SELECT h.resource FROM h ORDER BY h.resource LIMIT :count),
+w AS (
+    SELECT q.resource, count(*) AS c FROM $shared AS q, n
+    WHERE q.resource IN (SELECT p.resource FROM p) AND q.kind IN ('R', 'W')
+      AND q.expires_at > n.now
+    GROUP BY q.resource
+)
+SELECT l.resource, 'w', l.token, l.expires_at - n.now, l.holder,
+       coalesce((SELECT w.c FROM w WHERE w.resource = l.resource), 0)
+FROM p JOIN $table AS l ON l.resource = p.resource, n
+WHERE l.owner IS NOT NULL AND l.expires_at > n.now
+UNION ALL
+SELECT q.resource, 'r', q.token, q.expires_at - n.now, q.holder,
+       coalesce((SELECT w.c FROM w WHERE w.resource = q.resource), 0)
+FROM p JOIN $shared AS q ON q.resource = p.resource, n
+WHERE q.kind = 'r' AND q.expires_at > n.now
+ORDER BY 1"""
 
 _SQLITE_REVOKE = """INSERT INTO $table (resource, token, owner, holder, expires_at)
 VALUES (:resource, $first, NULL, NULL, $now)
@@ -857,6 +924,7 @@ def postgresql_statements(
         revoke=pg(_PG_REVOKE),
         wake=_PG_WAKE,
         void=pg(_PG_VOID),
+        list_page=pg(_PG_LIST),
     )
 
 
@@ -920,6 +988,7 @@ def sqlite_statements(
         wake=None,
         raise_fence=raise_fence,
         steps={k: Template(v).substitute(values) for k, v in SQLITE_STEPS.items()},
+        list_page=Template(_SQLITE_LIST).substitute(values),
     )
 
 

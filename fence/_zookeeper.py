@@ -35,7 +35,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from fence._core import MAX_TOKEN
 from fence._errors import ConfigurationError, InvalidTokenError
@@ -57,6 +57,7 @@ __all__ = [
     "own_node",
     "parse_hosts",
     "queue_order",
+    "resource_of_node",
     "resource_path",
     "token_of",
     "validate_root",
@@ -85,6 +86,11 @@ def resource_path(root: str, resource: str) -> str:
     """The node of ``resource``: one path segment, percent-encoded (``.`` too, so that
     no resource names ``.`` or ``..``)."""
     return f"{root}/{quote(resource, safe='').replace('.', '%2E')}"
+
+
+def resource_of_node(name: str) -> str:
+    """The resource whose node is the root's child ``name`` (see :func:`resource_path`)."""
+    return unquote(name)
 
 
 def new_guid() -> str:

@@ -59,6 +59,8 @@ class LockInfo:
             With readers, the label of the newest reader.
         mode: :attr:`LeaseMode.WRITE` for a writer, :attr:`LeaseMode.READ` for readers.
         readers: with readers, one :class:`LockInfo` per reader, by token; else empty.
+        waiters: how many acquires wait in the backend's queue for it, where the backend
+            keeps one and the call reports it (``list``); else 0.
     """
 
     resource: str
@@ -67,6 +69,7 @@ class LockInfo:
     holder: str | None
     mode: LeaseMode = LeaseMode.WRITE
     readers: tuple[LockInfo, ...] = ()
+    waiters: int = 0
 
     @classmethod
     def of_readers(cls, resource: str, readers: list[LockInfo]) -> LockInfo | None:
@@ -135,6 +138,12 @@ class AsyncDriver(Protocol):
       ``release``, ``cancel`` and ``abandon`` take the secret alone, whatever the mode;
       ``inspect`` reports readers as :meth:`LockInfo.of_readers`; ``revoke`` ends every
       lease of the resource, readers' too.
+    - ``async def list_page(prefix, cursor, count) -> (rows, next_cursor)``: one page of
+      the locks held now whose resource starts with ``prefix`` (literally), about ``count``
+      rows of :class:`LockInfo` with ``waiters`` filled in where the backend knows them.
+      ``cursor`` is ``None`` for the first page; ``next_cursor`` is ``None`` after the last.
+      A page never blocks the backend (no full scan in one call). Without it the manager's
+      ``list`` raises :class:`fence.ConfigurationError`.
     """
 
     #: Short backend name for events and messages (``"memory"``, ``"redis"``, ``"sql"``).

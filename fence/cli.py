@@ -4,6 +4,7 @@
 
     fence inspect URL RESOURCE      who holds RESOURCE: holder, token, time left, the fence
     fence revoke URL RESOURCE       end its lease by force and print the new token
+    fence list URL [START]          every lock held now (whose resource starts with START)
     fence ddl --dialect D [--table T ...]
                                     the lease table, the fence register and fence columns
     fence doctor URL                check the backend's settings: ok, warn or fail each
@@ -165,6 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("resource", metavar="RESOURCE", help="the locked resource")
     _add_backend_options(revoke, tokens=True)
 
+    listing = commands.add_parser(
+        "list",
+        help="every lock held now: holder, token, mode, readers, waiters, time left",
+        description="List the locks held now, by resource where the backend keeps an "
+        "order (SQL, memory; Redis lists in SCAN order), one row each: the holder's "
+        "label, the token, the mode, how many readers and queued waiters, and the time "
+        "left by the backend's clock. The backend is read a page at a time (Redis SCAN, "
+        "SQL keyset pages), never in one blocking call. START is matched literally: *, ?, "
+        "% and _ in it are plain characters.",
+    )
+    listing.add_argument("url", metavar="URL", help=_url_help("the lock manager's backend"))
+    listing.add_argument(
+        "start",
+        metavar="START",
+        nargs="?",
+        default="",
+        help="list only resources that start with it (default: all)",
+    )
+    listing.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="stop after N locks (default: all)"
+    )
+    listing.add_argument("--json", action="store_true", help="print one JSON object per lock")
+    _add_backend_options(listing, tokens=False)
+
     ddl_parser = commands.add_parser(
         "ddl",
         help="print the SQL for the lease table, the fence register and fenced tables",
@@ -282,7 +307,13 @@ def _main(argv: Sequence[str] | None) -> int:
         logging.getLogger().addHandler(logging.NullHandler())
     if getattr(args, "timeout", 1) <= 0:
         raise _UsageError(f"--timeout must be positive, got {args.timeout}")
-    run = {"inspect": _inspect, "revoke": _revoke, "ddl": _ddl, "doctor": _doctor}
+    run = {
+        "inspect": _inspect,
+        "revoke": _revoke,
+        "list": _list,
+        "ddl": _ddl,
+        "doctor": _doctor,
+    }
     return run[args.command](args)
 
 
@@ -607,6 +638,78 @@ def _sql_kept(args: argparse.Namespace, manager: Any, resource: str) -> dict[str
             found["fence_at"] = f"no {where}{register} table"
     found["notes"] = ["row guards keep a fence in each row's fence column"]
     return found
+
+
+# -- list -------------------------------------------------------------------------------------
+
+_LIST_COLUMNS = ("RESOURCE", "HOLDER", "TOKEN", "MODE", "READERS", "WAITERS", "TIME LEFT")
+
+
+def _list(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 0:
+        raise _UsageError(f"--limit must be 0 or more, got {args.limit}")
+    kind, _ = _backend(args.url)
+    rows: list[tuple[str, ...]] = []
+    with _errors(args.url):
+        manager = _manager(args, kind)
+        try:
+            with _quiet_warnings(), _no_list(kind):
+                for info in manager.list(args.start, limit=args.limit):
+                    if args.json:
+                        print(json.dumps(_listed(info)), flush=True)
+                        continue
+                    rows.append(
+                        (
+                            _shown(info.resource),
+                            _shown(info.holder) if info.holder else "-",
+                            str(info.token),
+                            info.mode.value,
+                            str(len(info.readers)),
+                            str(info.waiters),
+                            f"{info.remaining:.3f} s",
+                        )
+                    )
+        finally:
+            with contextlib.suppress(Exception):
+                manager.close()
+    if args.json:
+        return EXIT_OK
+    if not rows:
+        print(
+            "no locks held"
+            + (f" on resources that start with {args.start!r}" if args.start else "")
+        )
+        return EXIT_OK
+    widths = [max(len(row[i]) for row in [_LIST_COLUMNS, *rows]) for i in range(len(_LIST_COLUMNS))]
+    for row in [_LIST_COLUMNS, *rows]:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+    return EXIT_OK
+
+
+@contextlib.contextmanager
+def _no_list(kind: str) -> Iterator[None]:
+    """A backend that has no list fails (exit 1): the command is right, the backend is not."""
+    try:
+        yield
+    except ConfigurationError as exc:
+        raise _Failed(f"fence list on {kind}: {exc}") from None
+
+
+def _listed(info: Any) -> dict[str, Any]:
+    return {
+        "resource": info.resource,
+        "holder": info.holder,
+        "token": info.token,
+        "mode": info.mode.value,
+        "readers": [
+            {"holder": r.holder, "token": r.token, "remaining": round(r.remaining, 3)}
+            for r in info.readers
+        ],
+        "waiters": info.waiters,
+        "remaining": round(info.remaining, 3),
+    }
 
 
 # -- revoke -----------------------------------------------------------------------------------

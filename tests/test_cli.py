@@ -7,6 +7,7 @@ server program and Ctrl-C each end in one line that says what happened.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -205,7 +206,7 @@ def test_a_resource_with_a_newline_is_shown_escaped(redis_url: str) -> None:
     )
 
 
-@pytest.mark.parametrize("command", ["inspect", "revoke"])
+@pytest.mark.parametrize("command", ["inspect", "revoke", "list"])
 @pytest.mark.parametrize(
     ("scheme", "says"),
     [
@@ -538,6 +539,78 @@ def test_inspect_and_revoke_on_consensus(backend: str, request: pytest.FixtureRe
         manager.close()
 
 
+# -- list ---------------------------------------------------------------------------------------
+
+
+def listed(text: str) -> dict[str, list[str]]:
+    """The rows of ``fence list`` by resource, each its columns after the resource."""
+    rows = [line.split() for line in text.splitlines()[1:]]
+    return {row[0]: row[1:] for row in rows}
+
+
+def test_list_on_redis(redis_url: str) -> None:
+    stem = unique("list")
+    client = redis.Redis.from_url(redis_url)
+    manager = fence.RedisLockManager(client, ttl=30)
+    try:
+        assert run("list", redis_url, stem).stdout == (
+            f"no locks held on resources that start with {stem!r}\n"
+        )
+        write = manager.acquire(f"{stem}:a*")
+        manager.acquire(f"{stem}:ab")
+        manager.acquire(f"{stem}:read", mode="read")
+        manager.acquire(f"{stem}:read", mode="read", owner="second")
+        manager.acquire(f"{stem}:odd\tname")
+        done = run("list", redis_url, stem)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[0].split() == [
+            "RESOURCE", "HOLDER", "TOKEN", "MODE", "READERS", "WAITERS", "TIME", "LEFT",
+        ]  # fmt: skip
+        rows = listed(done.stdout)
+        assert set(rows) == {f"{stem}:a*", f"{stem}:ab", f"{stem}:read", repr(f"{stem}:odd\tname")}
+        assert rows[f"{stem}:a*"][1:5] == [str(write.token), "write", "0", "0"]
+        assert rows[f"{stem}:read"][2:4] == ["read", "2"]
+        assert set(listed(run("list", redis_url, f"{stem}:a*").stdout)) == {f"{stem}:a*"}
+        assert len(listed(run("list", redis_url, stem, "--limit", "2").stdout)) == 2
+        objects = [
+            json.loads(line) for line in run("list", redis_url, stem, "--json").stdout.splitlines()
+        ]
+        assert {o["resource"] for o in objects} == {
+            f"{stem}:a*", f"{stem}:ab", f"{stem}:read", f"{stem}:odd\tname"
+        }  # fmt: skip
+        assert "0 or more" in run("list", redis_url, "--limit", "-1").stderr
+    finally:
+        manager.close()
+        client.close()
+
+
+def test_list_on_sqlite_and_etcd(tmp_path: Path, etcd_url: str) -> None:
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    manager = fence.connect(url, create_table=True)
+    try:
+        manager.acquire("job", ttl=30).release()
+        assert run("list", url).stdout == "no locks held\n"
+        lease = manager.acquire("job%1", ttl=30)
+        manager.acquire("job_2", ttl=30)
+        manager.acquire("jobx", ttl=30)
+        assert list(listed(run("list", url).stdout)) == ["job%1", "job_2", "jobx"]
+        only = listed(run("list", url, "job%").stdout)
+        assert list(only) == ["job%1"]
+        assert only["job%1"][1] == str(lease.token)
+        assert list(listed(run("list", url, "job_").stdout)) == ["job_2"]
+    finally:
+        manager.close()
+    consensus = fence.connect(etcd_url)
+    try:
+        stem = unique("list")
+        lease = consensus.acquire(f"{stem}:a", ttl=30)
+        done = run("list", etcd_url, stem)
+        assert done.returncode == 0, done.stderr
+        assert listed(done.stdout)[f"{stem}:a"][1:3] == [str(lease.token), "write"]
+    finally:
+        consensus.close()
+
+
 # -- doctor -----------------------------------------------------------------------------------
 
 
@@ -587,6 +660,14 @@ def test_doctor_redis_reads_eviction_persistence_and_clock(
 
 
 @pytest.mark.redis
+async def _listed_async(url: str, prefix: str) -> list[str]:
+    manager = fence.connect_async(url)
+    try:
+        return [info.resource async for info in manager.list(prefix)]
+    finally:
+        await manager.close()
+
+
 def test_doctor_inspect_and_revoke_on_a_redis_cluster() -> None:
     cluster = RedisClusterServers().start()
     try:
@@ -602,6 +683,16 @@ def test_doctor_inspect_and_revoke_on_a_redis_cluster() -> None:
         assert fields(run("inspect", url, "order:1").stdout)["fence"] == (
             f"{token} (fence:{{order:1}}:fence)"
         )
+        manager = fence.connect(url)
+        try:
+            names = [f"job:{i}" for i in range(12)]  # slots on every primary
+            for name in names:
+                manager.acquire(name, ttl=30)
+            assert sorted(info.resource for info in manager.list("job:")) == sorted(names)
+            assert sorted(listed(run("list", url, "job:").stdout)) == sorted(names)
+            assert sorted(asyncio.run(_listed_async(url, "job:"))) == sorted(names)
+        finally:
+            manager.close()
     finally:
         cluster.stop()
 

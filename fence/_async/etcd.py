@@ -8,6 +8,7 @@ deadlines, reentrancy, waiting loop and renewal watchdog in :mod:`fence._async.m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -31,10 +32,13 @@ from fence._etcd import (
     is_writer_key,
     lease_id,
     lease_seconds,
+    list_range,
+    listed_resource,
     owner_range,
     parse_endpoints,
     predecessor_range,
     queue_prefix,
+    range_end,
     range_kvs,
     reply_error,
     revision,
@@ -525,6 +529,31 @@ class AsyncEtcdDriver:
             if found is not None:
                 return found
         return None
+
+    async def list_page(
+        self, prefix: str, cursor: bytes | None, count: int
+    ) -> tuple[list[LockInfo], bytes | None]:
+        """One range of queue keys (keys only, by key, at most ``count``), then each
+        resource in it inspected, and its other keys counted as ``waiters``. The cursor is
+        the key after the last resource listed, so a resource comes on one page only."""
+        got = await self._read(list_range(self.prefix, prefix, cursor, count), "list")
+        keys, _ = range_kvs(got)
+        names = list(dict.fromkeys(n for kv in keys if (n := listed_resource(self.prefix, kv.key))))
+        rows = []
+        for name in names:
+            info = await self.inspect(name)
+            if info is None:
+                continue
+            start = queue_prefix(self.prefix, name)
+            body = {"key": b64(start), "range_end": b64(range_end(start)), "count_only": True}
+            _, queued = range_kvs(await self._read(body, "list"))
+            holders = len(info.readers) or 1
+            rows.append(dataclasses.replace(info, waiters=max(queued - holders, 0)))
+        if not got.get("more") or not keys:
+            return rows, None
+        if not names:  # keys of no queue under the prefix: step over them
+            return rows, keys[-1].key + b"\x00"
+        return rows, range_end(queue_prefix(self.prefix, names[-1]))
 
     async def _lease_info(self, resource: str, kv: Any, mode: LeaseMode) -> LockInfo | None:
         try:

@@ -314,6 +314,10 @@ def _call_back(callback: LeaseCallback, lease: AsyncLease, error: LeaseLostError
         _log.exception("on_lost callback %r failed for %r", callback, lease)
 
 
+#: Rows asked of the driver per page by :meth:`AsyncBaseLockManager.list`.
+_LIST_PAGE = 100
+
+
 class AsyncBaseLockManager:
     """A lock manager over any :class:`fence.abc.AsyncDriver`.
 
@@ -629,6 +633,53 @@ class AsyncBaseLockManager:
         label (never its secret); for readers, ``mode`` is ``READ`` and ``readers`` lists
         each of them. ``None`` if nobody does."""
         return await self.driver.inspect(validate_resource(resource))
+
+    async def list(self, prefix: str = "", *, limit: int | None = None) -> AsyncIterator[LockInfo]:
+        """The locks held now whose resource starts with ``prefix``, page by page.
+
+        Each row is a :class:`LockInfo` (a writer, or readers as in :meth:`inspect`) with
+        ``waiters``, the acquires queued for it, where the backend keeps a queue. Rows
+        come in the backend's order: by resource on SQL, etcd, ZooKeeper and memory; in
+        scan order on Redis (primary by primary on a cluster; node by node on the
+        quorum, which lists only what a majority agrees on). The prefix matches
+        literally: ``*``, ``%`` or ``_`` in it are plain characters. The backend is
+        read a page at a time (Redis ``SCAN``, SQL keyset pages, etcd ranges), never in
+        one blocking call; a lock taken or released during the listing may or may not
+        appear.
+
+        Args:
+            prefix: list only resources that start with it (default: every resource).
+            limit: stop after this many rows (default: all).
+
+        Raises:
+            ConfigurationError: the backend has no list, or ``limit`` is below 0.
+            BackendError: the backend failed; rows already yielded stay valid.
+        """
+        if not isinstance(prefix, str):
+            raise ConfigurationError(f"prefix must be a str, got {type(prefix).__name__}")
+        if limit is not None and limit < 0:
+            raise ConfigurationError(f"limit must be 0 or more, got {limit}")
+        page = getattr(self.driver, "list_page", None)
+        if page is None:
+            raise ConfigurationError(
+                f"the {self.source} backend has no list of held locks: use inspect on a "
+                "resource you know"
+            )
+        count = _LIST_PAGE if limit is None else max(1, min(limit, _LIST_PAGE))
+        # A scan may return a resource twice (Redis SCAN across a rehash): yield it once.
+        listed: set[str] = set()
+        cursor: Any = None
+        while limit is None or len(listed) < limit:
+            rows, cursor = await page(prefix, cursor, count)
+            for row in rows:
+                if limit is not None and len(listed) >= limit:
+                    return
+                if row.resource in listed:
+                    continue
+                listed.add(row.resource)
+                yield row
+            if cursor is None:
+                return
 
     async def revoke(self, resource: str) -> int:
         """End the lease on ``resource`` by force, whoever holds it: the writer, or every

@@ -91,6 +91,13 @@ class AsyncMemoryDriver:
         await self._enter("inspect", resource)
         return self.backend.inspect(resource)
 
+    async def list_page(
+        self, prefix: str, cursor: str | None, count: int
+    ) -> tuple[list[LockInfo], str | None]:
+        """One page of held locks, by resource; the cursor is the last resource listed."""
+        await self._enter("list", prefix)
+        return self.backend.list_page(prefix, cursor, count)
+
     async def revoke(self, resource: str) -> int:
         """See :meth:`fence.abc.AsyncDriver.revoke`."""
         await self._enter("revoke", resource)

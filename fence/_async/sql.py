@@ -25,6 +25,7 @@ which :func:`fence._rwlock.decide` decides (in process, no round trip).
 from __future__ import annotations
 
 import asyncio  # unasync: remove
+import dataclasses
 import functools
 import logging
 import os
@@ -651,6 +652,37 @@ class AsyncSQLDriver:
         if writers:
             return writers[0]
         return LockInfo.of_readers(resource, infos)
+
+    async def list_page(
+        self, prefix: str, cursor: str | None, count: int
+    ) -> tuple[list[LockInfo], str | None]:
+        """One keyset page of the locks held now (by the database's clock), by resource;
+        the cursor is the last resource listed. Readers come from the shared table."""
+        params = {"prefix": prefix, "length": len(prefix), "after": cursor or "", "count": count}
+        rows = await self._execute("list_page", prefix, params, every=True)
+        found: dict[str, list[LockInfo]] = {}
+        waiting: dict[str, int] = {}
+        for resource, kind, token, remaining, holder, waiters in rows:
+            found.setdefault(resource, []).append(
+                LockInfo(
+                    resource,
+                    checked_token(token),
+                    max(float(remaining), 0.0),
+                    holder,
+                    LeaseMode.WRITE if kind == "w" else LeaseMode.READ,
+                )
+            )
+            waiting[resource] = int(waiters)
+        infos = []
+        for resource, leases in found.items():
+            writers = [info for info in leases if info.mode is LeaseMode.WRITE]
+            info = writers[0] if writers else LockInfo.of_readers(resource, leases)
+            if info is not None:
+                infos.append(dataclasses.replace(info, waiters=waiting[resource]))
+        # The database's order (its collation) is the keyset's: the cursor is the last
+        # resource it returned. Fewer resources than asked: the keyset is walked to its end.
+        last = next(reversed(found)) if len(found) >= count else None
+        return infos, last
 
     async def revoke(self, resource: str) -> int:
         """End every lease of ``resource`` (the writer's, or every reader's); see

@@ -93,6 +93,13 @@ class MemoryDriver:
         self._enter("inspect", resource)
         return self.backend.inspect(resource)
 
+    def list_page(
+        self, prefix: str, cursor: str | None, count: int
+    ) -> tuple[list[LockInfo], str | None]:
+        """One page of held locks, by resource; the cursor is the last resource listed."""
+        self._enter("list", prefix)
+        return self.backend.list_page(prefix, cursor, count)
+
     def revoke(self, resource: str) -> int:
         """See :meth:`fence.abc.Driver.revoke`."""
         self._enter("revoke", resource)

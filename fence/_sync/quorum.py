@@ -450,6 +450,32 @@ class QuorumDriver:
             raise self._unavailable("inspect", outcomes)
         return merge_inspections(resource, infos, len(self.nodes))
 
+    def list_page(
+        self, prefix: str, cursor: tuple[int, str | None] | None, count: int
+    ) -> tuple[list[LockInfo], tuple[int, str | None] | None]:
+        """One ``SCAN`` step on one node finds resources; each is then inspected on every
+        node, and listed only if a majority agrees on its holder (:meth:`inspect`).
+
+        The nodes are scanned one after the other, so a lock held on a majority is found
+        on at least one node that answers; a node that fails is passed over. The cursor is
+        the node's index and its ``SCAN`` cursor.
+        """
+        index, step = cursor or (0, None)
+        try:
+            found, after = self.nodes[index].list_page(prefix, step, count)
+        except BackendError:
+            found, after = [], None
+        rows = []
+        for resource in dict.fromkeys(info.resource for info in found):
+            info = self.inspect(resource)
+            if info is not None:
+                rows.append(info)
+        if after is not None:
+            return rows, (index, after)
+        if index + 1 < len(self.nodes):
+            return rows, (index + 1, None)
+        return rows, None
+
     def revoke(self, resource: str) -> int:
         """End the lease on every node, and issue and commit a token above every earlier one
         (raising each node's guard fence register ``<prefix>{R}:fence`` to it).

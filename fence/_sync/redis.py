@@ -23,6 +23,7 @@ a wake-up posted between a refused attempt and the wait makes the wait return at
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
@@ -42,14 +43,16 @@ from fence._clock import Clock
 from fence._compat import Waiter, cancel_after
 from fence._core import LeaseMode, TokenMode, client_deadline, validate_ttl
 from fence._deadline import time_left
-from fence._errors import ConfigurationError, FenceWarning
+from fence._errors import ConfigurationError, FenceWarning, InvalidResourceError
 from fence._events import EventBus
 from fence._lua import Script
 from fence._redis_conn import closed_connection, describe_client
 from fence._redis_keys import (
     DEFAULT_PREFIX,
     ResourceKeys,
+    held_resource,
     resource_keys,
+    scan_pattern,
     validate_prefix,
     waiter_id,
 )
@@ -911,6 +914,69 @@ class RedisDriver:
         """The writer, or every reader; see :meth:`fence.abc.Driver.inspect`."""
         got = self._run(self._inspect, [self.keys(resource).lock], [], "inspect", resource)
         return lock_info(resource, got)
+
+    def list_page(
+        self, prefix: str, cursor: str | None, count: int
+    ) -> tuple[list[LockInfo], str | None]:
+        """One ``SCAN`` step over the keys of the resources that start with ``prefix``,
+        then each held one inspected, with its queue's length as ``waiters``.
+
+        The cursor is the ``SCAN`` cursor (on Redis Cluster, the primary's place among the
+        primaries by name, a colon, and its ``SCAN`` cursor: the primaries are scanned one
+        after the other). Rows come in the server's scan order, and a resource may come
+        twice (``SCAN``'s own guarantee); the manager drops repeats.
+        """
+        index, _, step = (cursor or "0:0").rpartition(":") if self.is_cluster else ("", "", "")
+        command = ("SCAN", step or cursor or "0", "MATCH", scan_pattern(self.prefix, prefix))
+        primaries: list[Any] = []
+        try:
+            if self.is_cluster:
+                primaries = sorted(self.client.get_primaries(), key=lambda node: node.name)
+                if int(index) >= len(primaries):
+                    return [], None
+                with cancel_after(max(time_left(self.socket_timeout), 0.0) + 0.05):
+                    reply = self.client.execute_command(
+                        *command, "COUNT", count, target_nodes=primaries[int(index)]
+                    )
+                if isinstance(reply[0], dict):  # redis-py: the cursor of each node
+                    (next_step,) = reply[0].values()
+                    reply = [next_step, reply[1]]
+            else:
+                (reply,) = self._pipeline([(*command, "COUNT", count)])
+                if isinstance(reply, BaseException):
+                    raise reply
+            after, keys = text(reply[0]), [text(k) for k in reply[1]]
+            names = list(dict.fromkeys(r for k in keys if (r := held_resource(self.prefix, k))))
+            names = [r for r in names if r.startswith(prefix) and self._listable(r)]
+            if self.is_cluster:  # one slot a key: no pipeline across them
+                queued = []
+                for name in names:
+                    with cancel_after(max(time_left(self.socket_timeout), 0.0) + 0.05):
+                        queued.append(self.client.execute_command("ZCARD", self.keys(name).queue))
+            else:
+                queued = self._pipeline([("ZCARD", self.keys(r).queue) for r in names])
+        except (ConnectionFailure, RespError, RedisError, OSError, TimeoutError) as exc:
+            raise self._error(exc, "list", prefix) from exc
+        rows = []
+        for name, waiting in zip(names, queued, strict=True):
+            info = self.inspect(name)
+            if info is not None:
+                waiters = waiting if isinstance(waiting, int) else 0
+                rows.append(dataclasses.replace(info, waiters=waiters))
+        if not self.is_cluster:
+            return rows, None if after == "0" else after
+        if after != "0":
+            return rows, f"{index}:{after}"
+        if int(index) + 1 < len(primaries):
+            return rows, f"{int(index) + 1}:0"
+        return rows, None
+
+    def _listable(self, name: str) -> bool:
+        try:
+            self.keys(name)
+        except InvalidResourceError:
+            return False  # read from a key that is no lock's (a data key's fence)
+        return True
 
     def revoke(self, resource: str) -> int:
         """End the lease, issue a token above every earlier one and above the guards' fence

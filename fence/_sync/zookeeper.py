@@ -15,6 +15,7 @@ The node layout and the data are in :mod:`fence._zookeeper`, the queue logic in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -58,6 +59,7 @@ from fence._zookeeper import (
     own_node,
     parse_hosts,
     queue_order,
+    resource_of_node,
     resource_path,
     token_of,
     validate_root,
@@ -832,6 +834,47 @@ class ZooKeeperDriver:
                 return infos[0]
             return LockInfo.of_readers(resource, infos)
         return None
+
+    def list_page(
+        self, prefix: str, cursor: str | None, count: int
+    ) -> tuple[list[LockInfo], str | None]:
+        """The next ``count`` resources after ``cursor``, by resource, each inspected, with
+        its other nodes counted as ``waiters``.
+
+        ZooKeeper does not page a node's children: each page reads the root's whole list
+        of children (one resource node each, kept after release) and pages it here. Each
+        held resource costs an inspect, whose clock reading is one write to its node.
+        """
+        end = self._deadline()
+        try:
+            children = self._op("list", lambda: self._client.get_children_async(self.root), end)
+        except NoNodeError:
+            return [], None
+        names = sorted(
+            name
+            for name in map(resource_of_node, children)
+            if name.startswith(prefix) and (cursor is None or name > cursor)
+        )
+        page = names[:count]
+        rows = []
+        for name in page:
+            info = self.inspect(name)
+            if info is None:
+                continue
+            parent = resource_path(self.root, name)
+            try:
+                nodes = self._op(
+                    "list",
+                    functools.partial(self._client.get_children_async, parent),
+                    self._deadline(),
+                )
+            except NoNodeError:
+                continue
+            holders = len(info.readers) or 1
+            rows.append(
+                dataclasses.replace(info, waiters=max(len(queue_order(nodes)) - holders, 0))
+            )
+        return rows, (page[-1] if len(names) > count else None)
 
     def revoke(self, resource: str) -> int:
         """Delete the holder's node and every waiter's, and bump the resource node, in one

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import fence._async.manager as manager_module
 from fence import (
     MAX_TOKEN,
     AcquireTimeout,
@@ -25,6 +26,7 @@ from fence import (
     InvalidResourceError,
     LeaseExpiredError,
     LeaseLostError,
+    LeaseMode,
     NotOwnerError,
 )
 from fence.abc import AsyncLockManager
@@ -456,6 +458,89 @@ async def test_inspect(make_manager: Make, resource: str) -> None:
     assert info.holder
     assert lease._secret not in str(info)
     await lease.release()
+
+
+async def _listed(manager: Any, prefix: str = "", **options: Any) -> list[Any]:
+    rows = []
+    async for row in manager.list(prefix, **options):
+        rows.append(row)
+    return rows
+
+
+#: The backends whose list reports the acquires that wait in their queue.
+_QUEUE_COUNTED = {"memory", "redis-fifo", "etcd", "zookeeper"}
+
+
+async def test_list_held_locks(
+    make_manager: Make, manager_backend: ManagerBackend, resource: str
+) -> None:
+    """``list`` shows each held lock once, with its token, holder, mode, readers and
+    waiters; the prefix filters; an expired lease is not listed."""
+    manager = make_manager(ttl=30)
+    if not hasattr(manager.driver, "list_page"):
+        with pytest.raises(ConfigurationError, match="no list"):
+            await _listed(manager)
+        return
+    base = f"{resource}/"
+    one = await manager.acquire(base + "p/one")
+    other = await manager.acquire(base + "q")
+    await manager.acquire(base + "p/gone", ttl=0.2)
+    if manager_backend.shared:
+        await manager.acquire(base + "p/read", mode="read")
+        await other_owner(lambda: manager.acquire(base + "p/read", mode="read"))
+    busy = await manager.acquire(base + "p/wait")
+    waiter = await spawn(lambda: manager.acquire(base + "p/wait", timeout=20))
+    await sleep(0.5 + manager_backend.expiry_slack)
+
+    rows = {row.resource: row for row in await _listed(manager, base + "p/")}
+    expected = {base + "p/one", base + "p/wait"}
+    if manager_backend.shared:
+        expected.add(base + "p/read")
+        read = rows[base + "p/read"]
+        assert read.mode is LeaseMode.READ
+        assert len(read.readers) == 2
+    assert set(rows) == expected
+    assert rows[base + "p/one"].token == one.token
+    assert rows[base + "p/one"].mode is LeaseMode.WRITE
+    assert rows[base + "p/one"].holder
+    assert 0 < rows[base + "p/one"].remaining <= 30
+    assert one._secret not in str(rows[base + "p/one"])
+    assert rows[base + "p/wait"].token == busy.token
+    if manager_backend.name in _QUEUE_COUNTED:
+        assert rows[base + "p/wait"].waiters == 1
+    everything = {row.resource for row in await _listed(manager)}
+    assert expected | {base + "q"} <= everything
+    assert base + "p/gone" not in everything
+    assert [row.token for row in await _listed(manager, base + "q")] == [other.token]
+
+    await busy.release()
+    lease = await join(waiter)
+    await lease.release()
+
+
+async def test_list_prefix_is_literal_and_pages(
+    make_manager: Make, resource: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Glob and LIKE characters in the prefix match only themselves; small pages list
+    every lock once; ``limit`` stops early."""
+    manager = make_manager(ttl=30)
+    if not hasattr(manager.driver, "list_page"):
+        return
+    base = f"{resource}/"
+    names = [base + n for n in ("a*x", "a%x", "a_x", "abx", "a?x", "a[x]", "a\\x")]
+    for name in names:
+        await manager.acquire(name)
+    for start in ("a*", "a%", "a_", "a?", "a[", "a\\"):
+        assert [r.resource for r in await _listed(manager, base + start)] == [
+            n for n in names if n.startswith(base + start)
+        ], start
+    monkeypatch.setattr(manager_module, "_LIST_PAGE", 2)
+    paged = [r.resource for r in await _listed(manager, base)]
+    assert sorted(paged) == sorted(names)
+    assert len(await _listed(manager, base, limit=3)) == 3
+    assert await _listed(manager, base, limit=0) == []
+    with pytest.raises(ConfigurationError):
+        await _listed(manager, base, limit=-1)
 
 
 async def test_explicit_renew_extends(make_manager: Make, resource: str) -> None:
