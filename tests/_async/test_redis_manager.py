@@ -427,7 +427,12 @@ async def test_a_channel_dropped_under_a_waiter_is_subscribed_again(
         async def subscribed() -> bool:
             return await subscribers(client, signal) == 1
 
-        await until(subscribed)
+        async def listening() -> bool:
+            # The listener sends SUBSCRIBE on a new connection before it keeps the
+            # connection, so the server can count the waiter a moment before it is kept.
+            return await subscribed() and manager.driver._listener._conn is not None
+
+        await until(listening)
         await manager.driver._listener._conn.send("UNSUBSCRIBE", signal)
         await sleep(0.3)
         await until(subscribed)  # subscribed again

@@ -424,7 +424,12 @@ def test_a_channel_dropped_under_a_waiter_is_subscribed_again(
         def subscribed() -> bool:
             return subscribers(client, signal) == 1
 
-        until(subscribed)
+        def listening() -> bool:
+            # The listener sends SUBSCRIBE on a new connection before it keeps the
+            # connection, so the server can count the waiter a moment before it is kept.
+            return subscribed() and manager.driver._listener._conn is not None
+
+        until(listening)
         manager.driver._listener._conn.send("UNSUBSCRIBE", signal)
         sleep(0.3)
         until(subscribed)  # subscribed again
