@@ -22,6 +22,9 @@ def _setup(request: pytest.FixtureRequest) -> str:
 
 def _make(url: str, is_async: bool, **options: Any) -> Any:
     cls = AsyncEtcdLockManager if is_async else EtcdLockManager
+    # As for ZooKeeper (tests/backend_zookeeper.py): the suite checks decisions, not how
+    # fast a loaded cluster answers; the faults that pin request_timeout are elsewhere.
+    options.setdefault("request_timeout", 15.0)
     return cls(url, **options)
 
 
