@@ -2,7 +2,8 @@
 ensemble.
 
 The managers ask for 60 s sessions (the ensemble grants up to 120 s), so that every ttl
-the suite uses fits in the session, and give a call 15 s. The faults are in ``tests/test_consensus_faults.py``.
+the suite uses fits in the session, and give a call 15 s. The faults are in
+``tests/test_consensus_faults.py``.
 """
 
 from __future__ import annotations
