@@ -76,8 +76,11 @@ def test_fenced_pairing_keeps_every_update(
     assert result["stale_accepted"] == 0
     assert result["lost_updates"] == 0
     assert verdict["duplicate_tokens"] == []
+    assert result["tokens_issued_twice"] == 0
     assert verdict["duplicate_values"] == []
     assert not any(verdict["unexplained"].values())
+    # Once the workers are gone, every record's lock can be taken: nothing was orphaned.
+    assert result["orphan_locks"] == []
     # The run did real work and the fence did real refusing.
     assert result["pauses_injected"] >= PAUSES_PER_PAIRING
     assert result["accepted"] > 0
@@ -156,3 +159,60 @@ def test_missing_pairings_are_reported(chaos_run: tuple[dict[str, Any], Path]) -
     ran = {result["pairing"] for result in summary["pairings"]}
     assert ran == set(RUN)
     assert not ran & set(summary["not_covered"])
+
+
+# -- the soak -----------------------------------------------------------------------------
+
+
+def test_a_short_soak_runs_the_pairings_in_turn_and_adds_them_up(tmp_path: Path) -> None:
+    """``--soak``: the CI's smoke of the long soak (docs/chaos.md has a 30-minute one). Two
+    pairings in turn, each slice on records of its own, the servers living through it all;
+    the report adds the slices up, and nothing is lost, stale, issued twice or orphaned."""
+    done = run_chaos(
+        "--soak", "0.5",
+        "--duration", "10",
+        "--pairing", "redis+redis",
+        "--pairing", "sql+plain-sql",
+        "--workers", "5",
+        "--records", "3",
+        "--summary", str(tmp_path / "soak.json"),
+        timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert report["ok"], report["failed"]
+    assert report["rounds"] >= 1
+    ran = [entry["pairing"] for entry in report["slices"]]
+    assert ran[:2] == ["redis+redis", "sql+plain-sql"]  # in turn, in the order asked
+    totals = report["totals"]
+    assert totals["slices"] == len(report["slices"])
+    for key in ("pauses", "server_kills", "writes_accepted", "stale_refused"):
+        assert totals[key] == sum(entry[key] for entry in report["slices"]), key
+        assert totals[key] == sum(p[key] for p in report["per_pairing"].values()), key
+    assert totals["pauses"] > 0
+    assert totals["server_kills"] > 0
+    assert totals["connection_drops"] > 0
+    assert totals["writes_accepted"] > 0
+    for key in ("lost", "stale_accepted", "tokens_issued_twice", "orphan_locks"):
+        assert totals[key] == 0, key
+    assert "fence chaos --soak: round 1, redis+redis" in done.stderr
+
+
+def test_the_orphan_check_finds_a_lock_left_held(redis_url: str) -> None:
+    """The soak's orphan count can see an orphan: a lock that a client still holds past
+    the run's ttl and the slack is reported, a free one is not."""
+    from fence import RedisLockManager
+    from fence._chaos.base import Endpoints
+    from fence._chaos.runner import orphans
+
+    pairing = PAIRINGS["redis+redis"]
+    records = pairing.records(2, round_=7)
+    holder = RedisLockManager(redis_url, ttl=60)
+    try:
+        lease = holder.acquire(records[0])
+        left = orphans(pairing, Endpoints(redis=redis_url), records, ttl=0.2, slack=0.3)
+        assert left == [records[0]]
+        lease.release()
+        assert orphans(pairing, Endpoints(redis=redis_url), records, ttl=0.2, slack=0.3) == []
+    finally:
+        holder.close()

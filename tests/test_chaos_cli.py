@@ -102,3 +102,24 @@ def test_ctrl_c_stops_a_chaos_run_cleanly(private_tmp: tuple[Path, dict[str, str
     assert out == ""
     assert list(tmp.iterdir()) == []
     assert _processes_under(tmp) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--soak", "0"], "--soak must be positive"),
+        (["--soak", "1", "--pauses", "5"], "--pauses does not go with --soak"),
+        (["--soak", "1", "--long"], "--long does not go with --soak"),
+        (["--soak", "1", "--timeline", "x.svg"], "--timeline does not go with --soak"),
+        (["--soak", "1", "--pairing", "baseline"], "fenced pairings only"),
+    ],
+)
+def test_soak_usage_errors(
+    private_tmp: tuple[Path, dict[str, str]], args: list[str], says: str
+) -> None:
+    """A soak asked for wrongly is refused before any server starts: exit status 2."""
+    tmp, env = private_tmp
+    done = run("chaos", *args, env=env)
+    assert done.returncode == 2
+    assert says in done.stderr
+    assert list(tmp.iterdir()) == []

@@ -128,8 +128,11 @@ class Pairing:
         names = [LOCKERS[self.locker].server, STORES[self.store].server]
         return tuple(dict.fromkeys(names))
 
-    def records(self, count: int) -> list[str]:
-        """The names of ``count`` records of this pairing."""
+    def records(self, count: int, round_: int = 0) -> list[str]:
+        """The names of ``count`` records of this pairing; a soak's later rounds
+        (``round_`` > 0) get records of their own."""
+        if round_:
+            return [f"{self.short}:r{round_}:{i}" for i in range(count)]
         return [f"{self.short}:{i}" for i in range(count)]
 
 

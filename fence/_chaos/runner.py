@@ -19,13 +19,14 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -42,11 +43,18 @@ from fence._chaos.worker import Board, Phase, WorkerConfig
 from fence._chaos.worker import main as worker_main
 from fence._interrupt import sigint_ignored
 
-__all__ = ["Settings", "main", "run"]
+__all__ = ["Settings", "main", "orphans", "run", "soak"]
 
 _ENDPOINTS = ("redis", "postgres", "etcd", "zookeeper")
 
 _LONG = {"duration": 600.0, "workers": 8, "records": 4}
+_SOAK = {"duration": 60.0, "workers": 8, "records": 4}  # duration: one slice of a pairing
+
+# Seconds past a lock's ttl (and what the server adds to it) before a lock still held after
+# the run counts as an orphan: room for a server that the last fault restarted.
+_ORPHAN_SLACK = 10.0
+# A soak does not start a slice shorter than this at its end.
+_SHORTEST_SLICE = 5.0
 _DEFAULT = {"duration": 20.0, "workers": 5, "records": 3}
 
 
@@ -117,19 +125,70 @@ def _max_inflight(workers: int) -> int:
     return max(1, min(workers - 2, workers // 2 + 1))
 
 
+def orphans(
+    pairing: Pairing,
+    endpoints: Endpoints,
+    records: Sequence[str],
+    ttl: float,
+    slack: float = _ORPHAN_SLACK,
+) -> list[str]:
+    """The records whose lock nobody can take within its ttl (and what the server adds to
+    it) plus ``slack`` seconds, once every worker is gone: locks left behind by the run.
+
+    Every worker has stopped by now, each released what it held or lost it, and a killed
+    one's lease ends with its ttl; a lock still held after that is an orphan.
+    """
+    from fence._errors import BackendError
+
+    kind = _pairings.LOCKERS[pairing.locker]
+    bound = ttl + kind.overhang(ttl) + slack
+    locker = _pairings.open_locker(pairing, endpoints, ttl)
+    left: list[str] = []
+    try:
+        for record in records:
+            end = time.monotonic() + bound
+            while True:
+                try:
+                    held = locker.acquire(record, timeout=max(0.1, end - time.monotonic()))
+                except BackendError:
+                    held = None  # a server still coming back: try again until the bound
+                    if time.monotonic() < end:
+                        time.sleep(0.1)
+                        continue
+                if held is not None:
+                    held.release()
+                elif time.monotonic() < end:
+                    continue
+                else:
+                    left.append(record)
+                break
+    finally:
+        locker.close()
+    return left
+
+
 def run_pairing(
     pairing: Pairing,
     servers: dict[str, Any],
     settings: Settings,
     workdir: Path,
+    round_: int = 0,
 ) -> tuple[dict[str, Any], list[Record]]:
-    """Run one pairing; return its summary and its whole log."""
+    """Run one pairing; return its summary and its whole log.
+
+    Args:
+        pairing: what runs.
+        servers: the run's servers, by kind.
+        settings: the run's knobs.
+        workdir: where the worker logs go.
+        round_: a soak's round; each round gets records of its own.
+    """
     endpoints = Endpoints(
         **{name: server.url for name, server in servers.items() if name in _ENDPOINTS}
     )
-    records = pairing.records(settings.records)
+    records = pairing.records(settings.records, round_)
     _pairings.setup(pairing, endpoints, records)
-    folder = workdir / pairing.short
+    folder = workdir / (f"{pairing.short}-r{round_}" if round_ else pairing.short)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(f"{settings.seed}:{pairing.name}")
 
@@ -233,6 +292,7 @@ def run_pairing(
 
     final = _pairings.final_values(pairing, endpoints, records)
     verdict = check(log, final)
+    left = orphans(pairing, endpoints, records, settings.ttl) if pairing.fenced else []
     events = Counter(record.event for record in log)
     faults = injector.done if injector is not None else []
     kills = Counter(f["server"] for f in faults if f["kind"] == "kill")
@@ -268,12 +328,14 @@ def run_pairing(
         "final": final,
         "stale_accepted": len(verdict.stale_accepted),
         "lost_updates": sum(verdict.lost_updates.values()),
+        "tokens_issued_twice": len(verdict.duplicate_tokens),
+        "orphan_locks": left,
         "verdict": verdict.as_dict(),
         "worker_failures": failures,
         "workers_killed": stragglers,
     }
     summary["ok"] = bool(
-        verdict.ok and not failures and not stragglers and not summary["fault_errors"]
+        verdict.ok and not failures and not stragglers and not summary["fault_errors"] and not left
     )
     return summary, log
 
@@ -284,16 +346,15 @@ def _timeline_path(base: Path, pairing: Pairing, several: bool) -> Path:
     return base.with_name(f"{base.stem}-{pairing.name.replace('+', '-')}{base.suffix}")
 
 
-def run(settings: Settings, workdir: Path, timeline: Path | None = None) -> dict[str, Any]:
-    """Run the pairings of ``settings``; return the JSON summary as a dict.
+@contextlib.contextmanager
+def _servers_for(chosen: Sequence[Pairing]) -> Iterator[dict[str, Any]]:
+    """Start the servers the ``chosen`` pairings need; stop them all at the end.
 
     Raises:
-        RuntimeError: a server or a worker could not start.
+        RuntimeError: a server could not start.
     """
-    chosen = [PAIRINGS[name] for name in settings.pairings]
     wanted = {server for pairing in chosen for server in pairing.servers}
     servers: dict[str, Any] = {}
-    results: list[dict[str, Any]] = []
     # The checker assumes that a killed server process loses nothing it acknowledged.
     kinds: tuple[tuple[str, Callable[[], Any]], ...] = (
         ("redis", lambda: RedisServer(*REDIS_AOF)),
@@ -309,17 +370,37 @@ def run(settings: Settings, workdir: Path, timeline: Path | None = None) -> dict
                 servers[name] = kind()
         for server in servers.values():
             server.start()
+        yield servers
+    finally:
+        for server in servers.values():
+            # PostgreSQL's stop() keeps the cluster's files for a restart; destroy() does not.
+            (server.destroy if isinstance(server, PostgresServer) else server.stop)()
+
+
+def _line(summary: dict[str, Any], fenced: bool) -> str:
+    verdict = "ok" if summary["ok"] else ("LOSES UPDATES" if not fenced else "FAILED")
+    return (
+        f"  {summary['elapsed_s']:.1f} s, {summary['pauses_injected']} pauses, "
+        f"{summary['faults_injected']} faults, {summary['accepted']} accepted, "
+        f"{summary['rejected']} rejected, {summary['stale_accepted']} stale accepted, "
+        f"{summary['lost_updates']} lost updates -> {verdict}"
+    )
+
+
+def run(settings: Settings, workdir: Path, timeline: Path | None = None) -> dict[str, Any]:
+    """Run the pairings of ``settings``; return the JSON summary as a dict.
+
+    Raises:
+        RuntimeError: a server or a worker could not start.
+    """
+    chosen = [PAIRINGS[name] for name in settings.pairings]
+    results: list[dict[str, Any]] = []
+    with _servers_for(chosen) as servers:
         for pairing in chosen:
             _say(f"fence chaos: {pairing.name}: {pairing.description} ...")
             summary, log = run_pairing(pairing, servers, settings, workdir)
             results.append(summary)
-            _say(
-                f"  {summary['elapsed_s']:.1f} s, {summary['pauses_injected']} pauses, "
-                f"{summary['faults_injected']} faults, {summary['accepted']} accepted, "
-                f"{summary['rejected']} rejected, {summary['stale_accepted']} stale accepted, "
-                f"{summary['lost_updates']} lost updates -> "
-                + ("ok" if summary["ok"] else ("LOSES UPDATES" if not pairing.fenced else "FAILED"))
-            )
+            _say(_line(summary, pairing.fenced))
             if timeline is not None:
                 path = _timeline_path(timeline, pairing, len(chosen) > 1)
                 title = (
@@ -331,10 +412,6 @@ def run(settings: Settings, workdir: Path, timeline: Path | None = None) -> dict
                 )
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(render_svg(log, title), encoding="utf-8")
-    finally:
-        for server in servers.values():
-            # PostgreSQL's stop() keeps the cluster's files for a restart; destroy() does not.
-            (server.destroy if isinstance(server, PostgresServer) else server.stop)()
 
     fenced = [r for r in results if r["fenced"]]
     baseline = [r for r in results if not r["fenced"]]
@@ -353,9 +430,111 @@ def run(settings: Settings, workdir: Path, timeline: Path | None = None) -> dict
             "rejected": sum(r["rejected"] for r in fenced),
             "stale_accepted": sum(r["stale_accepted"] for r in fenced),
             "lost_updates": sum(r["lost_updates"] for r in fenced),
+            "tokens_issued_twice": sum(r["tokens_issued_twice"] for r in fenced),
+            "orphan_locks": sum(len(r["orphan_locks"]) for r in fenced),
             "baseline_lost_updates": sum(r["lost_updates"] for r in baseline),
         },
         "ok": all(r["ok"] for r in fenced),
+    }
+
+
+# What a soak adds up, per pairing and in all: (report key, how to read it off a slice).
+_SOAK_SUMS: tuple[tuple[str, Callable[[dict[str, Any]], int]], ...] = (
+    ("pauses", lambda r: int(r["pauses_injected"])),
+    ("pauses_between_read_and_write", lambda r: int(r["pauses_between_read_and_write"])),
+    ("server_kills", lambda r: sum(r["server_kills"].values())),
+    ("connection_drops", lambda r: sum(f["kind"] == "drop-connections" for f in r["faults"])),
+    ("member_freezes", lambda r: sum(f["kind"] == "pause" for f in r["faults"])),
+    ("acquired", lambda r: int(r["acquired"])),
+    ("writes_accepted", lambda r: int(r["accepted"])),
+    ("stale_refused", lambda r: int(r["rejected"])),
+    ("reads_accepted", lambda r: int(r["reads_accepted"])),
+    ("reads_refused", lambda r: int(r["reads_rejected"])),
+    ("unknown_outcomes", lambda r: int(r["unknown_outcomes"])),
+    ("lost", lambda r: int(r["lost_updates"])),
+    ("stale_accepted", lambda r: int(r["stale_accepted"])),
+    ("stale_reads", lambda r: int(r["stale_reads"])),
+    ("tokens_issued_twice", lambda r: int(r["tokens_issued_twice"])),
+    ("orphan_locks", lambda r: len(r["orphan_locks"])),
+    ("worker_failures", lambda r: len(r["worker_failures"]) + len(r["workers_killed"])),
+    ("fault_errors", lambda r: len(r["fault_errors"])),
+)
+
+
+def soak(settings: Settings, minutes: float, workdir: Path, keep: bool = False) -> dict[str, Any]:
+    """Run the fenced pairings of ``settings`` in turn, ``settings.duration`` seconds each,
+    round after round, until ``minutes`` have passed; return the report as a dict.
+
+    The servers start once and live through the whole soak, faults included; every round
+    uses records of its own, so each slice is checked on its own log. A slice that fails
+    does not stop the soak: the report lists it, and its ``ok`` is false.
+
+    Args:
+        settings: the knobs; ``duration`` is one slice, ``pauses`` is ignored.
+        minutes: how long the soak runs; the slice running at the end is cut to fit, and
+            none shorter than a few seconds starts.
+        workdir: where the worker logs go.
+        keep: keep every slice's logs (otherwise each is removed once checked).
+
+    Raises:
+        RuntimeError: a server or a worker could not start.
+    """
+    chosen = [PAIRINGS[name] for name in settings.pairings if PAIRINGS[name].fenced]
+    started = time.monotonic()
+    end = started + minutes * 60.0
+    slices: list[dict[str, Any]] = []
+    per: dict[str, Counter[str]] = {pairing.name: Counter() for pairing in chosen}
+    failed: list[dict[str, Any]] = []
+    rounds = 0
+    with _servers_for(chosen) as servers:
+        while time.monotonic() + _SHORTEST_SLICE <= end:
+            for pairing in chosen:
+                left = end - time.monotonic()
+                if left < _SHORTEST_SLICE:
+                    break
+                part = replace(
+                    settings,
+                    duration=min(settings.duration, left),
+                    pauses=None,
+                    seed=settings.seed + rounds,
+                )
+                _say(
+                    f"fence chaos --soak: round {rounds + 1}, {pairing.name}, "
+                    f"{part.duration:.0f} s ({left / 60:.1f} min left) ..."
+                )
+                summary, _ = run_pairing(pairing, servers, part, workdir, rounds)
+                _say(_line(summary, True))
+                if not keep:
+                    folder = f"{pairing.short}-r{rounds}" if rounds else pairing.short
+                    shutil.rmtree(workdir / folder, ignore_errors=True)
+                counts = {key: read(summary) for key, read in _SOAK_SUMS}
+                per[pairing.name].update(counts)
+                per[pairing.name]["slices"] += 1
+                entry = {
+                    "round": rounds + 1,
+                    "pairing": pairing.name,
+                    "elapsed_s": summary["elapsed_s"],
+                    **counts,
+                    "ok": summary["ok"],
+                }
+                slices.append(entry)
+                if not summary["ok"]:
+                    failed.append({**entry, "summary": summary})
+            rounds += 1
+    totals: Counter[str] = Counter()
+    for counts in per.values():
+        totals.update(counts)
+    return {
+        "settings": asdict(settings),
+        "soak_minutes": minutes,
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "rounds": rounds,
+        "totals": {key: totals[key] for key in ("slices", *(k for k, _ in _SOAK_SUMS))},
+        "per_pairing": {name: dict(counts) for name, counts in per.items()},
+        "not_covered": dict(PLANNED),
+        "slices": slices,
+        "failed": failed,
+        "ok": bool(slices) and not failed,
     }
 
 
@@ -379,14 +558,20 @@ def _parser() -> argparse.ArgumentParser:
         help=f"run only this pairing (repeatable): {', '.join(names)}",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the unfenced baseline")
-    parser.add_argument("--workers", type=int, help="worker processes per pairing (default 5)")
-    parser.add_argument("--records", type=int, help="records per pairing (default 3)")
+    parser.add_argument(
+        "--workers", type=int, help="worker processes per pairing (default 5; --long and --soak 8)"
+    )
+    parser.add_argument(
+        "--records", type=int, help="records per pairing (default 3; --long and --soak 4)"
+    )
     parser.add_argument("--ttl", type=float, default=0.4, help="lease ttl in seconds (0.4)")
     parser.add_argument(
         "--work", type=float, default=0.02, help="seconds between read and write (0.02)"
     )
     parser.add_argument(
-        "--duration", type=float, help="seconds per pairing, at most (default 20; --long 600)"
+        "--duration",
+        type=float,
+        help="seconds per pairing, at most (default 20; --long 600; --soak: one slice, 60)",
     )
     parser.add_argument(
         "--pauses",
@@ -397,6 +582,14 @@ def _parser() -> argparse.ArgumentParser:
         "--long",
         action="store_true",
         help="a long run: 600 s per pairing, 8 workers, 4 records (each overridable)",
+    )
+    parser.add_argument(
+        "--soak",
+        type=float,
+        metavar="MINUTES",
+        help="a soak: the fenced pairings in turn, a slice of --duration seconds each (default "
+        "60), round after round for MINUTES; the report adds up pauses, kills, writes "
+        "accepted, stale refused, lost, tokens issued twice and orphan locks",
     )
     parser.add_argument("--no-faults", action="store_true", help="pauses only, no server faults")
     parser.add_argument(
@@ -448,15 +641,25 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    for name in ("ttl", "duration", "fault_every", "records", "workers", "pauses"):
+    for name in ("ttl", "duration", "fault_every", "records", "workers", "pauses", "soak"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.work < 0:
         parser.error(f"--work must not be negative, got {args.work}")
-    preset = _LONG if args.long else _DEFAULT
+    if args.soak is not None:
+        for flag, given in (
+            ("--pauses", args.pauses),
+            ("--timeline", args.timeline),
+            ("--long", args.long or None),
+        ):
+            if given is not None:
+                parser.error(f"{flag} does not go with --soak")
+        if args.pairing and not any(PAIRINGS[name].fenced for name in args.pairing):
+            parser.error("--soak runs fenced pairings only; the baseline is not one")
+    preset = _SOAK if args.soak is not None else (_LONG if args.long else _DEFAULT)
     chosen = list(dict.fromkeys(args.pairing or [*PAIRINGS]))
-    if args.no_baseline:
+    if args.no_baseline or args.soak is not None:
         chosen = [name for name in chosen if PAIRINGS[name].fenced]
     settings = Settings(
         pairings=tuple(chosen),
@@ -474,13 +677,19 @@ def _main(argv: list[str] | None) -> int:
         settings = replace(settings, workers=3)  # two keep running while one is stopped
         _say("fence chaos: using 3 workers, the fewest that let pauses overlap with progress")
     timeline = Path(args.timeline) if args.timeline else None
+
+    def go(workdir: Path) -> dict[str, Any]:
+        if args.soak is not None:
+            return soak(settings, args.soak, workdir, keep=bool(args.keep))
+        return run(settings, workdir, timeline)
+
     if args.keep:
         workdir = Path(args.keep)
         workdir.mkdir(parents=True, exist_ok=True)
-        result = run(settings, workdir, timeline)
+        result = go(workdir)
     else:
         with tempfile.TemporaryDirectory(prefix="iofence-chaos-") as tmp:
-            result = run(settings, Path(tmp), timeline)
+            result = go(Path(tmp))
     text = json.dumps(result, indent=2)
     if args.summary:
         Path(args.summary).write_text(text + "\n", encoding="utf-8")
