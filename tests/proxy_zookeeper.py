@@ -6,6 +6,11 @@ needs it.
   The session survives: the client connects again (through the proxy) and resumes it.
 - :meth:`ZooKeeperProxy.hold_reply`: the link freezes when that reply arrives: the request
   was applied, and its reply and every byte after it are held until :meth:`thaw`.
+- :meth:`ZooKeeperProxy.garble_reply`: the reply to the next request of one kind reaches
+  the client with another request's xid, as a server that answers out of order would send
+  it (ZOOKEEPER-1863). kazoo cannot pair it with its request: its connection thread raises
+  ``RuntimeError('xids do not match ...')`` and ends, and the client never connects again
+  on its own.
 - :meth:`ZooKeeperProxy.freeze`: every byte held from now on, both ways, as on a frozen
   network or with a proxy process stopped by ``SIGSTOP``: the sockets stay open and
   nothing moves. New connections are accepted and held too.
@@ -22,14 +27,15 @@ import socket
 import struct
 import threading
 
-__all__ = ["DELETE", "MULTI", "SET_DATA", "ZooKeeperProxy"]
+__all__ = ["DELETE", "EXISTS", "MULTI", "SET_DATA", "ZooKeeperProxy"]
 
 #: Operation codes of ZooKeeper requests (``org.apache.zookeeper.ZooDefs.OpCode``).
 DELETE = 2
+EXISTS = 3
 SET_DATA = 5
 MULTI = 14
 
-_DROP, _DROP_FREEZE, _HOLD = "drop", "drop and freeze", "hold"
+_DROP, _DROP_FREEZE, _HOLD, _GARBLE = "drop", "drop and freeze", "hold", "garble"
 
 
 def _read_exact(sock: socket.socket, size: int) -> bytes | None:
@@ -83,6 +89,7 @@ class ZooKeeperProxy:
         port: the port clients connect to.
         dropped: the operation codes whose reply was dropped, in order.
         held: the operation codes whose reply froze the link, in order.
+        garbled: the operation codes whose reply went out with a wrong xid, in order.
         connections: how many client connections the proxy accepted.
     """
 
@@ -98,6 +105,7 @@ class ZooKeeperProxy:
         self._links: list[_Link] = []
         self.dropped: list[int] = []
         self.held: list[int] = []
+        self.garbled: list[int] = []
         self.connections = 0
         self._closed = False
         threading.Thread(target=self._accept, name="zk-proxy", daemon=True).start()
@@ -119,6 +127,12 @@ class ZooKeeperProxy:
         arrives from the server (the reply is held with everything after it)."""
         with self._lock:
             self._armed.append((op, _HOLD))
+
+    def garble_reply(self, op: int) -> None:
+        """Send the reply to the next request with operation code ``op`` with an xid that
+        is not its request's (the request was applied)."""
+        with self._lock:
+            self._armed.append((op, _GARBLE))
 
     def freeze(self) -> None:
         """Hold every byte from now on, both ways, on every connection."""
@@ -211,6 +225,9 @@ class ZooKeeperProxy:
                 if action == _HOLD:
                     self.held.append(op)
                     self._flowing.clear()
+                elif action == _GARBLE:
+                    self.garbled.append(op)
+                    packet = packet[:4] + struct.pack(">i", xid + 1000) + packet[8:]
                 elif action in (_DROP, _DROP_FREEZE):
                     if action == _DROP_FREEZE:
                         self._flowing.clear()

@@ -25,7 +25,6 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
     BadVersionError,
     ConnectionLoss,
-    KazooException,
     NodeExistsError,
     NoNodeError,
     OperationTimeoutError,
@@ -74,6 +73,24 @@ _WAIT_CAP = 5.0
 
 #: Errors after which the connection (or the session) is being re-established.
 _TRANSIENT = (ConnectionLoss, OperationTimeoutError, SessionExpiredError)
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether ``exc``, the outcome of a kazoo request, says the link broke under it (the
+    request may or may not have been applied), rather than what ZooKeeper decided.
+
+    Besides kazoo's own connection errors: a reply that kazoo cannot pair with its request
+    (a server answering out of order, ZOOKEEPER-1863) ends kazoo's connection thread with a
+    ``RuntimeError('xids do not match ...')``, which it also sets on the pending request.
+    """
+    if isinstance(exc, _TRANSIENT):
+        return True
+    return (
+        isinstance(exc, RuntimeError)
+        and bool(exc.args)
+        and str(exc.args[0]).startswith("xids do not match")
+    )
+
 
 #: How often :meth:`AsyncZooKeeperDriver.revoke` retries when the queue changes under it.
 _REVOKE_ROUNDS = 5
@@ -257,7 +274,10 @@ class _Reaper:
                     current.version = -2
                     current.settle = time.monotonic() + 2 * self._request_timeout
             return
-        except (KazooException, OperationTimeoutError):
+        except Exception:
+            # kazoo's verdicts, no answer in time, and whatever kazoo's connection thread
+            # failed with (it sets that on every pending request): this thread must outlive
+            # them all, or nothing is reaped any more.
             self._retry_later(path, generation, 0.5)
             return
         with self._cond:
@@ -279,7 +299,7 @@ class _Reaper:
                         pass
         except NoNodeError:
             pass
-        except (KazooException, OperationTimeoutError):
+        except Exception:  # as in _reap: this thread outlives every failure
             with self._cond:
                 if (parent, guid) in self._sweeps:
                     self._sweeps[(parent, guid)] = time.monotonic() + 0.5
@@ -344,6 +364,8 @@ class AsyncZooKeeperDriver:
         self._watches = Watches()
         self._nodes: dict[tuple[str, str], Node] = {}
         self._lock = threading.Lock()
+        self._reviving: object = None  # the dead connection thread being replaced
+        self._session_at_loss: tuple[int, bytes] | None = None
         self._connect_waiters: list[Any] = []
         self._started = False
         self._closed = False
@@ -369,6 +391,13 @@ class AsyncZooKeeperDriver:
             for waiter in waiters:
                 waiter.wake()
         else:  # SUSPENDED or LOST: the next session line must reach the probe again
+            if state == KazooState.LOST:
+                # Read before kazoo forgets it: the session to resume should kazoo's
+                # connection thread have ended on its own (see _revive_if_dead).
+                # (client_id says None by now: kazoo marks the client not live first.)
+                sid = getattr(self._client, "_session_id", None)
+                passwd = getattr(self._client, "_session_passwd", b"")
+                self._session_at_loss = (int(sid), bytes(passwd)) if sid else None
             self._logger.setLevel(_BLATHER)
             self._watches.wake_all()
 
@@ -381,6 +410,7 @@ class AsyncZooKeeperDriver:
             self._client.start_async()
             self._reaper.start()
         while not self._client.connected:
+            self._revive_if_dead()
             left = end - time.monotonic()
             if left <= 0:
                 raise BackendError(
@@ -398,6 +428,51 @@ class AsyncZooKeeperDriver:
             if self._client.connected:
                 break
             await waiter.wait(min(left, 0.25))
+
+    def _revive_if_dead(self) -> None:
+        """Start kazoo's connection again if its thread ended on its own.
+
+        kazoo's connection thread ends when the client is stopped, and also when it meets
+        an error it does not handle (a reply it cannot pair with its request, kazoo issue
+        254). Then the client stays disconnected for good: every call would wait for a
+        connection until its deadline, forever.
+
+        It starts again on the session it had: kazoo forgets the session when its thread
+        ends, so it is put back first. While the ensemble has not expired that session,
+        every node (and lease) of it is still this manager's, and a request cut off by the
+        failure is sent again like one cut off by a dropped connection. Should the session
+        have expired meanwhile, ZooKeeper says so and kazoo starts a new one, as after any
+        expiry: the nodes are gone, and the leases are reported lost at their renewal.
+        """
+        routine = getattr(getattr(self._client, "_connection", None), "_connection_routine", None)
+        stopped = getattr(self._client, "_stopped", None)
+        if routine is None or stopped is None or routine.is_alive() or stopped.is_set():
+            return
+        with self._lock:
+            if self._closed or self._reviving is routine:
+                return  # closed, or being started again already
+            self._reviving = routine
+        _log.warning(
+            "kazoo's connection to ZooKeeper at %s ended on its own; starting it again on "
+            "the same session",
+            self.hosts,
+        )
+
+        def revive() -> None:
+            try:
+                session = self._session_at_loss
+                if session is not None:
+                    self._client._session_id, self._client._session_passwd = session
+                self._client.start_async()
+                if self._closed:  # close() came meanwhile: it may have stopped it before
+                    self._client.stop()
+            except Exception:  # pragma: no cover - the next caller tries again
+                _log.warning("starting kazoo's connection again failed", exc_info=True)
+                with self._lock:
+                    self._reviving = None
+
+        # start_async() joins kazoo's old threads: off the event loop, on a thread of its own.
+        threading.Thread(target=revive, name="fence-zookeeper-revive", daemon=True).start()
 
     async def _ready(self, ttl: float, what: str, end: float) -> None:
         """Connected, and ``ttl`` fits in the session the ensemble granted."""
@@ -453,7 +528,9 @@ class AsyncZooKeeperDriver:
                     code="CONNECTION",
                     retryable=True,
                 ) from exc
-            except _TRANSIENT as exc:
+            except Exception as exc:
+                if not _transient(exc):
+                    raise  # ZooKeeper's verdict: the caller decides
                 if uncertain is not None:
                     uncertain.append(type(exc).__name__)
                 if not safe:

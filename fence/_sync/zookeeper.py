@@ -27,7 +27,6 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import (
     BadVersionError,
     ConnectionLoss,
-    KazooException,
     NodeExistsError,
     NoNodeError,
     OperationTimeoutError,
@@ -76,6 +75,24 @@ _WAIT_CAP = 5.0
 
 #: Errors after which the connection (or the session) is being re-established.
 _TRANSIENT = (ConnectionLoss, OperationTimeoutError, SessionExpiredError)
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether ``exc``, the outcome of a kazoo request, says the link broke under it (the
+    request may or may not have been applied), rather than what ZooKeeper decided.
+
+    Besides kazoo's own connection errors: a reply that kazoo cannot pair with its request
+    (a server answering out of order, ZOOKEEPER-1863) ends kazoo's connection thread with a
+    ``RuntimeError('xids do not match ...')``, which it also sets on the pending request.
+    """
+    if isinstance(exc, _TRANSIENT):
+        return True
+    return (
+        isinstance(exc, RuntimeError)
+        and bool(exc.args)
+        and str(exc.args[0]).startswith("xids do not match")
+    )
+
 
 #: How often :meth:`ZooKeeperDriver.revoke` retries when the queue changes under it.
 _REVOKE_ROUNDS = 5
@@ -259,7 +276,10 @@ class _Reaper:
                     current.version = -2
                     current.settle = time.monotonic() + 2 * self._request_timeout
             return
-        except (KazooException, OperationTimeoutError):
+        except Exception:
+            # kazoo's verdicts, no answer in time, and whatever kazoo's connection thread
+            # failed with (it sets that on every pending request): this thread must outlive
+            # them all, or nothing is reaped any more.
             self._retry_later(path, generation, 0.5)
             return
         with self._cond:
@@ -281,7 +301,7 @@ class _Reaper:
                         pass
         except NoNodeError:
             pass
-        except (KazooException, OperationTimeoutError):
+        except Exception:  # as in _reap: this thread outlives every failure
             with self._cond:
                 if (parent, guid) in self._sweeps:
                     self._sweeps[(parent, guid)] = time.monotonic() + 0.5
@@ -346,6 +366,8 @@ class ZooKeeperDriver:
         self._watches = Watches()
         self._nodes: dict[tuple[str, str], Node] = {}
         self._lock = threading.Lock()
+        self._reviving: object = None  # the dead connection thread being replaced
+        self._session_at_loss: tuple[int, bytes] | None = None
         self._connect_waiters: list[Any] = []
         self._started = False
         self._closed = False
@@ -371,6 +393,13 @@ class ZooKeeperDriver:
             for waiter in waiters:
                 waiter.wake()
         else:  # SUSPENDED or LOST: the next session line must reach the probe again
+            if state == KazooState.LOST:
+                # Read before kazoo forgets it: the session to resume should kazoo's
+                # connection thread have ended on its own (see _revive_if_dead).
+                # (client_id says None by now: kazoo marks the client not live first.)
+                sid = getattr(self._client, "_session_id", None)
+                passwd = getattr(self._client, "_session_passwd", b"")
+                self._session_at_loss = (int(sid), bytes(passwd)) if sid else None
             self._logger.setLevel(_BLATHER)
             self._watches.wake_all()
 
@@ -383,6 +412,7 @@ class ZooKeeperDriver:
             self._client.start_async()
             self._reaper.start()
         while not self._client.connected:
+            self._revive_if_dead()
             left = end - time.monotonic()
             if left <= 0:
                 raise BackendError(
@@ -400,6 +430,51 @@ class ZooKeeperDriver:
             if self._client.connected:
                 break
             waiter.wait(min(left, 0.25))
+
+    def _revive_if_dead(self) -> None:
+        """Start kazoo's connection again if its thread ended on its own.
+
+        kazoo's connection thread ends when the client is stopped, and also when it meets
+        an error it does not handle (a reply it cannot pair with its request, kazoo issue
+        254). Then the client stays disconnected for good: every call would wait for a
+        connection until its deadline, forever.
+
+        It starts again on the session it had: kazoo forgets the session when its thread
+        ends, so it is put back first. While the ensemble has not expired that session,
+        every node (and lease) of it is still this manager's, and a request cut off by the
+        failure is sent again like one cut off by a dropped connection. Should the session
+        have expired meanwhile, ZooKeeper says so and kazoo starts a new one, as after any
+        expiry: the nodes are gone, and the leases are reported lost at their renewal.
+        """
+        routine = getattr(getattr(self._client, "_connection", None), "_connection_routine", None)
+        stopped = getattr(self._client, "_stopped", None)
+        if routine is None or stopped is None or routine.is_alive() or stopped.is_set():
+            return
+        with self._lock:
+            if self._closed or self._reviving is routine:
+                return  # closed, or being started again already
+            self._reviving = routine
+        _log.warning(
+            "kazoo's connection to ZooKeeper at %s ended on its own; starting it again on "
+            "the same session",
+            self.hosts,
+        )
+
+        def revive() -> None:
+            try:
+                session = self._session_at_loss
+                if session is not None:
+                    self._client._session_id, self._client._session_passwd = session
+                self._client.start_async()
+                if self._closed:  # close() came meanwhile: it may have stopped it before
+                    self._client.stop()
+            except Exception:  # pragma: no cover - the next caller tries again
+                _log.warning("starting kazoo's connection again failed", exc_info=True)
+                with self._lock:
+                    self._reviving = None
+
+        # start_async() joins kazoo's old threads: off the event loop, on a thread of its own.
+        threading.Thread(target=revive, name="fence-zookeeper-revive", daemon=True).start()
 
     def _ready(self, ttl: float, what: str, end: float) -> None:
         """Connected, and ``ttl`` fits in the session the ensemble granted."""
@@ -455,7 +530,9 @@ class ZooKeeperDriver:
                     code="CONNECTION",
                     retryable=True,
                 ) from exc
-            except _TRANSIENT as exc:
+            except Exception as exc:
+                if not _transient(exc):
+                    raise  # ZooKeeper's verdict: the caller decides
                 if uncertain is not None:
                     uncertain.append(type(exc).__name__)
                 if not safe:

@@ -52,7 +52,7 @@ from fence._sync.manager import UNDO_LIMIT
 from fence._sync.zookeeper import ZooKeeperLockManager
 from fence._zookeeper import queue_order, resource_path
 from tests._compat import join, sleep, spawn
-from tests.proxy_zookeeper import MULTI, ZooKeeperProxy
+from tests.proxy_zookeeper import MULTI, SET_DATA, ZooKeeperProxy
 from tests.servers import ZooKeeperEnsemble
 
 pytestmark = pytest.mark.slow
@@ -259,6 +259,39 @@ def test_frozen_link_renewal_ends_at_the_lease_deadline(rig: Rig) -> None:
     rig.until(lambda: lost, lease.ttl + 30, "the lost-lease callback")
     late = lost[0] - lease.deadline
     assert late < SLACK, f"the lease was reported lost {late:.2f} s after its deadline"
+
+
+# -- a reply kazoo cannot pair with its request ------------------------------------------------
+
+
+# kazoo's connection thread ends with the RuntimeError: that is the fault under test.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_reply_out_of_order_ends_kazoo_s_connection_and_the_manager_resumes(
+    rig: Rig,
+) -> None:
+    """The renewal's reply comes back with another request's xid (a server answering out
+    of order, ZOOKEEPER-1863): kazoo's connection thread raises ``RuntimeError('xids do
+    not match')`` and ends, and on its own the client would never connect again. The
+    manager starts it again on the same session: the renewal, cut off like one whose
+    connection dropped, is sent again and holds; the lease stays this manager's; and the
+    next calls are served."""
+    manager = rig.manager(ttl=30.0, session_timeout=30.0)
+    lease = manager.acquire("garbled", timeout=10)
+    session = manager.driver._client.client_id
+    first = manager.driver._client._connection._connection_routine
+    rig.proxy.garble_reply(SET_DATA)
+    lease.renew(30.0)  # raises if the lease is lost
+    assert rig.proxy.garbled == [SET_DATA]
+    assert not first.is_alive()  # the fault did end kazoo's connection thread
+    assert manager.driver._client.client_id == session  # resumed, not a new session
+    assert not lease.lost
+    held = manager.inspect("garbled")
+    assert held is not None
+    assert held.token == lease.token  # still this lease's lock
+    lease.release()
+    assert rig.queue("garbled") == []
+    again = manager.acquire("garbled:next", timeout=10)
+    again.release()
 
 
 # -- a contender process killed ------------------------------------------------------------
