@@ -67,6 +67,7 @@ PUBLIC_MODULES = [
     "fence.cli",
     "fence.adapters.redis",
     "fence.adapters.etcd",
+    "fence.adapters.zookeeper",
     "fence.adapters.sql",
     "fence.adapters.psycopg",
     "fence.adapters.orm",

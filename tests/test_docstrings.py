@@ -18,6 +18,7 @@ PUBLIC_MODULES = [
     "fence.adapters",
     "fence.adapters.redis",
     "fence.adapters.etcd",
+    "fence.adapters.zookeeper",
     "fence.adapters.sql",
     "fence.adapters.ddl",
     "fence.adapters.alembic",

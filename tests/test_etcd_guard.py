@@ -152,7 +152,14 @@ def test_a_fence_key_written_by_hand_is_unverifiable(guard: EtcdGuard, ns: str) 
         with pytest.raises(StaleTokenError) as caught:
             call()
         assert caught.value.reason is Reason.UNVERIFIABLE
-    assert guard.get(f"{ns}/x") == (None, None)
+    raw = guard.driver._call("/v3/kv/range", {"key": b64(fence_key)}, "x", safe=True)
+    assert raw["kvs"][0]["value"] == b64(b"abc")
+    assert (
+        guard.driver._call("/v3/kv/range", {"key": b64(f"{ns}/a".encode())}, "x", safe=True).get(
+            "kvs"
+        )
+        is None
+    )
 
 
 def test_events_report_accepted_and_rejected_writes(etcd_url: str, ns: str) -> None:
