@@ -10,14 +10,16 @@ etcd fails a comparison of the value of a key that does not exist, so "the fence
 or not above the token" takes two comparisons: a transaction whose compare asks for the
 missing fence (``create_revision == 0``), and in its failure branch a nested transaction
 that compares the value. One key (a put, a delete, a claim, a registering read) is one
-round trip whatever its fence. A batch names every fence in one flat transaction, each
-compared as the guard expects to find it (present, unless a failure said otherwise); a
-wrong expectation costs one more round trip, never a wrong verdict, because each comparison
-is exact.
+round trip whatever its fence. A fence key the guard wrote before exists (fences are never
+deleted), so a write on it compares the value alone, in a flat transaction half the size.
+A batch names every fence in one flat transaction, each compared as the guard expects to
+find it (present if it wrote it, else as a failure said); a wrong expectation costs one
+more round trip, never a wrong verdict, because each comparison is exact.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +29,7 @@ from fence._core import MAX_TOKEN, batch_rejection
 from fence._etcd import b64, range_kvs
 
 __all__ = [
+    "CACHE_LIMIT",
     "FENCE_DIGITS",
     "EtcdOp",
     "Layout",
@@ -41,6 +44,10 @@ __all__ = [
 
 #: Digits of a fence value: ``2**53`` has 16, so every token and the token after it fit.
 FENCE_DIGITS = 16
+
+#: How many fence keys a guard remembers as existing before it forgets them all (a
+#: forgotten one costs a larger request, never a round trip or a wrong verdict).
+CACHE_LIMIT = 100_000
 
 #: The sub-namespace of the prefix that holds the guard's fence keys.
 _FENCES = "guard/"
@@ -102,13 +109,15 @@ class Layout:
         prefix: the lock manager's key prefix.
     """
 
-    __slots__ = ("_fences", "prefix")
+    __slots__ = ("_fences", "_known", "prefix")
 
     def __init__(self, prefix: str) -> None:
         if not isinstance(prefix, str) or not prefix or "\x00" in prefix:
             raise ConfigurationError(f"prefix must be a non-empty str without NUL, got {prefix!r}")
         self.prefix = prefix
         self._fences = (prefix + _FENCES).encode()
+        # Checked keys with their bytes and base64 forms: a holder writes a key many times.
+        self._known: dict[str, tuple[bytes, bytes, str, str]] = {}
 
     def data_key(self, key: object) -> bytes:
         """``key`` as etcd stores it, once checked.
@@ -136,6 +145,20 @@ class Layout:
         """The fence key of a checked data key."""
         return self._fences + data_key
 
+    def op(self, code: str, key: str, value: bytes = b"", must_exist: bool = False) -> EtcdOp:
+        """One operation on ``key``, checked (see :meth:`data_key`) and encoded."""
+        known = self._known.get(key) if type(key) is str else None
+        if known is None:
+            wire = self.data_key(key)
+            fence = self.fence_key(wire)
+            known = (wire, fence, b64(wire), b64(fence))
+            if len(self._known) >= CACHE_LIMIT:
+                self._known.clear()
+            self._known[key] = known
+        wire, fence, wire64, fence64 = known
+        value64 = b64(value) if code == "put" else ""
+        return EtcdOp(code, key, wire, fence, wire64, fence64, value64, must_exist)
+
 
 @dataclass(frozen=True, slots=True)
 class EtcdOp:
@@ -146,7 +169,9 @@ class EtcdOp:
         key: the data key as the caller named it (for errors and events).
         wire: the data key's bytes.
         fence: its fence key's bytes.
-        value: the value to put (``put`` only).
+        wire64: the data key in base64, as the JSON gateway takes it.
+        fence64: the fence key in base64.
+        value64: the value to put in base64 (``put`` only).
         must_exist: a ``put`` that updates: ``MISSING`` if the key is absent.
     """
 
@@ -154,60 +179,65 @@ class EtcdOp:
     key: str
     wire: bytes
     fence: bytes
-    value: bytes = b""
+    wire64: str
+    fence64: str
+    value64: str = ""
     must_exist: bool = False
 
 
-def _put(key: bytes, value: bytes) -> dict[str, Any]:
-    return {"request_put": {"key": b64(key), "value": b64(value)}}
+@functools.lru_cache(maxsize=256)
+def _fences64(token: int) -> tuple[str, str]:
+    """The fence of ``token`` and of ``token + 1``, in base64 (a holder writes many times
+    with one token)."""
+    return b64(encode_fence(token)), b64(encode_fence(token + 1))
 
 
-def _range(key: bytes, *, count_only: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"key": b64(key)}
+def _range(key64: str, *, count_only: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"key": key64}
     if count_only:
         body["count_only"] = True
     return {"request_range": body}
 
 
-def _writes(token: int, ops: Sequence[EtcdOp]) -> list[dict[str, Any]]:
-    """The success branch: each operation, then every fence raised to ``token`` once."""
+def _writes(fence64: str, ops: Sequence[EtcdOp]) -> list[dict[str, Any]]:
+    """The success branch: each operation, then every fence raised to the token once."""
     out: list[dict[str, Any]] = []
     for op in ops:
         if op.code == "put":
-            out.append(_put(op.wire, op.value))
+            out.append({"request_put": {"key": op.wire64, "value": op.value64}})
         elif op.code == "delete":
-            out.append({"request_delete_range": {"key": b64(op.wire)}})
+            out.append({"request_delete_range": {"key": op.wire64}})
         elif op.code == "read":
-            out.append(_range(op.wire))
-    fence = b64(encode_fence(token))
-    for key in dict.fromkeys(op.fence for op in ops):
-        out.append({"request_put": {"key": b64(key), "value": fence}})
+            out.append(_range(op.wire64))
+    for key64 in _fence_keys(ops):
+        out.append({"request_put": {"key": key64, "value": fence64}})
     return out
+
+
+def _fence_keys(ops: Sequence[EtcdOp]) -> list[str]:
+    if len(ops) == 1:
+        return [ops[0].fence64]
+    return list(dict.fromkeys(op.fence64 for op in ops))
 
 
 def _reads(ops: Sequence[EtcdOp]) -> list[dict[str, Any]]:
     """The failure branch: every fence, and whether each key that must exist does."""
-    out = [_range(key) for key in dict.fromkeys(op.fence for op in ops)]
-    out.extend(_range(op.wire, count_only=True) for op in ops if op.must_exist)
+    out = [_range(key64) for key64 in _fence_keys(ops)]
+    out.extend(_range(op.wire64, count_only=True) for op in ops if op.must_exist)
     return out
 
 
-def _compare_missing(key: bytes) -> dict[str, Any]:
-    return {"target": "CREATE", "key": b64(key), "result": "EQUAL", "create_revision": 0}
+def _compare_missing(key64: str) -> dict[str, Any]:
+    return {"target": "CREATE", "key": key64, "result": "EQUAL", "create_revision": 0}
 
 
-def _compare_below(key: bytes, token: int) -> dict[str, Any]:
+def _compare_below(key64: str, next64: str) -> dict[str, Any]:
     # value < fence(token + 1), i.e. fence <= token; 2**53 still has 16 digits.
-    return {
-        "target": "VALUE",
-        "key": b64(key),
-        "result": "LESS",
-        "value": b64(encode_fence(token + 1)),
-    }
+    return {"target": "VALUE", "key": key64, "result": "LESS", "value": next64}
 
 
 def _exists(op: EtcdOp) -> dict[str, Any]:
-    return {"target": "VERSION", "key": b64(op.wire), "result": "GREATER", "version": 0}
+    return {"target": "VERSION", "key": op.wire64, "result": "GREATER", "version": 0}
 
 
 def txn(token: int, ops: Sequence[EtcdOp], present: Mapping[bytes, bool] | None) -> dict[str, Any]:
@@ -219,24 +249,27 @@ def txn(token: int, ops: Sequence[EtcdOp], present: Mapping[bytes, bool] | None)
         present: for a batch, whether each fence key is expected to exist; ``None`` for one
             fence key, compared both ways in one nested transaction.
     """
+    fence64, next64 = _fences64(token)
     extra = [_exists(op) for op in ops if op.must_exist]
-    writes = _writes(token, ops)
+    writes = _writes(fence64, ops)
     reads = _reads(ops)
     if present is None:
-        (fence,) = {op.fence for op in ops}
+        (key64,) = {op.fence64 for op in ops}
         nested = {
-            "compare": [_compare_below(fence, token), *extra],
+            "compare": [_compare_below(key64, next64), *extra],
             "success": writes,
             "failure": reads,
         }
         return {
-            "compare": [_compare_missing(fence), *extra],
+            "compare": [_compare_missing(key64), *extra],
             "success": writes,
             "failure": [{"request_txn": nested}],
         }
     compare = [
-        _compare_below(key, token) if present.get(key, True) else _compare_missing(key)
-        for key in dict.fromkeys(op.fence for op in ops)
+        _compare_below(op.fence64, next64)
+        if present.get(op.fence, True)
+        else _compare_missing(op.fence64)
+        for op in {op.fence: op for op in ops}.values()
     ]
     return {"compare": compare + extra, "success": writes, "failure": reads}
 

@@ -93,11 +93,32 @@ def test_every_write_is_one_round_trip(guard: EtcdGuard, ns: str) -> None:
         posts.clear()
         call()
         assert posts == ["/v3/kv/txn"]
-    # A batch that finds a fence key it expected to exist missing sends once more.
+    # A batch over fences the guard wrote and a new one: one round trip too.
     posts.clear()
     guard.batch(9).put(f"{ns}/a", b"6").put(f"{ns}/new", b"7").execute()
-    assert posts == ["/v3/kv/txn", "/v3/kv/txn"]
+    assert posts == ["/v3/kv/txn"]
     assert guard.get(f"{ns}/new") == (b"7", 9)
+
+
+def test_a_wrong_hint_costs_a_round_trip_never_a_verdict(
+    guard: EtcdGuard, etcd_url: str, ns: str
+) -> None:
+    guard.put(f"{ns}/a", b"1", token=5)
+    # Another guard has not seen the fence: its batch expects it missing, and sends again.
+    with EtcdGuard(etcd_url) as other:
+        posts = _count_posts(other)
+        other.batch(6).put(f"{ns}/a", b"2").put(f"{ns}/b", b"2").execute()
+        assert posts == ["/v3/kv/txn", "/v3/kv/txn"]
+        with pytest.raises(StaleTokenError):
+            other.batch(5).put(f"{ns}/a", b"3").put(f"{ns}/c", b"3").execute()
+    # A fence key deleted by hand: the guard that wrote it expects it, and sends again.
+    fence_key = guard.layout.fence_key(f"{ns}/a".encode())
+    guard.driver._call("/v3/kv/deleterange", {"key": b64(fence_key)}, "x", safe=True)
+    posts = _count_posts(guard)
+    guard.put(f"{ns}/a", b"4", token=1)
+    assert posts == ["/v3/kv/txn", "/v3/kv/txn"]
+    assert guard.get(f"{ns}/a") == (b"4", 1)
+    assert guard.get(f"{ns}/c") == (None, None)
 
 
 def test_a_rejected_write_is_one_round_trip_and_says_why(guard: EtcdGuard, ns: str) -> None:

@@ -24,7 +24,16 @@ from fence import (
 from fence._etcd import EtcdReplyError, b64, range_kvs
 from fence._sync.etcd import EtcdDriver, EtcdLockManager
 
-from .._etcd_ops import EtcdOp, Layout, encode_value, judge, parse_fence, results_of, txn
+from .._etcd_ops import (
+    CACHE_LIMIT,
+    EtcdOp,
+    Layout,
+    encode_value,
+    judge,
+    parse_fence,
+    results_of,
+    txn,
+)
 
 __all__ = ["EtcdBatch", "EtcdGuard"]
 
@@ -95,6 +104,10 @@ class EtcdGuard:
             self._owns_driver = True
         self.layout = Layout(self.driver.prefix if prefix is None else prefix)
         self.events = events or default_bus
+        # Fence keys this guard wrote: they exist (a fence key is never deleted), so a
+        # write compares their values alone. A hint, never a verdict: a fence key deleted
+        # by hand fails the comparison, and the write is sent again the other way.
+        self._fenced: set[bytes] = set()
 
     @property
     def prefix(self) -> str:
@@ -117,8 +130,7 @@ class EtcdGuard:
         self.close()
 
     def _op(self, code: str, key: str, value: bytes = b"", must_exist: bool = False) -> EtcdOp:
-        wire = self.layout.data_key(key)
-        return EtcdOp(code, key, wire, self.layout.fence_key(wire), value, must_exist)
+        return self.layout.op(code, key, value, must_exist)
 
     # -- fenced writes ------------------------------------------------------------------
 
@@ -272,11 +284,20 @@ class EtcdGuard:
         ``token`` and writes the same again.
         """
         what = scope or ops[0].key
-        present: dict[bytes, bool] | None = None if len({op.fence for op in ops}) == 1 else {}
+        fences = {op.fence for op in ops}
+        seen = self._fenced
+        present: dict[bytes, bool] | None
+        if fences <= seen:
+            present = dict.fromkeys(fences, True)  # the flat form: half the request
+        else:
+            present = None if len(fences) == 1 else {key: key in seen for key in fences}
         for _ in range(_ROUNDS):
             reply = self._txn(txn(token, ops, present), what)
             results = results_of(reply, ops)
             if results is not None:
+                if len(seen) >= CACHE_LIMIT:
+                    seen.clear()
+                seen.update(fences)
                 if self.events.active:
                     for op in ops:
                         self.events.emit(
@@ -292,6 +313,7 @@ class EtcdGuard:
                         )
                 raise verdict.error
             present = verdict.present
+            seen.difference_update(key for key, there in present.items() if not there)
         raise BackendError(
             f"the fences of {what!r} kept changing between the batch's attempts; nothing was"
             " written, retry",
