@@ -90,8 +90,9 @@ def encode_value(path: str, value: object) -> bytes:
 class ZkLayout:
     """Which nodes are data and which are the guard's or the lock manager's.
 
-    A data path is absolute, without a trailing ``/``, an empty component or NUL; it is not
-    under the lock manager's root, and its name does not end in :data:`FENCE_SUFFIX`. Any
+    A data path is absolute, without a trailing ``/``, an empty, ``.`` or ``..`` component
+    or NUL; it is neither under the lock manager's root nor under ``/zookeeper``, and its
+    name does not end in :data:`FENCE_SUFFIX`. Any
     other path is refused before any I/O (C9, as C12 does on Redis).
 
     Args:
@@ -115,6 +116,14 @@ class ZkLayout:
             )
         if path.endswith("/") or "//" in path or "\x00" in path:
             raise InvalidResourceError(f"not a plain ZooKeeper path: {path!r}", value=path)
+        if {".", ".."} & set(path.split("/")):
+            raise InvalidResourceError(
+                f"ZooKeeper refuses . and .. in a path: {path!r}", value=path
+            )
+        if path == "/zookeeper" or path.startswith("/zookeeper/"):
+            raise InvalidResourceError(
+                f"{path!r} is under /zookeeper, ZooKeeper's own nodes", value=path
+            )
         if path == self.root or path.startswith(self.root + "/"):
             raise InvalidResourceError(
                 f"{path!r} is under the lock manager's root {self.root!r}; a data node there"
