@@ -354,9 +354,9 @@ def judge(reply: Mapping[str, Any], token: int, ops: Sequence[EtcdOp], scope: st
             fence = parse_fence(op.key, values.get(op.fence))
         except StaleTokenError as err:
             if op.fence not in seen:
-                errors.append(StaleTokenError(op.key, token, None, Reason.UNVERIFIABLE))
+                unverifiable = Reason.UNVERIFIABLE
+                errors.append(StaleTokenError(op.key, token, None, unverifiable, message=str(err)))
                 seen.add(op.fence)
-            del err
             continue
         if fence is not None and fence > token:
             if op.fence not in seen:

@@ -217,8 +217,9 @@ def verdict(
         read = fences.get(op.fence)
         try:
             fence = parse_fence(op.path, None if read is None else read[0])
-        except StaleTokenError:
-            errors.append(StaleTokenError(op.path, token, None, Reason.UNVERIFIABLE))
+        except StaleTokenError as err:
+            unverifiable = Reason.UNVERIFIABLE
+            errors.append(StaleTokenError(op.path, token, None, unverifiable, message=str(err)))
             judged.add(op.fence)
             continue
         if fence is not None and fence > token:
