@@ -5,6 +5,7 @@ that changes its leader: every batch is all or nothing).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from fence import (
+    AsyncEtcdLockManager,
     BackendError,
     ConfigurationError,
     EventBus,
@@ -75,6 +77,12 @@ def test_bad_values_and_batches_are_refused_before_any_io() -> None:
     for url in ("redis://127.0.0.1:1", "etcd://"):
         with pytest.raises(ConfigurationError):
             EtcdGuard(url)
+    manager = AsyncEtcdLockManager("etcd://127.0.0.1:1")
+    try:
+        with pytest.raises(ConfigurationError, match="EtcdLockManager"):
+            EtcdGuard(manager)  # type: ignore[arg-type]
+    finally:
+        asyncio.run(manager.close())
 
 
 def test_every_write_is_one_round_trip(guard: EtcdGuard, ns: str) -> None:

@@ -6,6 +6,7 @@ every batch is all or nothing).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
@@ -16,6 +17,7 @@ import pytest
 from kazoo.protocol.serialization import Transaction
 
 from fence import (
+    AsyncZooKeeperLockManager,
     BackendError,
     ConfigurationError,
     EventBus,
@@ -77,6 +79,12 @@ def test_bad_values_and_batches_are_refused_before_any_io() -> None:
             ZooKeeperGuard(url)
     with pytest.raises(ConfigurationError):
         ZooKeeperGuard("zookeeper://127.0.0.1:1", root="relative")
+    manager = AsyncZooKeeperLockManager("zookeeper://127.0.0.1:1")
+    try:
+        with pytest.raises(ConfigurationError, match="ZooKeeperLockManager"):
+            ZooKeeperGuard(manager)  # type: ignore[arg-type]
+    finally:
+        asyncio.run(manager.close())
 
 
 def test_a_holder_that_writes_again_pays_one_round_trip(guard: ZooKeeperGuard, ns: str) -> None:

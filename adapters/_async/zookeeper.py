@@ -100,7 +100,8 @@ class AsyncZooKeeperGuard:
             :data:`fence.default_bus`).
 
     Raises:
-        ConfigurationError: a bad URL or root.
+        ConfigurationError: a bad URL or root, or a client of another kind (a lock manager
+            of the other flavour, sync or asyncio).
 
     Example::
 
@@ -129,6 +130,12 @@ class AsyncZooKeeperGuard:
             self.driver = client
             self._owns_driver = False
         else:
+            given: object = client  # the annotation does not stop a manager of the other kind
+            if not isinstance(given, str | list | tuple):
+                raise ConfigurationError(
+                    f"{type(self).__name__} takes a {AsyncZooKeeperLockManager.__name__}, its"
+                    f" driver, a zookeeper:// URL or a list of hosts, not {given!r}"
+                )
             self.driver = AsyncZooKeeperDriver(client, root=root, request_timeout=request_timeout)
             self._owns_driver = True
         self.layout = ZkLayout(self.driver.root if root is None else root)

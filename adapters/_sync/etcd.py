@@ -75,7 +75,8 @@ class EtcdGuard:
             :data:`fence.default_bus`).
 
     Raises:
-        ConfigurationError: no usable endpoint, or a bad prefix.
+        ConfigurationError: no usable endpoint, a bad prefix, or a client of another kind
+            (a lock manager of the other flavour, sync or asyncio).
 
     Example::
 
@@ -100,6 +101,12 @@ class EtcdGuard:
             self.driver = client
             self._owns_driver = False
         else:
+            given: object = client  # the annotation does not stop a manager of the other kind
+            if not isinstance(given, str | list | tuple):
+                raise ConfigurationError(
+                    f"{type(self).__name__} takes an {EtcdLockManager.__name__}, its"
+                    f" driver, an etcd:// URL or a list of endpoints, not {given!r}"
+                )
             self.driver = EtcdDriver(client, prefix=prefix, request_timeout=request_timeout)
             self._owns_driver = True
         self.layout = Layout(self.driver.prefix if prefix is None else prefix)
