@@ -166,6 +166,22 @@ def test_a_batch_lists_every_rejected_node(guard: ZooKeeperGuard, ns: str) -> No
     assert guard.get(f"{ns}/b") == (b"y", 14)
 
 
+def test_an_update_under_a_missing_parent_is_missing_and_creates_nothing(
+    guard: ZooKeeperGuard, ns: str
+) -> None:
+    with pytest.raises(StaleTokenError) as caught:
+        guard.set(f"{ns}/none/a", b"1", token=5)
+    assert (caught.value.reason, caught.value.fence) == (Reason.MISSING, None)
+    with pytest.raises(StaleTokenError) as caught:
+        guard.batch(5).create(f"{ns}/b", b"1").set(f"{ns}/none/a", b"1").execute()
+    assert caught.value.reason is Reason.MISSING
+    assert guard.driver._client.exists(ns) is None
+    # A create makes the parents, empty and unfenced.
+    guard.create(f"{ns}/none/a", b"1", token=5)
+    assert guard.get(f"{ns}/none/a") == (b"1", 5)
+    assert guard.get(f"{ns}/none") == (b"", None)
+
+
 def test_a_fence_node_written_by_hand_is_unverifiable(guard: ZooKeeperGuard, ns: str) -> None:
     assert guard.get(f"{ns}/x") == (None, None)  # the session starts on first use
     guard.driver._client.ensure_path(ns)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from kazoo.exceptions import (
     ConnectionLoss,
@@ -365,8 +365,13 @@ class ZooKeeperGuard:
                 index, error = failed
                 (role, path), kind = roles[index], steps[index][0]
                 if isinstance(error, NoNodeError) and kind == "create":
-                    self.driver._make_path(_parent(path), end, "fenced write")
-                    continue
+                    # A parent is missing: made only for a write that nothing refuses (an
+                    # update there finds no node), so a rejected write creates nothing.
+                    rejection = self._diagnose(token, ops, what, absent, end)
+                    if rejection is None:
+                        self.driver._make_path(_parent(path), end, "fenced write")
+                        continue
+                    self._rejected(token, rejection)
                 if role == "data":
                     if isinstance(error, NotEmptyError):
                         raise BackendError(
@@ -384,18 +389,22 @@ class ZooKeeperGuard:
                         continue  # an upsert that guessed wrong: the other request now
             rejection = self._diagnose(token, ops, what, absent, end)
             if rejection is not None:
-                if self.events.active:
-                    for err in rejection.rejected or (rejection,):
-                        self.events.emit(
-                            EventKind.WRITE_REJECTED, _SOURCE, err.scope, token, reason=err.reason
-                        )
-                raise rejection
+                self._rejected(token, rejection)
         raise BackendError(
             f"the fences of {what!r} kept changing between the write's attempts; nothing was"
             " written, retry",
             code="CONTENDED",
             retryable=True,
         )
+
+    def _rejected(self, token: int, rejection: StaleTokenError) -> NoReturn:
+        """Report ``rejection`` and raise it."""
+        if self.events.active:
+            for err in rejection.rejected or (rejection,):
+                self.events.emit(
+                    EventKind.WRITE_REJECTED, _SOURCE, err.scope, token, reason=err.reason
+                )
+        raise rejection
 
     def _landed(
         self,
