@@ -44,6 +44,7 @@ SECTIONS: dict[str, str] = {
     "sql-manager": "bench_sql_manager",
     "quorum": "bench_quorum",
     "consensus": "bench_consensus",
+    "consensus-guard": "bench_consensus_guard",
     "shared": "bench_shared",
     "memory": "bench_memory",
     "observe": "bench_observe",
@@ -59,6 +60,7 @@ TITLES = {
     "sql-manager": "3b. The SQL manager vs its floor (two plain UPDATEs) and redis-py Lock",
     "quorum": "3c. The quorum manager vs pottery Redlock over three nodes",
     "consensus": "3d. The etcd and ZooKeeper managers (3 servers each) vs the Redis manager",
+    "consensus-guard": "3f. Fenced etcd put and ZooKeeper set vs the plain write (writes/s)",
     "shared": "3e. Shared locks: 16 readers + 1 writer on one resource vs the same 17 tasks "
     "under one exclusive lock (lock cycles/s)",
     "handoff": "4. Contended hand-off, 4 processes, vs python-redis-lock",

@@ -66,6 +66,8 @@ PUBLIC_MODULES = [
     "fence.otel",
     "fence.cli",
     "fence.adapters.redis",
+    "fence.adapters.etcd",
+    "fence.adapters.zookeeper",
     "fence.adapters.sql",
     "fence.adapters.psycopg",
     "fence.adapters.orm",

@@ -27,13 +27,18 @@ if TYPE_CHECKING:
     import sqlalchemy as sa
     from sqlalchemy.orm import Session
 
+    from fence.adapters.etcd import EtcdGuard  # type: ignore[import-not-found, unused-ignore]
     from fence.adapters.orm import SessionBinding  # type: ignore[import-not-found, unused-ignore]
     from fence.adapters.redis import RedisGuard  # type: ignore[import-not-found, unused-ignore]
     from fence.adapters.sql import RowGuard  # type: ignore[import-not-found, unused-ignore]
+    from fence.adapters.zookeeper import (  # type: ignore[import-not-found, unused-ignore]
+        ZooKeeperGuard,
+    )
 
 __all__ = [
     "EXTRAS",
     "bind_session",
+    "etcd_guard",
     "fence_column",
     "fence_register_table",
     "install_hint",
@@ -42,6 +47,7 @@ __all__ = [
     "sql_ddl",
     "sql_judge",
     "sql_trigger_ddl",
+    "zookeeper_guard",
 ]
 
 #: The extra that installs each driver package, by the package's top-level module.
@@ -173,6 +179,40 @@ def redis_guard(client: redis.Redis) -> RedisGuard:
             RedisGuard as guard,
         )
     return guard(client)
+
+
+def etcd_guard(url: str, *, request_timeout: float = 5.0) -> EtcdGuard:
+    """A ``fence.adapters.etcd.EtcdGuard`` with a client of its own for ``url``.
+
+    Args:
+        url: an ``etcd://`` URL; its path is the lock manager's prefix.
+        request_timeout: how long one call may take across the members, in seconds.
+
+    Raises:
+        ModuleNotFoundError: httpx is not installed.
+    """
+    with _naming_the_extra():
+        from fence.adapters.etcd import (  # type: ignore[import-not-found, unused-ignore]
+            EtcdGuard as guard,
+        )
+    return guard(url, request_timeout=request_timeout)
+
+
+def zookeeper_guard(url: str, *, request_timeout: float = 5.0) -> ZooKeeperGuard:
+    """A ``fence.adapters.zookeeper.ZooKeeperGuard`` with a session of its own for ``url``.
+
+    Args:
+        url: a ``zookeeper://`` URL; its path is the lock manager's root.
+        request_timeout: how long one call may take, in seconds.
+
+    Raises:
+        ModuleNotFoundError: kazoo is not installed.
+    """
+    with _naming_the_extra():
+        from fence.adapters.zookeeper import (  # type: ignore[import-not-found, unused-ignore]
+            ZooKeeperGuard as guard,
+        )
+    return guard(url, request_timeout=request_timeout)
 
 
 def bind_session(session: Session, *, token: int, scope: str) -> SessionBinding:

@@ -46,6 +46,8 @@ REQUIRED = {
     ("iofence ZooKeeper", "iofence Redis"),
     ("iofence etcd: hand-off latency p50", "iofence Redis"),
     ("iofence ZooKeeper: hand-off latency p50", "iofence Redis"),
+    ("iofence etcd fenced put", "etcd put"),
+    ("iofence ZooKeeper fenced set", "ZooKeeper set_data"),
     ("iofence etcd: hand-offs per second", "iofence Redis"),
     ("iofence ZooKeeper: hand-offs per second", "iofence Redis"),
     ("iofence SQL (SQLite file by URL)", "redis-py Lock"),
@@ -123,7 +125,7 @@ def test_the_rows_the_issue_asks_for_are_there(quick_run: tuple[dict, str]) -> N
     assert present >= REQUIRED, sorted(REQUIRED - present)
     groups = {row["group"] for row in results["rows"]}
     expected = {"redis-guard", "sql-guard", "managers", "sql-manager", "quorum", "handoff"}
-    expected |= {"consensus", "consensus-handoff"}
+    expected |= {"consensus", "consensus-handoff", "consensus-guard"}
     waiters = [row["name"] for row in results["rows"] if row["group"] == "waiters"]
     for kind in ("asyncio", "thread"):
         for what in WAITER_ROWS:

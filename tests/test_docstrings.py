@@ -17,6 +17,8 @@ PUBLIC_MODULES = [
     "fence.cli",
     "fence.adapters",
     "fence.adapters.redis",
+    "fence.adapters.etcd",
+    "fence.adapters.zookeeper",
     "fence.adapters.sql",
     "fence.adapters.ddl",
     "fence.adapters.alembic",

@@ -41,7 +41,7 @@ from fence._chaos.base import (
     needs_token,
 )
 from fence._errors import BackendError, NotOwnerError
-from fence._optional import redis_guard
+from fence._optional import etcd_guard, redis_guard, zookeeper_guard
 
 if TYPE_CHECKING:
     from fence._sync.manager import BaseLockManager, Lease
@@ -426,6 +426,102 @@ def _final_redis_counters(
     return {record: int(value or 0) for record, value in zip(records, values, strict=True)}
 
 
+# -- etcd and ZooKeeper stores -----------------------------------------------------------
+
+#: How long one call of the consensus guards may take: a leader election takes about a
+#: second, and a worker whose write timed out logs an unknown outcome and goes on.
+_CONSENSUS_TIMEOUT = 2.0
+
+
+def _etcd_key(record: str) -> str:
+    return f"chaos-data/{record}"
+
+
+def _zookeeper_path(record: str) -> str:
+    return f"/chaos-data/{record}"
+
+
+class _EtcdGuardStore:
+    """Counters in etcd keys, behind ``fence.adapters.etcd.EtcdGuard``; the manager's prefix
+    (``chaos/``) is the guard's, so the data keys live beside it."""
+
+    def __init__(self, url: str) -> None:
+        self._guard = etcd_guard(url + "/chaos/", request_timeout=_CONSENSUS_TIMEOUT)
+
+    def read(self, record: str, token: int | None) -> int:
+        value = self._guard.read_for_update(_etcd_key(record), token=needs_token(token))
+        return int(value or 0)
+
+    def write(self, record: str, token: int | None, value: int) -> None:
+        self._guard.put(_etcd_key(record), str(value), token=needs_token(token), must_exist=True)
+
+    def close(self) -> None:
+        self._guard.close()
+
+
+def _setup_etcd_counters(endpoints: Endpoints, namespace: str, records: Sequence[str]) -> None:
+    guard = etcd_guard(endpoints.url("etcd") + "/chaos/")
+    try:
+        batch = guard.batch(1)  # below every token: a create revision of the run's cluster
+        for record in records:
+            batch.put(_etcd_key(record), "0")
+        batch.execute()
+    finally:
+        guard.close()
+
+
+def _final_etcd_counters(
+    endpoints: Endpoints, namespace: str, records: Sequence[str]
+) -> dict[str, int]:
+    guard = etcd_guard(endpoints.url("etcd") + "/chaos/")
+    try:
+        return {record: int(guard.get(_etcd_key(record))[0] or 0) for record in records}
+    finally:
+        guard.close()
+
+
+class _ZooKeeperGuardStore:
+    """Counters in ZooKeeper nodes, behind ``fence.adapters.zookeeper.ZooKeeperGuard``."""
+
+    def __init__(self, url: str) -> None:
+        self._guard = zookeeper_guard(url + "/chaos", request_timeout=_CONSENSUS_TIMEOUT)
+
+    def read(self, record: str, token: int | None) -> int:
+        path = _zookeeper_path(record)
+        value = self._guard.read_for_update(path, token=needs_token(token))
+        return int(value or 0)
+
+    def write(self, record: str, token: int | None, value: int) -> None:
+        self._guard.set(_zookeeper_path(record), str(value), token=needs_token(token))
+
+    def close(self) -> None:
+        self._guard.close()
+
+
+def _setup_zookeeper_counters(endpoints: Endpoints, namespace: str, records: Sequence[str]) -> None:
+    guard = zookeeper_guard(endpoints.url("zookeeper") + "/chaos")
+    try:
+        batch = guard.batch(1)  # below every token: a zxid of the run's ensemble
+        for record in records:
+            batch.create(_zookeeper_path(record), "0")
+        batch.execute()
+    finally:
+        guard.close()
+
+
+def _final_zookeeper_counters(
+    endpoints: Endpoints, namespace: str, records: Sequence[str]
+) -> dict[str, int]:
+    guard = zookeeper_guard(endpoints.url("zookeeper") + "/chaos")
+    try:
+        # Through the leader: the guard's server may lag behind the last writer's.
+        guard.fence(_zookeeper_path(records[0]))
+        guard.driver._client.sync("/chaos-data")
+        return {record: int(guard.get(_zookeeper_path(record))[0] or 0) for record in records}
+    finally:
+        guard.close()
+
+
 # -- the tables ---------------------------------------------------------------------------
 
 #: Lock kinds, by name.
@@ -483,6 +579,20 @@ STORES: dict[str, StoreKind] = {
         orm.OrmStore,
         orm.setup,
         sql.final_counters,
+    ),
+    "etcd-guard": StoreKind(
+        "fence.adapters.etcd.EtcdGuard (etcd, 3 members)",
+        "etcd",
+        lambda endpoints, namespace: _EtcdGuardStore(endpoints.url("etcd")),
+        _setup_etcd_counters,
+        _final_etcd_counters,
+    ),
+    "zookeeper-guard": StoreKind(
+        "fence.adapters.zookeeper.ZooKeeperGuard (ZooKeeper, 3 servers)",
+        "zookeeper",
+        lambda endpoints, namespace: _ZooKeeperGuardStore(endpoints.url("zookeeper")),
+        _setup_zookeeper_counters,
+        _final_zookeeper_counters,
     ),
     "plain-sql": StoreKind(
         "plain SQL on the worker's own psycopg connection, judged by the database's triggers",
@@ -574,17 +684,27 @@ def _missing_for(server: str) -> str | None:
     return None
 
 
+#: The consensus guards' pairings with their own manager, in the summary.
+_SAME = {
+    "etcd": "etcd guard on the same cluster",
+    "zookeeper": "ZooKeeper guard on the same ensemble",
+}
+
 for _server, _short in (("etcd", "e"), ("zookeeper", "z")):
     _missing = _missing_for(_server)
-    for _store, _label in (("redis-guard", "Redis guard"), ("sql-guard", "SQL row guard")):
-        _name = f"{_server}+{'redis' if _store == 'redis-guard' else 'sql'}"
+    for _store, _label, _target in (
+        ("redis-guard", "Redis guard", "redis"),
+        ("sql-guard", "SQL row guard", "sql"),
+        (f"{_server}-guard", _SAME[_server], _server),
+    ):
+        _name = f"{_server}+{_target}"
         if _missing is not None:
             PLANNED[_name] = f"{_missing}; the pairing runs once it is"
             continue
         _FENCED.append(
             Pairing(
                 _name,
-                _short + ("r" if _store == "redis-guard" else "s"),
+                _short + _target[0],
                 f"{_server}-manager",
                 _store,
                 True,

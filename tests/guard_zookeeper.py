@@ -1,0 +1,125 @@
+"""Registers the ZooKeeper guard with the guard conformance suite, on the session's ensemble.
+
+Every scope is a data node under one namespace of the test's own; the guard shares the
+session of a ZooKeeper lock manager, as a user's guard would.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from fence import AsyncZooKeeperLockManager, ZooKeeperLockManager
+from fence.adapters.zookeeper import AsyncZooKeeperGuard, ZooKeeperGuard
+from tests.registry import GuardHarnessFactory, register_guard_harness
+
+FEATURES = frozenset({"batch", "registering_read"})
+
+
+def _int(raw: bytes | None) -> int | None:
+    return None if raw is None else int(raw)
+
+
+class _Keys:
+    features = FEATURES
+
+    def __init__(self) -> None:
+        self.ns = f"g-{secrets.token_hex(4)}"
+
+    def key(self, name: str) -> str:
+        return f"/{self.ns}/{name}"
+
+
+class ZooKeeperHarness(_Keys):
+    """The sync guard behind the harness interface of ``tests/guard_suite.py``."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.manager = ZooKeeperLockManager(url)
+        self.guard = ZooKeeperGuard(self.manager)
+
+    def claim(self, scope: str, token: int) -> int:
+        return self.guard.claim(self.key(scope), token)
+
+    def fence(self, scope: str) -> int | None:
+        return self.guard.fence(self.key(scope))
+
+    def create(self, scope: str, token: int, value: int) -> None:
+        self.guard.create(self.key(scope), str(value), token=token)
+
+    def update(self, scope: str, token: int, value: int) -> None:
+        self.guard.set(self.key(scope), str(value), token=token)
+
+    def delete(self, scope: str, token: int) -> None:
+        self.guard.delete(self.key(scope), token=token)
+
+    def read(self, scope: str) -> int | None:
+        return _int(self.guard.get(self.key(scope))[0])
+
+    def read_for_update(self, scope: str, token: int) -> int | None:
+        return _int(self.guard.read_for_update(self.key(scope), token=token))
+
+    def batch(self, token: int, values: Mapping[str, int]) -> None:
+        batch = self.guard.batch(token)
+        for scope, value in values.items():
+            batch.create(self.key(scope), str(value))
+        batch.execute()
+
+    def close(self) -> None:
+        self.guard.close()
+        self.manager.close()
+
+
+class AsyncZooKeeperHarness(_Keys):
+    """The asyncio guard behind the harness interface of ``tests/guard_suite.py``."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.manager = AsyncZooKeeperLockManager(url)
+        self.guard = AsyncZooKeeperGuard(self.manager)
+
+    async def claim(self, scope: str, token: int) -> int:
+        return await self.guard.claim(self.key(scope), token)
+
+    async def fence(self, scope: str) -> int | None:
+        return await self.guard.fence(self.key(scope))
+
+    async def create(self, scope: str, token: int, value: int) -> None:
+        await self.guard.create(self.key(scope), str(value), token=token)
+
+    async def update(self, scope: str, token: int, value: int) -> None:
+        await self.guard.set(self.key(scope), str(value), token=token)
+
+    async def delete(self, scope: str, token: int) -> None:
+        await self.guard.delete(self.key(scope), token=token)
+
+    async def read(self, scope: str) -> int | None:
+        return _int((await self.guard.get(self.key(scope)))[0])
+
+    async def read_for_update(self, scope: str, token: int) -> int | None:
+        return _int(await self.guard.read_for_update(self.key(scope), token=token))
+
+    async def batch(self, token: int, values: Mapping[str, int]) -> None:
+        batch = self.guard.batch(token)
+        for scope, value in values.items():
+            batch.create(self.key(scope), str(value))
+        await batch.execute()
+
+    async def close(self) -> None:
+        await self.guard.close()
+        await self.manager.close()
+
+
+def _make(request: pytest.FixtureRequest, is_async: bool) -> Any:
+    url = request.getfixturevalue("zookeeper_url")
+    return AsyncZooKeeperHarness(url) if is_async else ZooKeeperHarness(url)
+
+
+register_guard_harness(
+    GuardHarnessFactory(
+        name="zookeeper", make=_make, marks=(pytest.mark.zookeeper,), features=FEATURES
+    )
+)
