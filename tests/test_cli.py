@@ -96,7 +96,7 @@ def test_usage_errors_exit_2(args: list[str], says: str) -> None:
 
 def test_argparse_errors_exit_2() -> None:
     assert run("ddl").returncode == 2  # --dialect is required
-    assert run("ddl", "--dialect", "mysql").returncode == 2
+    assert run("ddl", "--dialect", "oracle").returncode == 2
     assert run("inspect", "redis://h/0").returncode == 2  # RESOURCE missing
     assert run().returncode == 2  # no command: the help (on stderr), and 2
 

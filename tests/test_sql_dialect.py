@@ -69,7 +69,7 @@ def _pg(state: str, message: str = "boom") -> BaseException:
 
 
 def test_dialects_are_found_by_sqlalchemys_name() -> None:
-    assert set(DIALECTS) == {"postgresql", "sqlite"}
+    assert set(DIALECTS) == {"postgresql", "sqlite", "mariadb", "mysql"}
     for name, dialect in DIALECTS.items():
         assert isinstance(dialect, SQLDialect)
         assert dialect.name == name
@@ -79,17 +79,26 @@ def test_dialects_are_found_by_sqlalchemys_name() -> None:
 
 
 def test_an_unknown_dialect_is_refused_with_the_supported_ones() -> None:
-    with pytest.raises(ConfigurationError, match="supports PostgreSQL and SQLite, not 'mysql'"):
-        dialect_for("mysql")
-    with pytest.raises(ConfigurationError, match="not 'mysql'"):
-        lease_statements("mysql")
+    with pytest.raises(ConfigurationError, match="supports PostgreSQL and SQLite, not 'oracle'"):
+        dialect_for("oracle")
+    with pytest.raises(ConfigurationError, match="not 'oracle'"):
+        lease_statements("oracle")
+
+
+def test_mariadb_has_a_dialect_for_the_guards_and_no_lease_statements() -> None:
+    for name in ("mariadb", "mysql"):
+        assert not dialect_for(name).lock_manager
+        with pytest.raises(ConfigurationError, match=f"no statements for {name}"):
+            lease_statements(name)
 
 
 def test_a_url_names_its_dialect_aliases_included() -> None:
     assert dialect_of_url(make_url("postgres://h/db")) is PG
     assert dialect_of_url(make_url("postgresql+asyncpg://h/db")) is PG
     assert dialect_of_url(make_url("sqlite:///x.db")) is LITE
-    assert dialect_of_url(make_url("mysql://h/db")) is None
+    assert dialect_of_url(make_url("mysql://h/db")) is DIALECTS["mysql"]
+    assert dialect_of_url(make_url("mariadb+pymysql://h/db")) is DIALECTS["mariadb"]
+    assert dialect_of_url(make_url("oracle://h/db")) is None
 
 
 def test_what_the_dialects_say_about_themselves() -> None:
@@ -448,8 +457,8 @@ def test_engine_arguments_of_sqlite() -> None:
 
 
 def test_an_unsupported_url_gets_an_engine_that_the_driver_refuses() -> None:
-    url, kwargs, hook = engine_arguments("mysql://h/db", None, asyncio=False)
-    assert url.drivername == "mysql"
+    url, kwargs, hook = engine_arguments("oracle://h/db", None, asyncio=False)
+    assert url.drivername == "oracle"
     assert kwargs == {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
     assert hook is None
 
