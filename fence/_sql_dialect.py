@@ -212,11 +212,11 @@ def mysql_code(exc: BaseException) -> int | None:
 def error_code(exc: BaseException) -> str | None:
     """The database's code of a driver error, for messages: ``SQLSTATE 40001``, ``MariaDB
     error 1213``; ``None`` if it has none."""
-    state = sqlstate(exc)
-    if state is not None:
-        return f"SQLSTATE {state}"
     code = mysql_code(exc)
-    return None if code is None else f"MariaDB error {code}"
+    if code is not None:
+        return f"MariaDB error {code}"
+    state = sqlstate(exc)
+    return None if state is None else f"SQLSTATE {state}"
 
 
 def first_line(exc: BaseException) -> str:
@@ -455,8 +455,9 @@ class PostgreSQLDialect(SQLDialect):
         return _JUDGED_STATES.get(state) if state is not None else None
 
     def owns(self, exc: BaseException) -> bool:
-        """See :meth:`SQLDialect.owns`: a SQLSTATE."""
-        return sqlstate(exc) is not None
+        """See :meth:`SQLDialect.owns`: a SQLSTATE, and no MariaDB error number (PyMySQL's
+        errors carry the server's SQLSTATE too, mostly the catch-all ``HY000``)."""
+        return sqlstate(exc) is not None and mysql_code(exc) is None
 
     def socket_of(self, connection: Any) -> int | None:
         """See :meth:`SQLDialect.socket_of`: psycopg's; ``None`` for another driver."""
