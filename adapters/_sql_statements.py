@@ -42,6 +42,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import CompileError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -224,15 +225,22 @@ def fence_register_table(
 ) -> Table:
     """The table of a fence register: ``(scope VARCHAR(512) PRIMARY KEY, fence BIGINT NOT NULL)``.
 
+    On MariaDB and MySQL the scope's collation is ``utf8mb4_bin``: scopes differing only in
+    case are distinct.
+
     Args:
         metadata: the metadata to attach it to (so ``metadata.create_all`` and Alembic
             autogenerate see it); a private one by default.
         name: the table name.
     """
+    # MariaDB and MySQL compare the scope byte for byte (see MYSQL_REGISTER_TABLE_DDL).
+    scope = String(512).with_variant(
+        mysql.VARCHAR(512, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+    )
     return Table(
         name,
         metadata if metadata is not None else MetaData(),
-        Column("scope", String(512), primary_key=True),
+        Column("scope", scope, primary_key=True),
         Column("fence", BigInteger, nullable=False),
         info={REGISTER_INFO: True},
     )

@@ -233,6 +233,9 @@ def test_register_claims(engine: Engine, register: Table) -> None:
     assert [e.scope for e in err.rejected] == ["order:2"]
     with engine.begin() as conn:
         assert FenceRegister(conn, register).fence("order:3") is None
+    with engine.begin() as conn:  # scopes differ by case under a case-insensitive server
+        assert FenceRegister(conn, register).claim("ORDER:1", 2) == 2
+        assert FenceRegister(conn, register).fence("order:1") == 6
 
 
 # -- REPEATABLE READ: the verdict is read as the write found the row ------------------------------

@@ -691,7 +691,8 @@ class MariaDBServer:
         "innodb-doublewrite": "0",
         "max-connections": "200",
         "character-set-server": "utf8mb4",
-        "collation-server": "utf8mb4_bin",
+        # The usual default: case-insensitive, as most servers the guards will meet.
+        "collation-server": "utf8mb4_general_ci",
     }
 
     def __init__(self, settings: Mapping[str, str] | None = None) -> None:
