@@ -280,8 +280,6 @@ class RowFlow(_AsyncFlow[RowT]):
         (a row changed) is 1; 1 (a row inserted, or one left as it was, refused or not) is
         1 only if the fence now is the token, which an accepted upsert sets and a refused
         one, whose fence is above the token, never shows. Also the probe it read."""
-        if not self.statements.found_rows:
-            return count, None
         if count == 2:
             return 1, None
         probe = self._probe(keyvals, scope)
@@ -391,7 +389,9 @@ class RowFlow(_AsyncFlow[RowT]):
             self._judge(s.judged)
         stmt, params = s.upsert_call(data, token, returning)
         count, rows = self._run(stmt, params, returning, "fenced upsert", scope)
-        count, probe = self._settle(count, keyvals, scope, token)
+        probe: Probe | None = None
+        if s.found_rows:
+            count, probe = self._settle(count, keyvals, scope, token)
         if count == 1:
             self._accepted((scope,), token)
             return rows[0] if rows else None
@@ -424,9 +424,11 @@ class RowFlow(_AsyncFlow[RowT]):
             if not probe.exists and s.can_insert_tombstone:
                 stmt, params = s.tombstone_call(keyvals, token, delete, returning)
                 count, rows = self._run(stmt, params, returning, action, scope)
-                count, settled = self._settle(count, keyvals, scope, token)
+                settled: Probe | None = None
+                if s.found_rows:
+                    count, settled = self._settle(count, keyvals, scope, token)
                 if count != 1:
-                    probe = settled or self._probe(keyvals, scope)
+                    probe = settled if settled is not None else self._probe(keyvals, scope)
         if count == 1:
             self._accepted((scope,), token)
             if read and not rows and self.read_back:
