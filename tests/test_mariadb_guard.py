@@ -28,6 +28,7 @@ from sqlalchemy import (
     String,
     Table,
     create_engine,
+    event,
     select,
     text,
 )
@@ -274,6 +275,35 @@ def test_a_stale_register_claim_is_refused_though_the_snapshot_shows_its_token(
         err = _stale(FenceRegister(a, register).claim, "s", 5)
         assert (err.reason, err.fence) == (Reason.STALE, 9)
         a.rollback()
+
+
+def test_read_committed_upsert_batch_raced_by_an_insert_is_undone(
+    engine: Engine, table: Table
+) -> None:
+    """READ COMMITTED takes no gap locks: after the batch read its fences (both absent),
+    another transaction inserts ``b`` with a newer fence. The batch's upsert leaves ``b``
+    as it is and counts it 1, as it counts ``a``, which it inserted: 2 rows for 2. The
+    fences read back after the writes show ``b``'s, and the batch is undone, ``a``
+    included (C6)."""
+    raced: list[str] = []
+
+    def race(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "ON DUPLICATE KEY UPDATE" in statement and not raced:
+            raced.append(statement)
+            with engine.begin() as other:
+                RowGuard(other, table).upsert(20, {"k": "b", "v": 99})
+
+    with engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="READ COMMITTED")
+        event.listen(conn, "before_cursor_execute", race)
+        with conn.begin():
+            err = _stale(
+                RowGuard(conn, table).upsert_many, 10, [{"k": "a", "v": 2}, {"k": "b", "v": 2}]
+            )
+    assert raced
+    assert [(e.scope, e.fence) for e in err.rejected] == [(f"{table.name}('b')", 20)]
+    assert _row(engine, table, "a") is None
+    assert _row(engine, table, "b") == (99, 20, False)
 
 
 # -- deadlocks and lock waits: retryable, never a verdict ---------------------------------------
