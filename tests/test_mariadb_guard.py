@@ -394,6 +394,31 @@ async def test_asyncio_verdicts(mariadb_url: str) -> None:
         await engine.dispose()
 
 
+async def test_asyncio_lock_wait_timeout_is_retryable(mariadb_url: str) -> None:
+    engine = create_async_engine(mariadb_url.replace("+pymysql", "+aiomysql")).execution_options(
+        **{WITHOUT_JUDGE: True}
+    )
+    rows = _table()
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(rows.create)
+            await AsyncRowGuard(conn, rows).upsert(5, {"k": "a", "v": 1})
+        async with engine.connect() as holder, engine.connect() as waiter:
+            await holder.begin()
+            await AsyncRowGuard(holder, rows).update("a", 5, {"v": 2})
+            await waiter.begin()
+            await waiter.execute(text("SET SESSION innodb_lock_wait_timeout = 1"))
+            with pytest.raises(RetryableError) as caught:
+                await AsyncRowGuard(waiter, rows).update("a", 6, {"v": 3})
+            assert caught.value.code == "LOCK_TIMEOUT"
+            await waiter.rollback()
+            await holder.rollback()
+    finally:
+        async with engine.begin() as conn:
+            await conn.run_sync(rows.drop)
+        await engine.dispose()
+
+
 # -- refused until the rest of MariaDB's support lands -------------------------------------------
 
 
