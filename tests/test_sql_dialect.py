@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 import psycopg
+import pymysql
 import pytest
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
@@ -46,6 +47,7 @@ from fence._sql_dialect import (
     SQLDialect,
     dialect_for,
     dialect_of_url,
+    error_code,
     fault_of,
     set_sqlite_pragmas,
 )
@@ -90,6 +92,33 @@ def test_mariadb_has_a_dialect_for_the_guards_and_no_lease_statements() -> None:
         assert not dialect_for(name).lock_manager
         with pytest.raises(ConfigurationError, match=f"no statements for {name}"):
             lease_statements(name)
+
+
+@pytest.mark.parametrize(
+    ("code", "fault"),
+    [
+        (1213, Fault.DEADLOCK),
+        (1205, Fault.LOCK_TIMEOUT),
+        (1969, Fault.CANCELED),
+        (1317, Fault.CANCELED),
+        (1146, Fault.MISSING_TABLE),
+        (1054, Fault.MISSING_COLUMN),
+        (1049, Fault.NO_DATABASE),
+        (1045, Fault.AUTH),
+        (2013, Fault.CONNECTION),
+        (1062, None),  # a duplicate key: the caller's to read
+    ],
+)
+def test_mariadb_errors_are_read_by_number(code: int, fault: Fault | None) -> None:
+    # PyMySQL's errors carry the server's SQLSTATE too (HY000 for most): still MariaDB's.
+    orig = pymysql.err.OperationalError(code, "boom", sqlstate="HY000")
+    wrapped = _wrapped(sa_exc.OperationalError, orig)
+    for exc in (orig, wrapped):
+        assert fault_of(exc) is fault
+        assert DIALECTS["mariadb"].classify(exc) is fault
+        assert not PG.owns(exc)
+    assert error_code(wrapped) == f"MariaDB error {code}"
+    assert error_code(_pg("40001")) == "SQLSTATE 40001"
 
 
 def test_a_url_names_its_dialect_aliases_included() -> None:
