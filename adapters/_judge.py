@@ -54,7 +54,9 @@ _DDL_OPTIONS: Mapping[str, Any] = {**OWN_OPTIONS, "no_parameters": True}
 __all__ = [
     "CHECKED_KEY",
     "JUDGED_DIALECTS",
+    "PENDING_DIALECTS",
     "TOKEN_KEY",
+    "WITHOUT_JUDGE",
     "clear_token",
     "ensure_judged",
     "forget_judged",
@@ -70,6 +72,17 @@ __all__ = [
 
 #: The dialects whose tables carry the judge.
 JUDGED_DIALECTS = frozenset({"postgresql", "sqlite"})
+
+#: The dialects whose tables are to carry the judge and have no triggers yet (MariaDB and
+#: MySQL, C14): the guards refuse to write them unless the connection carries the execution
+#: option :data:`WITHOUT_JUDGE`, which says that the client's checks alone fence them.
+PENDING_DIALECTS = frozenset({"mariadb", "mysql"})
+
+#: The execution option (of an engine or a connection) by which a user accepts to write
+#: the fenced tables of a database in :data:`PENDING_DIALECTS` without the database's
+#: judge: the guards' own checks (C4-C9) hold, but a write that does not go through
+#: iofence is not refused by the database.
+WITHOUT_JUDGE = "iofence_without_judge"
 
 #: Pool entry ``info`` key of the tables whose triggers were checked on the connection
 #: (their :attr:`Judged.check_key`).
@@ -193,7 +206,9 @@ def judged_on(conn: Connection, judged: Judged) -> bool:
     """Whether ``judged``'s triggers need no check on ``conn`` (found in place before, or a
     database without the judge). No I/O."""
     if conn.dialect.name not in JUDGED_DIALECTS:
-        return True
+        return conn.dialect.name not in PENDING_DIALECTS or bool(
+            conn.get_execution_options().get(WITHOUT_JUDGE)
+        )
     checked: set[tuple[Any, ...]] | None = conn.connection.info.get(CHECKED_KEY)
     return checked is not None and judged.check_key in checked
 
@@ -226,11 +241,19 @@ def ensure_judged(conn: Connection, judged: Judged) -> None:
 
     Raises:
         ConfigurationError: the triggers are missing, disabled or of another version; the
-            message says what to run.
+            message says what to run. On MariaDB and MySQL, which have no judge yet: the
+            connection does not carry :data:`WITHOUT_JUDGE`.
         BackendError: the catalogue could not be read.
     """
     if judged_on(conn, judged):
         return
+    if conn.dialect.name in PENDING_DIALECTS:
+        raise ConfigurationError(
+            f"{judged.table}: MariaDB and MySQL have no database judge yet (C14), so no "
+            "trigger refuses a write that does not go through iofence; to write fenced "
+            "tables on the guards' own checks, say so with "
+            f"engine.execution_options({WITHOUT_JUDGE}=True) (see docs/mariadb.md)"
+        )
     if conn.dialect.name == "postgresql":
         query = text(PG_CHECK_QUERY.format(param=":t"))
         params = {"t": judged.qualified}

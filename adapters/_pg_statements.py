@@ -164,6 +164,8 @@ class PgRowStatements(RowStatementsBase):
     locks_rows = True
     #: psycopg begins the caller's transaction before any statement: no opener.
     opener = None
+    #: PostgreSQL counts the rows an upsert wrote (see ``RowStatementSet.found_rows``).
+    found_rows = False
     #: Bind parameters per statement when a batch reads its rows by key in chunks.
     chunk_params = DIALECTS["postgresql"].max_params
 
@@ -210,6 +212,7 @@ class PgRowStatements(RowStatementsBase):
                 f=self.f, dead=self.dead, t=self.t, key=self.key_eq
             )
         )
+        self.row = _text(sql.SQL("SELECT * FROM {t} WHERE {key}").format(t=self.t, key=self.key_eq))
 
     # -- one row ----------------------------------------------------------------------
 
@@ -366,6 +369,10 @@ class PgRowStatements(RowStatementsBase):
     def probe_call(self, keyvals: Sequence[Any]) -> Call:
         """:attr:`probe` with its parameters."""
         return self.probe, keyvals
+
+    def row_call(self, keyvals: Sequence[Any]) -> Call:
+        """:attr:`row` (the whole row) with its parameters."""
+        return self.row, keyvals
 
     def is_dead(self, row: Mapping[str, Any]) -> bool:
         """Whether a row a write returned is a tombstone."""
@@ -811,6 +818,8 @@ class PgRegisterCalls(PgRegisterStatements):
 
     #: psycopg begins the caller's transaction before any statement: no opener.
     opener = None
+    #: PostgreSQL counts the rows an upsert wrote (see ``RowStatementSet.found_rows``).
+    found_rows = False
     #: A read of the fences for a batch's check locks the rows.
     locks_rows = True
 

@@ -75,6 +75,11 @@ class RowStatementSet(Protocol):
             driver begins a transaction only before a write (SQLite); ``None`` elsewhere.
         judged: the table as the database's judge sees it (C14): what its triggers must
             have been made for.
+        found_rows: MariaDB and MySQL: an upsert counts 1 both for an inserted row and for
+            an existing row it left as it was (a refused one), 2 for a changed row; and a
+            plain read sees the transaction's snapshot (REPEATABLE READ), not the rows as
+            the write found them. The flows settle a count of 1, and read every verdict,
+            with a locking read of the fences.
     """
 
     name: str
@@ -85,6 +90,7 @@ class RowStatementSet(Protocol):
     checked_updates: Checked
     locks_rows: bool
     opener: Any
+    found_rows: bool
 
     def key_values(self, key: Key) -> tuple[Any, ...]:
         """Normalise a key (scalar, tuple or mapping) to values in key-column order."""
@@ -126,6 +132,11 @@ class RowStatementSet(Protocol):
 
     def probe_call(self, keyvals: Sequence[Any]) -> Call:
         """The diagnostic read of one row: its fence and tombstone flag."""
+        ...
+
+    def row_call(self, keyvals: Sequence[Any]) -> Call:
+        """The read of one whole row, for a registering read where the database has no
+        ``UPDATE ... RETURNING`` (MariaDB, MySQL)."""
         ...
 
     def is_dead(self, row: Any) -> bool:
@@ -191,12 +202,14 @@ class RegisterStatementSet(Protocol):
         locks_rows: as :attr:`RowStatementSet.locks_rows`.
         opener: as :attr:`RowStatementSet.opener`.
         judged: as :attr:`RowStatementSet.judged`.
+        found_rows: as :attr:`RowStatementSet.found_rows`.
     """
 
     name: str
     judged: Judged
     locks_rows: bool
     opener: Any
+    found_rows: bool
 
     def claim_call(self, scope: str, token: int, returning: bool) -> Call:
         """The claim of one scope: insert its fence, or raise it iff ``token`` passes."""

@@ -29,9 +29,9 @@ from fence._sql_dialect import (
     CHECK_LOGIN,
     JUDGE_FAULTS,
     Fault,
+    error_code,
     fault_of,
     first_line,
-    sqlstate,
 )
 
 from .ddl import (
@@ -405,13 +405,13 @@ def translate_error(exc: BaseException, action: str, scope: str) -> FenceError:
         judged = judge_error(exc)
         assert judged is not None
         return judged
-    state = sqlstate(exc)
+    state = error_code(exc)
     detail = str(getattr(exc, "orig", None) or exc).strip().splitlines()
     text = detail[0] if detail else type(exc).__name__
     if fault in _RETRYABLE:
         code, what = _RETRYABLE[fault]
         return RetryableError(
-            f"{action} on {scope}: {what} (SQLSTATE {state}); nothing was written and the "
+            f"{action} on {scope}: {what} ({state}); nothing was written and the "
             "token was not judged. Roll back and retry the whole transaction",
             code=code,
         )
@@ -439,7 +439,7 @@ def translate_error(exc: BaseException, action: str, scope: str) -> FenceError:
             "transaction did not commit. Run it again on a new connection",
             code="CONNECTION",
         )
-    suffix = f" (SQLSTATE {state})" if state else ""
+    suffix = f" ({state})" if state else ""
     return BackendError(f"{action} on {scope} failed: {text}{suffix}", code="BACKEND")
 
 

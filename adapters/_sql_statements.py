@@ -42,6 +42,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import CompileError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -224,15 +225,22 @@ def fence_register_table(
 ) -> Table:
     """The table of a fence register: ``(scope VARCHAR(512) PRIMARY KEY, fence BIGINT NOT NULL)``.
 
+    On MariaDB and MySQL the scope's collation is ``utf8mb4_bin``: scopes differing only in
+    case are distinct.
+
     Args:
         metadata: the metadata to attach it to (so ``metadata.create_all`` and Alembic
             autogenerate see it); a private one by default.
         name: the table name.
     """
+    # MariaDB and MySQL compare the scope byte for byte (see MYSQL_REGISTER_TABLE_DDL).
+    scope = String(512).with_variant(
+        mysql.VARCHAR(512, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+    )
     return Table(
         name,
         metadata if metadata is not None else MetaData(),
-        Column("scope", String(512), primary_key=True),
+        Column("scope", scope, primary_key=True),
         Column("fence", BigInteger, nullable=False),
         info={REGISTER_INFO: True},
     )
@@ -265,6 +273,34 @@ def _insertable_without(table: Table, skip: set[str]) -> bool:
             continue
         return False
     return True
+
+
+def _upsert(ins: Any, key: Sequence[Column[Any]], names: Iterable[str], fence: Column[Any]) -> Any:
+    """``ins`` made an upsert: on a conflict on ``key`` it sets the columns ``names`` (by
+    key) to the inserted row's values where the row's fence is not above the inserted fence
+    (C4), and leaves the row as it is otherwise.
+
+    PostgreSQL and SQLite: ``ON CONFLICT (key) DO UPDATE SET ... WHERE t.fence <=
+    excluded.fence``. MariaDB and MySQL have no ``WHERE`` there: ``ON DUPLICATE KEY UPDATE``
+    sets every column to ``CASE WHEN t.fence <= VALUES(fence) THEN VALUES(c) ELSE c END``,
+    the fence last, since the assignments run left to right and each sees the columns the
+    ones before it set; a refused upsert thus sets every column to what it was.
+    """
+    if hasattr(ins, "on_conflict_do_update"):
+        return ins.on_conflict_do_update(
+            index_elements=list(key),
+            set_={name: ins.excluded[name] for name in names},
+            where=fence <= ins.excluded[fence.key],
+        )
+    table = ins.table
+    passes = fence <= ins.inserted[fence.key]
+    sets: list[tuple[str, Any]] = [
+        (name, case((passes, ins.inserted[name]), else_=table.c[name]))
+        for name in names
+        if name != fence.key
+    ]
+    sets.append((fence.key, case((passes, ins.inserted[fence.key]), else_=fence)))
+    return ins.on_duplicate_key_update(sets)
 
 
 class RowStatements(RowStatementsBase):
@@ -501,8 +537,11 @@ class _OnDialect:
     begins_on_write: bool
     #: Bind parameters per statement when a batch reads its rows by key in chunks.
     chunk_params: int
-    #: The ``INSERT`` construct with ``ON CONFLICT``; ``None`` where the dialect has none.
+    #: The ``INSERT`` construct with ``ON CONFLICT`` (``ON DUPLICATE KEY UPDATE`` on MariaDB
+    #: and MySQL); ``None`` where the dialect has none.
     insert_of: Callable[[Table], Any] | None
+    #: See ``RowStatementSet.found_rows``: MariaDB and MySQL.
+    found_rows: bool
 
     def _learn(self, dialect: Dialect) -> None:
         self.dialect = dialect
@@ -510,12 +549,14 @@ class _OnDialect:
         if found is None:
             self.arrays, self.locks_rows, self.begins_on_write = False, True, False
             self.chunk_params, self.insert_of = CHUNK_PARAMS_DEFAULT, None
+            self.found_rows = False
             return
         self.arrays = found.batch_arrays
         self.locks_rows = found.locks_rows
         self.begins_on_write = found.begins_on_write
         self.chunk_params = found.max_params
         self.insert_of = found.insert
+        self.found_rows = found.upsert_counts_found
 
 
 class DialectRowStatements(_OnDialect, RowStatements):
@@ -583,6 +624,13 @@ class DialectRowStatements(_OnDialect, RowStatements):
         """:meth:`probe` with its parameters."""
         return self.probe(), self.key_params(keyvals)
 
+    def row_call(self, keyvals: Sequence[Any]) -> Call:
+        """The whole row, by key, with its parameters."""
+        found = self._cache.get("row")
+        if found is None:
+            found = self._cache["row"] = select(self.table).where(self._key_eq)
+        return found, self.key_params(keyvals)
+
     def is_dead(self, row: Row[Any]) -> bool:
         """Whether a row a write returned is a tombstone."""
         return self.tombstone is not None and bool(row._mapping[self.tombstone])
@@ -594,8 +642,8 @@ class DialectRowStatements(_OnDialect, RowStatements):
     def _insert(self) -> Any:
         if self.insert_of is None:
             raise ConfigurationError(
-                "fenced inserts and upserts need ON CONFLICT: PostgreSQL or SQLite, not "
-                f"{self.dialect.name}"
+                "fenced inserts and upserts need ON CONFLICT or ON DUPLICATE KEY UPDATE: "
+                f"PostgreSQL, SQLite or MariaDB, not {self.dialect.name}"
             )
         return self.insert_of(self.table)
 
@@ -608,11 +656,8 @@ class DialectRowStatements(_OnDialect, RowStatements):
         if self.tombstone is not None:
             row[self.tombstone.key] = False
         ins = self._insert().values(row)
-        stmt = ins.on_conflict_do_update(
-            index_elements=list(self.key),
-            set_={name: ins.excluded[name] for name in row if name not in self.key_names},
-            where=self.fence <= ins.excluded[self.fence.key],
-        )
+        names = [name for name in row if name not in self.key_names]
+        stmt = _upsert(ins, self.key, names, self.fence)
         return stmt.returning(*self.table.c) if returning else _counted(stmt)  # type: ignore[no-any-return]
 
     def insert_tombstone(
@@ -628,14 +673,8 @@ class DialectRowStatements(_OnDialect, RowStatements):
         row[self.fence.key] = self._token_value(token)
         row[self.tombstone.key] = True
         ins = self._insert().values(row)
-        set_ = {self.fence.key: ins.excluded[self.fence.key]}
-        if delete:
-            set_[self.tombstone.key] = ins.excluded[self.tombstone.key]
-        stmt = ins.on_conflict_do_update(
-            index_elements=list(self.key),
-            set_=set_,
-            where=self.fence <= ins.excluded[self.fence.key],
-        )
+        names = [self.fence.key, *([self.tombstone.key] if delete else [])]
+        stmt = _upsert(ins, self.key, names, self.fence)
         return stmt.returning(*self.table.c) if returning else _counted(stmt)  # type: ignore[no-any-return]
 
     # -- many rows --------------------------------------------------------------------
@@ -888,11 +927,8 @@ class DialectRowStatements(_OnDialect, RowStatements):
             if self.tombstone is not None:
                 row[self.tombstone.key] = False
             ins = self._insert().values(row)
-            stmt = ins.on_conflict_do_update(
-                index_elements=list(self.key),
-                set_={name: ins.excluded[name] for name in row if name not in self.key_names},
-                where=self.fence <= ins.excluded[self.fence.key],
-            )
+            names = [name for name in row if name not in self.key_names]
+            stmt = _upsert(ins, self.key, names, self.fence)
             found = self._cache[cache_key] = _counted(stmt)
         return found  # type: ignore[no-any-return]
 
@@ -1029,11 +1065,7 @@ class RegisterStatements:
     def _on_conflict(self, ins: Any) -> Any:
         """The claim of the rows ``ins`` inserts: each fence is raised to the token where it
         is not above it, and a scope without a row gets one (C4, C8)."""
-        return ins.on_conflict_do_update(
-            index_elements=[self.scope],
-            set_={"fence": ins.excluded.fence},
-            where=self.fence <= ins.excluded.fence,
-        )
+        return _upsert(ins, [self.scope], ["fence"], self.fence)
 
     def claim(self, dialect: str, scope: str, token: int, returning: bool) -> Insert:
         """``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = :t WHERE fence <= :t``."""

@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_TOMBSTONE_COLUMN",
     "FENCE_COLUMN_DDL",
     "JUDGE_VERSION",
+    "MYSQL_REGISTER_TABLE_DDL",
     "REGISTER_TABLE_DDL",
     "SQLSTATE_REFUSED",
     "SQLSTATE_STALE",
@@ -77,6 +78,16 @@ TOMBSTONE_COLUMN_DDL = "ALTER TABLE {table} ADD COLUMN deleted BOOLEAN NOT NULL 
 REGISTER_TABLE_DDL = (
     "CREATE TABLE IF NOT EXISTS {table} (\n"
     "    scope VARCHAR(512) PRIMARY KEY,\n"
+    "    fence BIGINT NOT NULL\n"
+    ")"
+)
+
+#: The fence register on MariaDB and MySQL: the scope compared byte for byte, so that two
+#: scopes that differ in case or accents (``Order:1``, ``order:1``) never share a fence, as
+#: they would under the server's usual case-insensitive collation.
+MYSQL_REGISTER_TABLE_DDL = (
+    "CREATE TABLE IF NOT EXISTS {table} (\n"
+    "    scope VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin PRIMARY KEY,\n"
     "    fence BIGINT NOT NULL\n"
     ")"
 )

@@ -1,4 +1,6 @@
-"""Fenced SQL rows through SQLAlchemy Core (2.x), sync and asyncio, PostgreSQL and SQLite.
+"""Fenced SQL rows through SQLAlchemy Core (2.x), sync and asyncio, PostgreSQL, SQLite and
+MariaDB (see ``docs/mariadb.md``: no database judge yet, so its engines must carry
+``execution_options(iofence_without_judge=True)``, :data:`WITHOUT_JUDGE`).
 
 Two guards, both run inside the caller's connection and transaction:
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from . import _judge
 from ._async.sql import AsyncFenceRegister, AsyncRowGuard
-from ._judge import install_triggers
+from ._judge import WITHOUT_JUDGE, install_triggers
 from ._sql_common import (
     FENCE_COLUMN_DDL,
     REGISTER_TABLE_DDL,
@@ -51,6 +53,7 @@ __all__ = [
     "REGISTER_TABLE_DDL",
     "TOMBSTONE_COLUMN_DDL",
     "UNFENCED",
+    "WITHOUT_JUDGE",
     "AsyncFenceRegister",
     "AsyncRowGuard",
     "FenceRegister",

@@ -46,6 +46,7 @@ __all__ = [
     "row_guard",
     "sql_ddl",
     "sql_judge",
+    "sql_mysql_register_ddl",
     "sql_trigger_ddl",
     "zookeeper_guard",
 ]
@@ -104,6 +105,16 @@ def sql_judge() -> Any:
     with _naming_the_extra():
         from fence.adapters import _triggers  # type: ignore[import-not-found, unused-ignore]
     return _triggers
+
+
+def sql_mysql_register_ddl() -> str:
+    """The fence register's DDL on MariaDB and MySQL, with a ``{table}`` field
+    (``fence.adapters.ddl.MYSQL_REGISTER_TABLE_DDL``). Loads no database driver."""
+    with _naming_the_extra():
+        from fence.adapters.ddl import (  # type: ignore[import-not-found, unused-ignore]
+            MYSQL_REGISTER_TABLE_DDL,
+        )
+    return str(MYSQL_REGISTER_TABLE_DDL)
 
 
 def sql_trigger_ddl() -> Callable[..., list[str]]:

@@ -10,9 +10,10 @@ looked up by SQLAlchemy's dialect name::
 
     dialect = dialect_for(engine.dialect.name)      # ConfigurationError if unsupported
 
-A new database (MariaDB, MySQL) is a new subclass of :class:`SQLDialect`, registered in
-:data:`DIALECTS`, plus its set of lease statements in :mod:`fence._sql_schema`; the driver
-does not change.
+A new database is a new subclass of :class:`SQLDialect`, registered in :data:`DIALECTS`,
+plus its set of lease statements in :mod:`fence._sql_schema`; the driver does not change.
+MariaDB (and MySQL) have a dialect for the row guards and no lease statements yet
+(:attr:`SQLDialect.lock_manager` is false): the lock manager refuses them.
 
 The row guards (``fence.adapters``) can take from the same object what belongs to a
 database rather than to a guard:
@@ -47,19 +48,25 @@ __all__ = [
     "CHECK_LOGIN",
     "DIALECTS",
     "JUDGE_FAULTS",
+    "MYSQL_DEADLOCK",
+    "MYSQL_LOCK_WAIT_TIMEOUT",
     "PG_CONNECT_TIMEOUT",
     "SQLITE_PRAGMAS",
     "SQLSTATE_REFUSED",
     "SQLSTATE_STALE",
     "SQLSTATE_UNFENCED",
     "Fault",
+    "MariaDBDialect",
+    "MySQLDialect",
     "PostgreSQLDialect",
     "SQLDialect",
     "SQLiteDialect",
     "dialect_for",
     "dialect_of_url",
+    "error_code",
     "fault_of",
     "first_line",
+    "mysql_code",
     "set_sqlite_pragmas",
     "sqlite_code",
     "sqlstate",
@@ -92,14 +99,22 @@ SQLSTATE_STALE = "IOF02"
 SQLSTATE_REFUSED = "IOF03"
 
 
+#: MariaDB's and MySQL's error numbers of a deadlock (this transaction was rolled back) and
+#: of a lock wait that timed out (``innodb_lock_wait_timeout``; only the statement was).
+MYSQL_DEADLOCK = 1213
+MYSQL_LOCK_WAIT_TIMEOUT = 1205
+
+
 class Fault(enum.Enum):
     """What a driver error says, as :meth:`SQLDialect.classify` reads it.
 
     Attributes:
-        SERIALIZATION: a serialization failure (SQLSTATE 40001): repeat the transaction.
-        DEADLOCK: a deadlock was detected (40P01) and this transaction was chosen to end.
-        LOCK_TIMEOUT: a lock was not available in time (55P03).
-        CANCELED: the statement was cancelled or timed out (57014).
+        SERIALIZATION: a serialization failure (SQLSTATE 40001; MariaDB 1020, a row changed
+            since the snapshot read it): repeat the transaction.
+        DEADLOCK: a deadlock was detected (40P01; MariaDB 1213) and this transaction was
+            chosen to end.
+        LOCK_TIMEOUT: a lock was not available in time (55P03; MariaDB 1205).
+        CANCELED: the statement was cancelled or timed out (57014; MariaDB 1317, 1969).
         BUSY: SQLite: the database stayed locked by another writer (``SQLITE_BUSY``,
             ``SQLITE_LOCKED``).
         ABORTED: the transaction was already aborted by an earlier error (25P02).
@@ -182,6 +197,28 @@ def sqlite_code(exc: BaseException) -> int | None:
     return None
 
 
+def mysql_code(exc: BaseException) -> int | None:
+    """The MariaDB or MySQL error number of a driver error (PyMySQL's and aiomysql's
+    ``args[0]``), as :func:`sqlstate` finds it; ``None`` if none has one."""
+    for candidate in (exc, getattr(exc, "orig", None), exc.__cause__):
+        if candidate is None or not type(candidate).__module__.startswith(_MYSQL_DRIVERS):
+            continue
+        args = getattr(candidate, "args", ())
+        if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+            return args[0]
+    return None
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The database's code of a driver error, for messages: ``SQLSTATE 40001``, ``MariaDB
+    error 1213``; ``None`` if it has none."""
+    code = mysql_code(exc)
+    if code is not None:
+        return f"MariaDB error {code}"
+    state = sqlstate(exc)
+    return None if state is None else f"SQLSTATE {state}"
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message, or its type's name if it has none."""
     lines = str(exc).strip().splitlines()
@@ -237,6 +274,12 @@ class SQLDialect:
             covers the whole database instead).
         begins_on_write: the driver begins a transaction only before a write (Python's
             sqlite3), so a savepoint sent first would be a transaction of its own.
+        lock_manager: the SQL lock manager has statements for this database.
+        session_hook: the SQLAlchemy session hook (``fence.adapters.orm``) runs on it.
+        upsert_counts_found: an upsert's row count cannot tell an inserted row from an
+            existing row it left as it was (``INSERT ... ON DUPLICATE KEY UPDATE`` counts 1
+            for both with ``CLIENT_FOUND_ROWS``, 2 for a changed row): a count of 1 is
+            settled by reading the fence back in the same transaction.
     """
 
     name: ClassVar[str]
@@ -259,6 +302,9 @@ class SQLDialect:
     batch_arrays: ClassVar[bool] = False
     locks_rows: ClassVar[bool] = True
     begins_on_write: ClassVar[bool] = False
+    lock_manager: ClassVar[bool] = True
+    session_hook: ClassVar[bool] = True
+    upsert_counts_found: ClassVar[bool] = False
     #: SQLAlchemy's driver for an engine built from a URL that names none, sync and
     #: asyncio (``None``: SQLAlchemy's default).
     _drivers: ClassVar[tuple[str | None, str | None]] = (None, None)
@@ -409,8 +455,9 @@ class PostgreSQLDialect(SQLDialect):
         return _JUDGED_STATES.get(state) if state is not None else None
 
     def owns(self, exc: BaseException) -> bool:
-        """See :meth:`SQLDialect.owns`: a SQLSTATE."""
-        return sqlstate(exc) is not None
+        """See :meth:`SQLDialect.owns`: a SQLSTATE, and no MariaDB error number (PyMySQL's
+        errors carry the server's SQLSTATE too, mostly the catch-all ``HY000``)."""
+        return sqlstate(exc) is not None and mysql_code(exc) is None
 
     def socket_of(self, connection: Any) -> int | None:
         """See :meth:`SQLDialect.socket_of`: psycopg's; ``None`` for another driver."""
@@ -533,6 +580,105 @@ class SQLiteDialect(SQLDialect):
         return f"PRAGMA busy_timeout = {milliseconds}"
 
 
+class MySQLDialect(SQLDialect):
+    """MySQL's wire protocol and SQL, as MariaDB 10.11 and MySQL 8 share them, for the row
+    guards: ``INSERT ... ON DUPLICATE KEY UPDATE`` for upserts and claims, no
+    ``RETURNING`` (MariaDB has it on ``INSERT`` and ``DELETE`` only, MySQL nowhere), row
+    counts of rows found (``CLIENT_FOUND_ROWS``, which SQLAlchemy's MySQL dialects ask
+    for), errors by number. The SQL lock manager and the session hook do not run on it
+    yet.
+
+    Only MariaDB is tested; see the docs (``docs/mariadb.md``) for what differs on MySQL.
+    """
+
+    name = "mysql"
+    label = "MySQL"
+    poll_interval = 0.5
+    lock_manager = False
+    session_hook = False
+    timestamp_type = "DATETIME(6)"
+    clock_sql = "SYSDATE(6)"
+    returning = False
+    # PyMySQL and aiomysql send parameters inline: the limit is max_allowed_packet's, not
+    # the protocol's 65,535 placeholders of a prepared statement.
+    max_params = 10_000
+    upsert_counts_found = True
+    _drivers = ("pymysql", "aiomysql")
+
+    @functools.cached_property
+    def sqlalchemy(self) -> Dialect:
+        """SQLAlchemy's dialect (for quoting and compiling; it never connects)."""
+        from sqlalchemy.dialects import mysql
+
+        return mysql.dialect()
+
+    def token_floor(self, now: str) -> str:
+        """See :meth:`SQLDialect.token_floor`."""
+        return f"CAST(UNIX_TIMESTAMP({now}) * 1000000 AS SIGNED)"
+
+    @property
+    def insert_class(self) -> type[Any]:
+        """See :attr:`SQLDialect.insert_class`: MySQL's ``INSERT`` with
+        ``on_duplicate_key_update`` (it has no ``on_conflict_do_update``)."""
+        from sqlalchemy.dialects import mysql
+
+        return mysql.Insert
+
+    def classify(self, exc: BaseException) -> Fault | None:
+        """See :meth:`SQLDialect.classify`. By error number."""
+        code = mysql_code(exc)
+        if code is None:
+            return None
+        return _MYSQL_FAULTS.get(code)
+
+    def owns(self, exc: BaseException) -> bool:
+        """See :meth:`SQLDialect.owns`: a MariaDB or MySQL error number."""
+        return mysql_code(exc) is not None
+
+
+class MariaDBDialect(MySQLDialect):
+    """MariaDB (10.11, from the system packages): SQLAlchemy's ``mariadb://`` dialect; a
+    ``mysql://`` URL to a MariaDB server gets :class:`MySQLDialect`, which is the same."""
+
+    name = "mariadb"
+    label = "MariaDB"
+
+    @functools.cached_property
+    def sqlalchemy(self) -> Dialect:
+        """SQLAlchemy's dialect (for quoting and compiling; it never connects)."""
+        from sqlalchemy.dialects.mysql import mariadb
+
+        return mariadb.MariaDBDialect()
+
+
+# The modules of the DB-API drivers whose errors carry a MariaDB or MySQL error number as
+# ``args[0]`` (aiomysql raises PyMySQL's).
+_MYSQL_DRIVERS = ("pymysql", "MySQLdb", "asyncmy", "mariadb", "mysql.connector")
+
+_MYSQL_FAULTS = {
+    1020: Fault.SERIALIZATION,  # ER_CHECKREAD: innodb_snapshot_isolation (MariaDB 11.6+)
+    MYSQL_DEADLOCK: Fault.DEADLOCK,
+    MYSQL_LOCK_WAIT_TIMEOUT: Fault.LOCK_TIMEOUT,
+    3572: Fault.LOCK_TIMEOUT,  # MySQL: NOWAIT
+    1317: Fault.CANCELED,  # ER_QUERY_INTERRUPTED: KILL QUERY
+    1969: Fault.CANCELED,  # MariaDB: max_statement_time
+    3024: Fault.CANCELED,  # MySQL: max_execution_time
+    1146: Fault.MISSING_TABLE,
+    1054: Fault.MISSING_COLUMN,
+    1049: Fault.NO_DATABASE,
+    1044: Fault.AUTH,
+    1045: Fault.AUTH,
+    1698: Fault.AUTH,
+    1053: Fault.CONNECTION,  # server shutdown in progress
+    1927: Fault.CONNECTION,  # MariaDB: connection killed
+    2002: Fault.CONNECTION,
+    2003: Fault.CONNECTION,
+    2006: Fault.CONNECTION,
+    2013: Fault.CONNECTION,
+    2055: Fault.CONNECTION,
+    4031: Fault.CONNECTION,  # MySQL: disconnected after inactivity
+}
+
 _JUDGED_STATES = {
     SQLSTATE_UNFENCED: Fault.UNFENCED,
     SQLSTATE_STALE: Fault.STALE,
@@ -564,7 +710,8 @@ def set_sqlite_pragmas(
 
 #: The supported dialects by SQLAlchemy's name.
 DIALECTS: dict[str, SQLDialect] = {
-    dialect.name: dialect for dialect in (PostgreSQLDialect(), SQLiteDialect())
+    dialect.name: dialect
+    for dialect in (PostgreSQLDialect(), SQLiteDialect(), MariaDBDialect(), MySQLDialect())
 }
 _BY_BACKEND = {
     **DIALECTS,
@@ -583,7 +730,7 @@ def dialect_for(name: str | SQLDialect) -> SQLDialect:
         return name
     found = DIALECTS.get(name)
     if found is None:
-        labels = " and ".join(d.label for d in DIALECTS.values())
+        labels = " and ".join(d.label for d in DIALECTS.values() if d.lock_manager)
         raise ConfigurationError(f"the SQL lock manager supports {labels}, not {name!r}")
     return found
 

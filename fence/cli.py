@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import fence
 from fence._core import TokenMode, validate_resource
 from fence._errors import BackendError, ConfigurationError, FenceError
-from fence._optional import install_hint, sql_ddl, sql_trigger_ddl
+from fence._optional import install_hint, sql_ddl, sql_mysql_register_ddl, sql_trigger_ddl
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -197,13 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
         "SQL lock manager's lease table, the fence register and its judge, and for every "
         "--table the fence column, the tombstone flag and the database's judge (triggers that "
         "refuse stale and unfenced writes, whoever sends them; run it again to upgrade them). "
-        "The PostgreSQL script runs again unharmed (IF NOT EXISTS). " + _SQLITE_AGAIN,
+        "The PostgreSQL and MariaDB scripts run again unharmed (IF NOT EXISTS). "
+        + _SQLITE_AGAIN
+        + " MariaDB and MySQL: no lease table and no judge yet (docs/mariadb.md).",
     )
     ddl_parser.add_argument(
         "--dialect",
         required=True,
         type=_dialect,
-        choices=["postgresql", "sqlite"],
+        choices=["postgresql", "sqlite", "mariadb", "mysql"],
         help="the database (postgres is postgresql)",
     )
     ddl_parser.add_argument(
@@ -794,10 +796,21 @@ def _ddl_script(
 
     quote = dialect_for(dialect).quote
     fence_column_ddl, tombstone_ddl, register_ddl = sql_ddl()
-    if dialect == "postgresql":
+    mysql = dialect in ("mariadb", "mysql")
+    if mysql:
+        if triggers_only:
+            raise ConfigurationError(
+                f"{dialect} has no database judge yet (see docs/mariadb.md): there are no "
+                "triggers to print"
+            )
+        # Neither has its lease statements nor its judge yet: the row guards and the
+        # register only.
+        lease_table, triggers = None, False
+        register_ddl = sql_mysql_register_ddl()
+    if dialect in ("postgresql", "mariadb"):
         # The library's templates run on SQLite too, which has no ADD COLUMN IF NOT EXISTS;
-        # PostgreSQL has it, so that the whole script can run again (`| psql`, a migration
-        # replayed) on tables that have their columns already.
+        # PostgreSQL and MariaDB have it (MySQL has not), so that the whole script can run
+        # again (`| psql`, a migration replayed) on tables that have their columns already.
         fence_column_ddl, tombstone_ddl = (
             ddl.replace(" ADD COLUMN ", " ADD COLUMN IF NOT EXISTS ", 1)
             for ddl in (fence_column_ddl, tombstone_ddl)
@@ -835,6 +848,18 @@ def _ddl_script(
             "-- iofence DDL for postgresql, for a migration or psql: running it again changes",
             "-- nothing but the judge, which it replaces (an upgrade).",
         ]
+    elif mysql:
+        out = [
+            f"-- iofence DDL for {dialect}, for a migration or the {dialect} client: the fence",
+            "-- register and the columns of fenced tables. No lease table (the SQL lock",
+            "-- manager does not run on it yet) and no judge (its triggers are not written",
+            "-- yet): the guards write these tables only on an engine or connection with",
+            "-- execution_options(iofence_without_judge=True); see docs/mariadb.md.",
+        ]
+        if dialect == "mariadb":
+            out.append("-- Running it again changes nothing (IF NOT EXISTS).")
+        else:
+            out.append("-- MySQL has no ADD COLUMN IF NOT EXISTS: run the ALTER TABLE lines once.")
     else:
         out = [f"-- iofence DDL for {dialect}, for a migration or sqlite3."]
         out += ["-- " + line for line in textwrap.wrap(_SQLITE_AGAIN, 88)]
@@ -848,7 +873,9 @@ def _ddl_script(
     if register is not None:
         out += [
             "",
-            "-- The fence register: claims of the session hook, UnitOfWork and FenceRegister.",
+            "-- The fence register: claims of FenceRegister."
+            if mysql
+            else "-- The fence register: claims of the session hook, UnitOfWork and FenceRegister.",
             register_ddl.format(table=qualified(register, schema)) + ";",
         ]
         if triggers:

@@ -1,23 +1,34 @@
 """Pytest fixtures for the real servers: one of each per test session, started on demand.
 
 Tests that need a server carry the marker of that server (``redis``, ``postgres``,
-``sentinel``, and ``etcd``, ``zookeeper`` for the clusters of ``tests/fix_consensus.py``);
-the marker is added automatically to any test that uses the server's fixtures.
+``mariadb``, ``sentinel``, and ``etcd``, ``zookeeper`` for the clusters of
+``tests/fix_consensus.py``); the marker is added automatically to any test that uses the
+server's fixtures.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 
 import pytest
 
-from tests.servers import PostgresServer, RedisServer, SentinelSetup, flush_redis, reap_orphans
+from tests.servers import (
+    MariaDBServer,
+    PostgresServer,
+    RedisServer,
+    SentinelSetup,
+    flush_redis,
+    reap_orphans,
+)
 
 _MARKS = {
     "redis_server": "redis",
     "redis_url": "redis",
     "postgres_server": "postgres",
     "postgres_url": "postgres",
+    "mariadb_server": "mariadb",
+    "mariadb_url": "mariadb",
     "sentinel_setup": "sentinel",
     "sentinel_url": "sentinel",
     "etcd_cluster": "etcd",
@@ -70,6 +81,38 @@ def postgres_server() -> Iterator[PostgresServer]:
 def postgres_url(postgres_server: PostgresServer) -> str:
     """A SQLAlchemy URL (psycopg 3) of the session's PostgreSQL cluster."""
     return postgres_server.url
+
+
+@pytest.fixture(scope="session")
+def mariadb_server() -> Iterator[MariaDBServer]:
+    """A throwaway MariaDB server for the whole session."""
+    server = MariaDBServer().start()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture
+def mariadb_url(mariadb_server: MariaDBServer) -> Iterator[str]:
+    """A SQLAlchemy URL (PyMySQL) of a database of its own on the session's MariaDB server,
+    dropped after the test; ``+aiomysql`` in its place gives the asyncio driver."""
+    import pymysql
+
+    name = f"t_{secrets.token_hex(6)}"
+    admin = pymysql.connect(
+        host="127.0.0.1",
+        port=mariadb_server.port,
+        user=mariadb_server.USER,
+        password=mariadb_server.PASSWORD,
+        autocommit=True,
+    )
+    try:
+        with admin.cursor() as cursor:
+            cursor.execute(f"CREATE DATABASE {name}")
+        yield mariadb_server.url(name)
+        with admin.cursor() as cursor:
+            cursor.execute(f"DROP DATABASE IF EXISTS {name}")
+    finally:
+        admin.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """Registers the SQLAlchemy Core row guard with the guard conformance suite.
 
-``sql-sqlite`` and ``sql-postgres``: every scope is a row of a fresh table
+``sql-sqlite``, ``sql-postgres`` and ``sql-mariadb``: every scope is a row of a fresh table
 ``(k PK, v, fence, deleted)``, every harness call is its own transaction
-(``engine.begin()``), and batches are :meth:`RowGuard.upsert_many`.
+(``engine.begin()``), and batches are :meth:`RowGuard.upsert_many`. MariaDB has no
+database judge yet: its engines say so (``WITHOUT_JUDGE``), as a user must.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import pytest
 from sqlalchemy import BigInteger, Column, MetaData, String, Table, create_engine, select
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from fence.adapters.sql import AsyncRowGuard, RowGuard, fence_column, tombstone_column
+from fence.adapters.sql import (
+    WITHOUT_JUDGE,
+    AsyncRowGuard,
+    RowGuard,
+    fence_column,
+    tombstone_column,
+)
 from tests.registry import GuardHarnessFactory, register_guard_harness
 
 FEATURES = frozenset({"batch", "registering_read"})
@@ -33,6 +40,10 @@ def make_table(name: str | None = None) -> Table:
     )
 
 
+def _options(url: str) -> dict[str, Any]:
+    return {WITHOUT_JUDGE: True} if url.startswith(("mariadb", "mysql")) else {}
+
+
 def _value(row: Any) -> int | None:
     return None if row is None else row.v
 
@@ -43,7 +54,7 @@ class SqlHarness:
     features = FEATURES
 
     def __init__(self, url: str) -> None:
-        self.engine = create_engine(url)
+        self.engine = create_engine(url).execution_options(**_options(url))
         self.table = make_table()
         with self.engine.begin() as conn:
             self.table.create(conn)
@@ -96,7 +107,7 @@ class AsyncSqlHarness:
     features = FEATURES
 
     def __init__(self, url: str) -> None:
-        self.engine = create_async_engine(url)
+        self.engine = create_async_engine(url).execution_options(**_options(url))
         self.table = make_table()
         self.created = False
 
@@ -161,9 +172,21 @@ def _postgres(request: pytest.FixtureRequest, is_async: bool) -> Any:
     return AsyncSqlHarness(url) if is_async else SqlHarness(url)
 
 
+def _mariadb(request: pytest.FixtureRequest, is_async: bool) -> Any:
+    url = request.getfixturevalue("mariadb_url")
+    if is_async:
+        return AsyncSqlHarness(url.replace("+pymysql", "+aiomysql"))
+    return SqlHarness(url)
+
+
 register_guard_harness(GuardHarnessFactory(name="sql-sqlite", make=_sqlite, features=FEATURES))
 register_guard_harness(
     GuardHarnessFactory(
         name="sql-postgres", make=_postgres, marks=(pytest.mark.postgres,), features=FEATURES
+    )
+)
+register_guard_harness(
+    GuardHarnessFactory(
+        name="sql-mariadb", make=_mariadb, marks=(pytest.mark.mariadb,), features=FEATURES
     )
 )

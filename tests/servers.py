@@ -1,12 +1,12 @@
 """The suite's throwaway real servers, and the reaping of those a dead run left behind.
 
 The servers themselves (redis-server alone, as a Redis Cluster or behind a Sentinel, a
-PostgreSQL cluster, three etcd members, three ZooKeeper servers) are the ones ``fence
-chaos`` starts: :mod:`fence._chaos.servers` and :mod:`fence._chaos.clusters`, re-exported
-here. Each runs on a free loopback port in a temporary directory and is stopped at the end,
-with the faults tests cause for real: SIGKILL, SIGSTOP/SIGCONT, restart. PostgreSQL and
-ZooKeeper never run as root: when the suite runs as root they run as the ``postgres`` and
-``zookeeper`` OS users (created by the system packages).
+PostgreSQL cluster, a MariaDB server, three etcd members, three ZooKeeper servers) are the
+ones ``fence chaos`` starts: :mod:`fence._chaos.servers` and :mod:`fence._chaos.clusters`,
+re-exported here. Each runs on a free loopback port in a temporary directory and is stopped
+at the end, with the faults tests cause for real: SIGKILL, SIGSTOP/SIGCONT, restart.
+PostgreSQL, MariaDB and ZooKeeper never run as root: when the suite runs as root they run as
+the ``postgres``, ``mysql`` and ``zookeeper`` OS users (created by the system packages).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from pathlib import Path
 
 from fence._chaos.clusters import PID_FILE, EtcdCluster, ZooKeeperEnsemble
 from fence._chaos.servers import (
+    MARIADB_PID_FILE,
     OWNER_FILE,
     REDIS_PID_FILE,
+    MariaDBServer,
     PostgresServer,
     RedisClusterServers,
     RedisServer,
@@ -34,6 +36,7 @@ from fence._chaos.servers import (
 __all__ = [
     "OWNER_FILE",
     "EtcdCluster",
+    "MariaDBServer",
     "PostgresServer",
     "RedisClusterServers",
     "RedisServer",
@@ -61,7 +64,7 @@ def reap_orphans() -> list[str]:
     """Stop servers left behind by test runs that died (killed by a timeout, say).
 
     A server directory whose owner process is gone is stopped (PostgreSQL with an immediate
-    shutdown, redis-server and the members of a consensus cluster with SIGKILL) and
+    shutdown, MariaDB, redis-server and the members of a consensus cluster with SIGKILL) and
     removed. Returns the directories reaped.
     """
     reaped = []
@@ -77,6 +80,10 @@ def reap_orphans() -> list[str]:
         if pidfile.exists():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 os.kill(int(pidfile.read_text().split()[0]), signal.SIGQUIT)
+        mariadb_pid = path / MARIADB_PID_FILE
+        if mariadb_pid.exists():
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(mariadb_pid.read_text()), signal.SIGKILL)
         redis_pid = path / REDIS_PID_FILE
         if redis_pid.exists():
             with contextlib.suppress(OSError, ValueError):

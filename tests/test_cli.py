@@ -36,7 +36,7 @@ from fence.adapters.sql import (
     FenceRegister,
     fence_register_table,
 )
-from tests.servers import PostgresServer, RedisClusterServers
+from tests.servers import MariaDBServer, PostgresServer, RedisClusterServers
 
 
 def run(
@@ -97,7 +97,7 @@ def test_usage_errors_exit_2(args: list[str], says: str) -> None:
 
 def test_argparse_errors_exit_2() -> None:
     assert run("ddl").returncode == 2  # --dialect is required
-    assert run("ddl", "--dialect", "mysql").returncode == 2
+    assert run("ddl", "--dialect", "oracle").returncode == 2
     assert run("inspect", "redis://h/0").returncode == 2  # RESOURCE missing
     assert run().returncode == 2  # no command: the help (on stderr), and 2
 
@@ -329,6 +329,46 @@ def test_ddl_runs_on_postgresql_and_the_managers_use_it(postgres_url: str) -> No
         with engine.begin() as conn:
             conn.exec_driver_sql(f"DROP TABLE {table}, {leases}, {register}")
         engine.dispose()
+
+
+def test_the_mariadb_ddl_runs_again_through_its_client_and_the_guards_use_it(
+    mariadb_server: MariaDBServer, mariadb_url: str
+) -> None:
+    database = sa.make_url(mariadb_url).database
+    assert database is not None
+    table, register = unique("cli_accounts"), unique("cli_reg")
+    engine = sa.create_engine(mariadb_url).execution_options(iofence_without_judge=True)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE TABLE {table} (id INT PRIMARY KEY, balance INT)")
+        conn.exec_driver_sql(f"INSERT INTO {table} VALUES (1, 10)")
+    done = run("ddl", "--dialect", "mariadb", "--table", table, "--register", register)
+    assert done.returncode == 0, done.stderr
+    assert "fence_leases" not in done.stdout
+    assert "CREATE TRIGGER" not in done.stdout.upper()
+    client = shutil.which("mariadb") or "/usr/bin/mariadb"
+    for _ in range(2):  # it runs again unharmed
+        piped = subprocess.run(
+            [
+                client, "--no-defaults", "-h", "127.0.0.1", "-P", str(mariadb_server.port),
+                "-u", mariadb_server.USER, f"-p{mariadb_server.PASSWORD}", database,
+            ],
+            input=done.stdout,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert piped.returncode == 0, piped.stderr
+    try:
+        with engine.begin() as conn:
+            assert conn.exec_driver_sql(f"SELECT fence, deleted FROM {table}").one() == (0, 0)
+            fences = FenceRegister(conn, fence_register_table(name=register))
+            assert fences.claim("Order:1", 5) == 5
+            assert fences.claim("order:1", 3) == 3  # another scope: the case counts
+    finally:
+        engine.dispose()
+    refused = run("ddl", "--dialect", "mariadb", "--triggers-only")
+    assert refused.returncode == 2
+    assert "no database judge yet" in refused.stderr
 
 
 def psql(server: PostgresServer, script: str) -> subprocess.CompletedProcess[str]:

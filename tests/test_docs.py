@@ -5,8 +5,9 @@ starts with ``# continued`` runs after the Python blocks before it in the same f
 the last one that does not; one that starts with ``# continued from "Heading"`` runs after
 the blocks that the last block under that heading ran after, and that block. Each such
 chain runs once, whole, in a fresh directory, with the suite's servers handed in through
-``REDIS_URL``, ``DATABASE_URL``, ``QUORUM_URLS``, ``ETCD_URL``, ``ZOOKEEPER_URL`` and
-``SENTINEL_URL`` (a Redis primary and replica behind a Sentinel) where a block reads them.
+``REDIS_URL``, ``DATABASE_URL``, ``MARIADB_URL``, ``QUORUM_URLS``, ``ETCD_URL``,
+``ZOOKEEPER_URL`` and ``SENTINEL_URL`` (a Redis primary and replica behind a Sentinel) where
+a block reads them.
 The README's chains also run a second time in the same directory, on the same servers.
 The same chains, ``examples/`` and ``tests/typecheck/`` are type-checked with ``mypy --strict``
 against the package as installed (``fence.adapters`` included).
@@ -95,6 +96,8 @@ def _run(program: Program, request: pytest.FixtureRequest, cwd: Path) -> None:
         env["REDIS_URL"] = request.getfixturevalue("redis_url")
     if "DATABASE_URL" in program.text:
         env["DATABASE_URL"] = request.getfixturevalue("postgres_url")
+    if "MARIADB_URL" in program.text:
+        env["MARIADB_URL"] = request.getfixturevalue("mariadb_url")
     if "QUORUM_URLS" in program.text:
         env["QUORUM_URLS"] = ",".join(request.getfixturevalue("quorum_urls"))
     if "ETCD_URL" in program.text:

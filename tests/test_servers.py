@@ -7,9 +7,11 @@ import subprocess
 from pathlib import Path
 
 import psycopg
+import pymysql
+import pytest
 import redis
 
-from tests.servers import OWNER_FILE, PostgresServer, RedisServer, reap_orphans
+from tests.servers import OWNER_FILE, MariaDBServer, PostgresServer, RedisServer, reap_orphans
 
 
 def test_redis_server_is_real(redis_server: RedisServer, redis_url: str) -> None:
@@ -43,6 +45,28 @@ def test_postgres_does_not_run_as_root(postgres_server: PostgresServer) -> None:
     assert uid != 0
 
 
+def test_mariadb_server_is_real_and_not_root(mariadb_server: MariaDBServer) -> None:
+    conn = pymysql.connect(
+        host="127.0.0.1",
+        port=mariadb_server.port,
+        user=mariadb_server.USER,
+        password=mariadb_server.PASSWORD,
+    )
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT VERSION(), @@port, @@tx_isolation, @@log_bin")
+            version, port, isolation, log_bin = cursor.fetchone()
+    finally:
+        conn.close()
+    assert "MariaDB" in version
+    assert port == mariadb_server.port
+    assert isolation == "REPEATABLE-READ"  # InnoDB's default, which the guards are proved on
+    assert log_bin == 0
+    pid = int((mariadb_server.dir / "mariadb.pid").read_text())
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    assert int(next(line.split()[1] for line in status if line.startswith("Uid:"))) != 0
+
+
 def test_servers_of_a_dead_run_are_reaped() -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -53,6 +77,19 @@ def test_servers_of_a_dead_run_are_reaped() -> None:
     assert str(server.dir) in reaped
     assert not server.dir.exists()
     assert server.proc.wait(timeout=10) == -signal.SIGKILL  # killed by the reaper
+    server.proc = None
+
+
+@pytest.mark.mariadb
+def test_a_mariadb_server_of_a_dead_run_is_reaped() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    server = MariaDBServer().start()
+    assert server.proc is not None
+    (server.dir / OWNER_FILE).write_text(str(dead.pid))
+    assert str(server.dir) in reap_orphans()
+    assert not server.dir.exists()
+    server.proc.wait(timeout=30)  # runuser ends with the server the reaper killed
     server.proc = None
 
 

@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 import psycopg
+import pymysql
 import pytest
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
@@ -46,6 +47,7 @@ from fence._sql_dialect import (
     SQLDialect,
     dialect_for,
     dialect_of_url,
+    error_code,
     fault_of,
     set_sqlite_pragmas,
 )
@@ -69,7 +71,7 @@ def _pg(state: str, message: str = "boom") -> BaseException:
 
 
 def test_dialects_are_found_by_sqlalchemys_name() -> None:
-    assert set(DIALECTS) == {"postgresql", "sqlite"}
+    assert set(DIALECTS) == {"postgresql", "sqlite", "mariadb", "mysql"}
     for name, dialect in DIALECTS.items():
         assert isinstance(dialect, SQLDialect)
         assert dialect.name == name
@@ -79,17 +81,53 @@ def test_dialects_are_found_by_sqlalchemys_name() -> None:
 
 
 def test_an_unknown_dialect_is_refused_with_the_supported_ones() -> None:
-    with pytest.raises(ConfigurationError, match="supports PostgreSQL and SQLite, not 'mysql'"):
-        dialect_for("mysql")
-    with pytest.raises(ConfigurationError, match="not 'mysql'"):
-        lease_statements("mysql")
+    with pytest.raises(ConfigurationError, match="supports PostgreSQL and SQLite, not 'oracle'"):
+        dialect_for("oracle")
+    with pytest.raises(ConfigurationError, match="not 'oracle'"):
+        lease_statements("oracle")
+
+
+def test_mariadb_has_a_dialect_for_the_guards_and_no_lease_statements() -> None:
+    for name in ("mariadb", "mysql"):
+        assert not dialect_for(name).lock_manager
+        with pytest.raises(ConfigurationError, match=f"no statements for {name}"):
+            lease_statements(name)
+
+
+@pytest.mark.parametrize(
+    ("code", "fault"),
+    [
+        (1213, Fault.DEADLOCK),
+        (1205, Fault.LOCK_TIMEOUT),
+        (1969, Fault.CANCELED),
+        (1317, Fault.CANCELED),
+        (1146, Fault.MISSING_TABLE),
+        (1054, Fault.MISSING_COLUMN),
+        (1049, Fault.NO_DATABASE),
+        (1045, Fault.AUTH),
+        (2013, Fault.CONNECTION),
+        (1062, None),  # a duplicate key: the caller's to read
+    ],
+)
+def test_mariadb_errors_are_read_by_number(code: int, fault: Fault | None) -> None:
+    # PyMySQL's errors carry the server's SQLSTATE too (HY000 for most): still MariaDB's.
+    orig = pymysql.err.OperationalError(code, "boom", sqlstate="HY000")
+    wrapped = _wrapped(sa_exc.OperationalError, orig)
+    for exc in (orig, wrapped):
+        assert fault_of(exc) is fault
+        assert DIALECTS["mariadb"].classify(exc) is fault
+        assert not PG.owns(exc)
+    assert error_code(wrapped) == f"MariaDB error {code}"
+    assert error_code(_pg("40001")) == "SQLSTATE 40001"
 
 
 def test_a_url_names_its_dialect_aliases_included() -> None:
     assert dialect_of_url(make_url("postgres://h/db")) is PG
     assert dialect_of_url(make_url("postgresql+asyncpg://h/db")) is PG
     assert dialect_of_url(make_url("sqlite:///x.db")) is LITE
-    assert dialect_of_url(make_url("mysql://h/db")) is None
+    assert dialect_of_url(make_url("mysql://h/db")) is DIALECTS["mysql"]
+    assert dialect_of_url(make_url("mariadb+pymysql://h/db")) is DIALECTS["mariadb"]
+    assert dialect_of_url(make_url("oracle://h/db")) is None
 
 
 def test_what_the_dialects_say_about_themselves() -> None:
@@ -448,8 +486,8 @@ def test_engine_arguments_of_sqlite() -> None:
 
 
 def test_an_unsupported_url_gets_an_engine_that_the_driver_refuses() -> None:
-    url, kwargs, hook = engine_arguments("mysql://h/db", None, asyncio=False)
-    assert url.drivername == "mysql"
+    url, kwargs, hook = engine_arguments("oracle://h/db", None, asyncio=False)
+    assert url.drivername == "oracle"
     assert kwargs == {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
     assert hook is None
 

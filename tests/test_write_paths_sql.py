@@ -20,6 +20,10 @@ Each row runs three times, against the same seeded rows (every fence at 10):
   nothing written.
 
 A new path is one new row in ``PATHS``.
+
+On MariaDB the session hook does not run yet: every path that exists on SQLite is run there
+too, and a bound session (stale or current) is refused before its first statement, while an
+unbound one meets the gate as on any database (``test_every_write_path_is_refused_on_mariadb``).
 """
 
 from __future__ import annotations
@@ -252,11 +256,34 @@ class Db:
         with self.engine.begin() as conn:
             for table in reversed(md.sorted_tables):
                 conn.execute(delete(table).execution_options(unfenced=True))
+        if self.dialect == "mariadb":
+            self._copy_seed()
+            return
         with Session(self.engine) as s:
             m = self.models
             bind(s, token=SEED, scope="seed", register=m.register, unfenced=[m.Log])
             s.add_all(seed_rows(self.models))
             s.commit()
+
+    def _copy_seed(self) -> None:
+        """No session hook on MariaDB: the seed is flushed into an in-memory SQLite
+        database and copied row by row, as a deliberate opt-out (``unfenced``)."""
+        md: MetaData = self.models.base.metadata
+        scratch = create_engine("sqlite://")
+        try:
+            md.create_all(scratch)
+            with Session(scratch) as s:
+                m = self.models
+                bind(s, token=SEED, scope="seed", register=m.register, unfenced=[m.Log])
+                s.add_all(seed_rows(self.models))
+                s.commit()
+            with scratch.connect() as source, self.engine.begin() as conn:
+                for table in md.sorted_tables:
+                    rows = [dict(r) for r in source.execute(select(table)).mappings()]
+                    if rows:
+                        conn.execute(insert(table).execution_options(unfenced=True), rows)
+        finally:
+            scratch.dispose()
 
     def snapshot(self) -> dict[str, dict[tuple[Any, ...], dict[str, Any]]]:
         out: dict[str, dict[tuple[Any, ...], dict[str, Any]]] = {}
@@ -273,6 +300,8 @@ class Db:
 
 def _open(url: str, models: Models, dialect: str) -> Iterator[Db]:
     engine = create_engine(url)
+    if dialect == "mariadb":  # no judge there yet: said, as a user must (docs/mariadb.md)
+        engine = engine.execution_options(iofence_without_judge=True)
     with engine.begin() as conn:
         if dialect == "postgres":
             conn.execute(text("CREATE SCHEMA IF NOT EXISTS wp_schema"))
@@ -292,6 +321,28 @@ def sqlite_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Db]:
 @pytest.fixture(scope="module")
 def postgres_db(postgres_server: Any) -> Iterator[Db]:
     yield from _open(postgres_server.url, make_models("wp_schema"), "postgres")
+
+
+@pytest.fixture(scope="module")
+def mariadb_db(mariadb_server: Any) -> Iterator[Db]:
+    import pymysql
+
+    name = f"wp_{secrets.token_hex(4)}"
+    admin = pymysql.connect(
+        host="127.0.0.1",
+        port=mariadb_server.port,
+        user=mariadb_server.USER,
+        password=mariadb_server.PASSWORD,
+        autocommit=True,
+    )
+    try:
+        with admin.cursor() as cursor:
+            cursor.execute(f"CREATE DATABASE {name}")
+        yield from _open(mariadb_server.url(name), make_models(None), "mariadb")
+        with admin.cursor() as cursor:
+            cursor.execute(f"DROP DATABASE {name}")
+    finally:
+        admin.close()
 
 
 # -- the catalogue ------------------------------------------------------------------------
@@ -817,3 +868,28 @@ def test_every_write_path_is_fenced_or_refused(
     else:
         assert err is None, f"{path.name} ({caller}): {err!r}"
         _assert_fenced(found, before, after, token)
+
+
+@pytest.mark.mariadb
+@pytest.mark.parametrize("caller", ["unbound", "stale", "current"])
+@pytest.mark.parametrize("path", [p for p in PATHS if "sqlite" in p.dialects], ids=lambda p: p.name)
+def test_every_write_path_is_refused_on_mariadb(
+    request: pytest.FixtureRequest, path: WritePath, caller: str
+) -> None:
+    """Unbound, as everywhere: the gate refuses (or a table without a fence takes a plain
+    write). Bound, stale or current: the session hook refuses MariaDB as its transaction
+    begins (where the path itself is not refused before that), so nothing is written."""
+    found: Db = request.getfixturevalue("mariadb_db")
+    found.reset()
+    before = found.snapshot()
+    err = _attempt(found, path, caller)
+    after = found.snapshot()
+    if caller == "unbound" and path.unbound == "plain":
+        assert err is None, f"{path.name}: {err!r}"
+        assert after != before
+        return
+    assert err is not None, f"{path.name} ({caller}): accepted, expected a refusal"
+    if caller == "unbound":
+        assert isinstance(err, TokenRequiredError), repr(err)
+    # Bound: the hook's refusal of MariaDB, or a refusal of the path itself that comes first.
+    assert after == before, f"{path.name} ({caller}): refused but something was written"

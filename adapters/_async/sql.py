@@ -227,6 +227,8 @@ class AsyncRowGuard(AsyncRowFlow[Row[Any]]):
             upsert_returning=write_insert,
             fence_returning=write_update and write_insert,
             read_returning=update_returning and insert_returning,
+            # No UPDATE ... RETURNING (MariaDB, MySQL): the row is read after its fence.
+            read_back=returning is not False and not (update_returning and insert_returning),
         )
         self.conn = conn
 

@@ -34,9 +34,10 @@ from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.sql.dml import UpdateBase
 
 from fence._core import check_read
-from fence._errors import FenceError, LeaseExpiredError, LeaseLostError
+from fence._errors import ConfigurationError, FenceError, LeaseExpiredError, LeaseLostError
 from fence._errors import StaleTokenError as _FenceStale
 from fence._events import EventKind
+from fence._sql_dialect import DIALECTS
 
 from .. import _sql_gate as gate
 from .._judge import (
@@ -104,6 +105,13 @@ def after_begin(session: Session, transaction: SessionTransaction, connection: C
     found: SessionBinding | None = session.info.get(BINDING_KEY)
     if found is None or transaction.nested:
         return
+    dialect = DIALECTS.get(connection.dialect.name)
+    if dialect is not None and not dialect.session_hook:
+        # Its claim and flush verdicts read row counts that MariaDB counts otherwise.
+        raise ConfigurationError(
+            f"the session hook does not run on {dialect.label} yet: write its fenced "
+            "tables with RowGuard and FenceRegister (fence.adapters.sql)"
+        )
     if not found.claim:
         if not found.read_only and connection.dialect.driver == "psycopg":
             # No claim, but the token still leaves with the BEGIN (C14): no round trip of

@@ -24,7 +24,7 @@ the table's triggers are in place and current (``judge``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from fence._core import validate_resource, validate_token
 from fence._errors import ConfigurationError, StaleTokenError
@@ -56,6 +56,9 @@ from .._sql_common import (
 from .._triggers import Judged
 
 __all__ = ["Executor", "RegisterFlow", "RowFlow"]
+
+#: A batch's proof by reading its fences back (``_row_path``).
+_Verify = Callable[[], bool]
 
 RowT = TypeVar("RowT")
 RowT_co = TypeVar("RowT_co", covariant=True)
@@ -169,6 +172,7 @@ class _AsyncFlow(Generic[RowT]):
         check: Callable[[], None],
         opener: Any,
         action: str,
+        verify: _Verify | None = None,
     ) -> bool:
         """Write a batch row by row, all or nothing (C6): SQLite, or what arrays cannot carry.
 
@@ -180,9 +184,11 @@ class _AsyncFlow(Generic[RowT]):
         transaction (the sqlite3 driver begins one only before a write; a savepoint sent
         first would be a transaction of its own, and releasing it would commit) and takes
         the write lock, so the fences read stay as they are until the transaction ends.
+        Where the row count cannot prove an upsert (``found_rows``), ``verify`` proves the
+        batch instead, by a locking read of every fence after the writes.
         """
         executor = self.executor
-        if not executor.counts_many:
+        if not executor.counts_many and verify is None:
             raise unverifiable_batch(name, token, executor.driver)
 
         def body() -> bool:
@@ -190,6 +196,8 @@ class _AsyncFlow(Generic[RowT]):
             count = 0
             for stmt, params in writes:
                 count += executor.many(stmt, params, action, name)
+            if verify is not None:
+                return verify()
             return count == expected
 
         return executor.atomically(body, action, name, opener)
@@ -213,6 +221,9 @@ class RowFlow(_AsyncFlow[RowT]):
         fence_returning: the same for :meth:`claim` and :meth:`delete`.
         read_returning: the same for :meth:`read_for_update`, which returns ``None``
             without it.
+        read_back: without ``read_returning``, :meth:`read_for_update` reads the row after
+            raising its fence (a database without ``UPDATE ... RETURNING``: MariaDB, MySQL;
+            the row stays locked by the write, so the read sees it as written).
     """
 
     #: How the user names a tombstone column for this guard (in the error of a delete).
@@ -229,6 +240,7 @@ class RowFlow(_AsyncFlow[RowT]):
         upsert_returning: bool,
         fence_returning: bool,
         read_returning: bool,
+        read_back: bool = False,
     ) -> None:
         self.executor = executor
         self.statements = statements
@@ -238,6 +250,7 @@ class RowFlow(_AsyncFlow[RowT]):
         self.upsert_returning = upsert_returning
         self.fence_returning = fence_returning
         self.read_returning = read_returning
+        self.read_back = read_back
         # Resolved once for the single-row writes: the executor's run, and whether a write
         # without RETURNING is unverifiable (C9).
         self._run = executor.run
@@ -247,12 +260,31 @@ class RowFlow(_AsyncFlow[RowT]):
     # -- reads ------------------------------------------------------------------------
 
     def _probe(self, keyvals: tuple[Any, ...], scope: str) -> Probe:
+        if self.statements.found_rows:
+            # The verdict on a write, read as the write found the row: a plain read would
+            # see the transaction's snapshot (REPEATABLE READ), perhaps from before a newer
+            # holder wrote.
+            found = self._read_fences([keyvals], None, lock=True, action="diagnostic read")
+            return found.get(keyvals, ABSENT)
         stmt, params = self.statements.probe_call(keyvals)
         rows = self.executor.read(stmt, params, "diagnostic read", scope)
         if not rows:
             return ABSENT
         fence, dead = rows[0]
         return Probe(exists=True, fence=fence, live=not dead)
+
+    def _settle(
+        self, count: int, keyvals: tuple[Any, ...], scope: str, token: int
+    ) -> tuple[int, Probe | None]:
+        """The count of an upsert where the database counts rows found (``found_rows``): 2
+        (a row changed) is 1; 1 (a row inserted, or one left as it was, refused or not) is
+        1 only if the fence now is the token, which an accepted upsert sets and a refused
+        one, whose fence is above the token, never shows. Also the probe it read."""
+        if count == 2:
+            return 1, None
+        probe = self._probe(keyvals, scope)
+        accepted = probe.exists and probe.fence == token
+        return (1 if accepted else 0), probe
 
     def fence(self, key: Key) -> int | None:
         """The fence of a row, ``None`` if the row does not exist.
@@ -266,7 +298,9 @@ class RowFlow(_AsyncFlow[RowT]):
         """
         keyvals = self.statements.key_values(key)
         scope = self.statements.scope(keyvals)
-        probe = self._probe(keyvals, scope)
+        stmt, params = self.statements.probe_call(keyvals)
+        rows = self.executor.read(stmt, params, "diagnostic read", scope)
+        probe = Probe(exists=True, fence=rows[0][0], live=not rows[0][1]) if rows else ABSENT
         if probe.exists and probe.fence is None:
             raise null_fence_error(scope)
         return probe.fence
@@ -355,10 +389,14 @@ class RowFlow(_AsyncFlow[RowT]):
             self._judge(s.judged)
         stmt, params = s.upsert_call(data, token, returning)
         count, rows = self._run(stmt, params, returning, "fenced upsert", scope)
+        probe: Probe | None = None
+        if s.found_rows:
+            count, probe = self._settle(count, keyvals, scope, token)
         if count == 1:
             self._accepted((scope,), token)
             return rows[0] if rows else None
-        probe = self._probe(keyvals, scope)
+        if probe is None:
+            probe = self._probe(keyvals, scope)
         raise self._rejected(probe_rejection(scope, token, probe, need_live=False))
 
     def _raise_fence(
@@ -386,10 +424,16 @@ class RowFlow(_AsyncFlow[RowT]):
             if not probe.exists and s.can_insert_tombstone:
                 stmt, params = s.tombstone_call(keyvals, token, delete, returning)
                 count, rows = self._run(stmt, params, returning, action, scope)
+                settled: Probe | None = None
+                if s.found_rows:
+                    count, settled = self._settle(count, keyvals, scope, token)
                 if count != 1:
-                    probe = self._probe(keyvals, scope)
+                    probe = settled if settled is not None else self._probe(keyvals, scope)
         if count == 1:
             self._accepted((scope,), token)
+            if read and not rows and self.read_back:
+                stmt, params = s.row_call(keyvals)
+                rows = cast("Sequence[RowT]", self.executor.read(stmt, params, action, scope))
             if not read or not rows:
                 return None
             row = rows[0]
@@ -467,7 +511,7 @@ class RowFlow(_AsyncFlow[RowT]):
         self, keys: Sequence[tuple[Any, ...]], token: int, types: Any, *, need_live: bool
     ) -> StaleTokenError:
         s = self.statements
-        found = self._read_fences(keys, types, lock=False, action="diagnostic read")
+        found = self._read_fences(keys, types, lock=s.found_rows, action="diagnostic read")
         errors = batch_verdicts(s.name, keys, found, token, need_live=need_live, everything=True)
         return self._rejected(batch_rejection(s.name, token, errors))
 
@@ -542,8 +586,21 @@ class RowFlow(_AsyncFlow[RowT]):
                 def check(types: Any = types) -> None:
                     self._check_fences(keys, token, types, need_live=False, action=action)
 
+                def verify(types: Any = types) -> bool:
+                    found = self._read_fences(keys, types, lock=True, action=action)
+                    return all(k in found and found[k].fence == token for k in keys)
+
                 writes = [s.upsert_rows(token, columns, data)]
-                if self._row_path(s.name, token, len(keys), writes, check, s.opener, action):
+                if self._row_path(
+                    s.name,
+                    token,
+                    len(keys),
+                    writes,
+                    check,
+                    s.opener,
+                    action,
+                    verify if s.found_rows else None,
+                ):
                     self._accepted_rows(keys, token)
                     return
                 break
@@ -639,10 +696,19 @@ class RegisterFlow(_AsyncFlow[RowT]):
             self._judge(self.statements.judged)
         stmt, params = self.statements.claim_call(scope, token, returning)
         count, _ = self.executor.run(stmt, params, returning, "fence claim", scope)
+        found_rows = self.statements.found_rows
+        if found_rows and count == 2:  # a fence raised
+            count = 1
+        elif found_rows and count == 1:
+            # A scope inserted, or a fence left as it was (see RowStatementSet.found_rows):
+            # the fence, read with a lock, is the token only if the claim passed.
+            found = self._read_scopes([scope], lock=True)
+            count = 1 if scope in found and found[scope].fence == token else 0
         if count == 1:
             self._accepted((scope,), token)
             return token
-        found = self._read_scopes([scope], lock=False)
+        if not found_rows:
+            found = self._read_scopes([scope], lock=False)
         raise self._rejected(scope_verdicts([scope], token, found, everything=True)[0])
 
     def claim_many(self, scopes: Sequence[str], token: int) -> None:
@@ -681,8 +747,21 @@ class RegisterFlow(_AsyncFlow[RowT]):
                 if errors:
                     raise self._rejected(batch_rejection(s.name, token, errors))
 
+            def verify() -> bool:
+                found = self._read_scopes(unique, lock=True)
+                return all(k in found and found[k].fence == token for k in unique)
+
             writes = [s.claim_rows(unique, token)]
-            written = self._row_path(s.name, token, len(unique), writes, check, s.opener, action)
+            written = self._row_path(
+                s.name,
+                token,
+                len(unique),
+                writes,
+                check,
+                s.opener,
+                action,
+                verify if s.found_rows else None,
+            )
         else:
             stmt, params = call
 
@@ -694,6 +773,6 @@ class RegisterFlow(_AsyncFlow[RowT]):
         if written:
             self._accepted(unique, token)
             return
-        found = self._read_scopes(unique, lock=False)
+        found = self._read_scopes(unique, lock=s.found_rows)
         errors = scope_verdicts(unique, token, found, everything=True)
         raise self._rejected(batch_rejection(s.name, token, errors))

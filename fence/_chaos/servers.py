@@ -1,5 +1,6 @@
 """Throwaway servers on loopback: ``redis-server`` (alone, as a Redis Cluster, behind a
-Sentinel) and a PostgreSQL cluster, with the faults that are caused on them for real.
+Sentinel), a PostgreSQL cluster and a MariaDB server, with the faults that are caused on
+them for real.
 
 ``fence chaos`` starts them because it has to kill them; the test suite and the benchmarks
 start the same ones. Each runs on a free loopback port in a temporary directory and is
@@ -23,8 +24,8 @@ PostgreSQL. A chaos run asks for the durability its checker assumes, that a kill
   crash keeps the page cache, a power cut would not). ``pg_ctl stop -m immediate`` is a
   crash: no checkpoint, crash recovery on the next start.
 
-PostgreSQL never runs as root: as root the cluster runs as the ``postgres`` OS user, through
-``runuser``.
+PostgreSQL and MariaDB never run as root: as root they run as the ``postgres`` and ``mysql``
+OS users (made by the system packages), through ``runuser``.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "MARIADB_PID_FILE",
     "OWNER_FILE",
     "POSTGRES_DURABLE",
     "REDIS_AOF",
     "REDIS_PID_FILE",
+    "MariaDBServer",
     "PostgresServer",
     "RedisClusterServers",
     "RedisServer",
@@ -64,6 +67,9 @@ OWNER_FILE = "owner.pid"
 
 #: The file of a redis-server's (or a Sentinel's) directory that holds its pid.
 REDIS_PID_FILE = "redis.pid"
+
+#: The file of a MariaDB server's directory that holds its pid.
+MARIADB_PID_FILE = "mariadb.pid"
 
 #: ``redis-server`` arguments under which ``kill -9`` keeps every acknowledged write.
 REDIS_AOF = ("--appendonly", "yes", "--appendfsync", "everysec")
@@ -652,4 +658,181 @@ class PostgresServer:
         """Stop the cluster (as a crash) and remove its files."""
         with contextlib.suppress(subprocess.CalledProcessError):
             self.stop("immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# -- MariaDB ----------------------------------------------------------------------------------
+
+
+class MariaDBServer:
+    """A throwaway MariaDB server on loopback, never run as root.
+
+    ``mariadb-install-db`` makes the system tables in a temporary directory, then
+    ``mariadbd`` serves them on a free loopback port, with no configuration file read
+    (``--no-defaults``: the system's ``/etc/mysql`` never applies, and no server of the
+    system packages is touched). The settings favour speed: a small buffer pool, the log
+    flushed once a second, no binary log. A user :attr:`USER` with :attr:`PASSWORD` may do
+    anything, from 127.0.0.1.
+
+    Raises:
+        RuntimeError: MariaDB is not installed (``apt-get install mariadb-server``), or
+            this process runs as root and there is no ``mysql`` OS user or no ``runuser``.
+    """
+
+    name = "mariadb"
+    USER = "iofence"
+    PASSWORD = "iofence"  # noqa: S105 - a throwaway server on loopback
+
+    #: ``mariadbd`` settings of every server.
+    SETTINGS: Mapping[str, str] = {
+        "innodb-buffer-pool-size": "64M",
+        "innodb-log-file-size": "32M",
+        "innodb-flush-log-at-trx-commit": "2",
+        "innodb-doublewrite": "0",
+        "max-connections": "200",
+        "character-set-server": "utf8mb4",
+        # The usual default: case-insensitive, as most servers the guards will meet.
+        "collation-server": "utf8mb4_general_ci",
+    }
+
+    def __init__(self, settings: Mapping[str, str] | None = None) -> None:
+        self.settings = {**self.SETTINGS, **(settings or {})}
+        programs = {}
+        for program in ("mariadbd", "mariadb-install-db"):
+            found = shutil.which(program) or shutil.which(program, path="/usr/sbin:/usr/bin")
+            if found is None:
+                raise RuntimeError(f"{program} is not installed (apt-get install mariadb-server)")
+            programs[program] = found
+        self.mariadbd = programs["mariadbd"]
+        self.install_db = programs["mariadb-install-db"]
+        self._as_user: list[str] = []
+        pw: pwd.struct_passwd | None = None
+        if os.geteuid() == 0:
+            try:
+                pw = pwd.getpwnam("mysql")
+            except KeyError:
+                raise RuntimeError("running as root needs the 'mysql' OS user") from None
+            if shutil.which("runuser") is None:
+                raise RuntimeError(
+                    "runuser is not installed (apt-get install util-linux); as root, "
+                    "MariaDB runs as the 'mysql' user through it"
+                )
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="iofence-mariadb-"))
+        self.data = self.dir / "data"
+        self.socket = self.dir / "mariadb.sock"
+        self.proc: subprocess.Popen[bytes] | None = None
+        if pw is not None:
+            os.chmod(self.dir, 0o755)  # noqa: S103 - the mysql user must enter it
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+            self._as_user = ["runuser", "-u", "mysql", "--"]
+
+    def url(self, database: str = "iofence", driver: str = "pymysql") -> str:
+        """A SQLAlchemy URL of ``database`` through ``driver`` (``pymysql``, ``aiomysql``)."""
+        return f"mariadb+{driver}://{self.USER}:{self.PASSWORD}@127.0.0.1:{self.port}/{database}"
+
+    def _settings(self) -> list[str]:
+        return [f"--{name}={value}" for name, value in self.settings.items()]
+
+    def start(self) -> MariaDBServer:
+        """Make the system tables (the first time) and start the server; wait until it
+        accepts connections, and (the first time) create :attr:`USER` and the database
+        ``iofence``.
+
+        Raises:
+            subprocess.CalledProcessError: ``mariadb-install-db`` failed.
+            RuntimeError: the server exited; the end of its log says why.
+            TimeoutError: it did not listen within a minute.
+        """
+        claim_dir(self.dir)
+        first = not self.data.exists()
+        if first:
+            subprocess.run(  # noqa: S603 - MariaDB's own program, fixed arguments
+                [
+                    *self._as_user,
+                    self.install_db,
+                    "--no-defaults",
+                    f"--datadir={self.data}",
+                    "--auth-root-authentication-method=normal",
+                    "--skip-test-db",
+                    "--skip-name-resolve",
+                    *self._settings(),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                cwd=self.dir,
+            )
+        log = self.dir / "mariadb.log"
+        self.proc = subprocess.Popen(  # noqa: S603 - MariaDB's own program, fixed arguments
+            [
+                *self._as_user,
+                self.mariadbd,
+                "--no-defaults",
+                f"--datadir={self.data}",
+                f"--socket={self.socket}",
+                f"--port={self.port}",
+                "--bind-address=127.0.0.1",
+                f"--pid-file={self.dir / MARIADB_PID_FILE}",
+                f"--log-error={log}",
+                "--skip-log-bin",
+                "--skip-name-resolve",
+                *self._settings(),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=self.dir,
+        )
+        try:
+            wait_for_port(self.port, timeout=60.0, proc=self.proc)
+        except RuntimeError as exc:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"{exc}; the end of its log:\n{tail}") from None
+        if first:
+            self._setup()
+        return self
+
+    def _setup(self) -> None:
+        import pymysql
+
+        conn = pymysql.connect(unix_socket=str(self.socket), user="root", password="")
+        try:
+            with conn.cursor() as cursor:
+                for statement in (
+                    f"CREATE USER '{self.USER}'@'127.0.0.1' IDENTIFIED BY '{self.PASSWORD}'",
+                    f"GRANT ALL ON *.* TO '{self.USER}'@'127.0.0.1' WITH GRANT OPTION",
+                    "CREATE DATABASE iofence",
+                ):
+                    cursor.execute(statement)
+        finally:
+            conn.close()
+
+    def _signal(self, sig: int) -> None:
+        pidfile = self.dir / MARIADB_PID_FILE
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pidfile.read_text()), sig)
+
+    def pause(self) -> None:
+        """``SIGSTOP`` the server: connections stay open, nothing answers."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """``SIGCONT`` the server."""
+        self._signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        """Stop the server (``SIGTERM``, a clean shutdown); its files stay for a restart."""
+        if self.proc is None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def destroy(self) -> None:
+        """Stop the server and remove its files."""
+        self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
