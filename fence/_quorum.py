@@ -16,7 +16,10 @@ jumps forward, two holders' client deadlines (C10) never overlap.
 - A node restarts either **with all its data** (every write it acknowledged survives:
   ``appendonly yes`` with ``appendfsync always``) or **empty** (no persistence, or a lost
   disk). A restart that rolls a node back to an older copy of its data (RDB snapshots,
-  ``appendfsync everysec``) is outside the model: keep such nodes without persistence.
+  ``appendfsync everysec``, or a ``dump.rdb`` that a node without persistence loads at
+  start-up) is outside the model: keep such nodes without persistence, starting in a
+  directory that holds no RDB file (:func:`node_config_warnings` reports a node that
+  loaded one).
 - For each resource, fewer than a majority of nodes are *unrepaired* at any moment. A node
   is unrepaired for ``R`` from the moment it restarts empty until a grant of ``R`` repairs
   it (below). With 3 nodes: one node at a time may have lost its data; with 5: two.
@@ -96,7 +99,7 @@ from fence._errors import BackendError, ConfigurationError
 from fence._lua import Script
 from fence._redis_keys import quorum_keys
 from fence._redis_scripts import _PRELUDE
-from fence._redis_settings import Level, judge_settings
+from fence._redis_settings import LOADED_KEYS, Level, judge_settings
 from fence.abc import LockInfo
 
 __all__ = [
@@ -104,6 +107,7 @@ __all__ = [
     "COMMIT",
     "FAILED",
     "GENESIS",
+    "LOADED_KEYS",
     "NODE_SCRIPTS",
     "QUORUM_RELEASE",
     "REPAIR",
@@ -1004,15 +1008,17 @@ def node_config_warnings(settings: dict[str, str]) -> list[str]:
     A node must either keep every write it acknowledged across a restart (``appendonly
     yes``, ``appendfsync always``) or restart empty (no persistence at all), which the
     quorum detects and repairs. A restart that brings back an older copy of the data (RDB
-    snapshots, ``appendfsync everysec``) or an eviction of keys without a ttl looks like
-    intact data and cannot be detected.
+    snapshots, ``appendfsync everysec``, or a ``dump.rdb`` that a node without persistence
+    found in its directory and loaded: :data:`LOADED_KEYS` above 0) or an eviction of keys
+    without a ttl looks like intact data and cannot be detected.
 
     The verdicts are those of :func:`fence._redis_settings.judge_settings` for a quorum
     node.
 
     Args:
         settings: ``CONFIG GET`` results for the names of
-            :data:`fence._redis_settings.SETTINGS` (missing ones are not judged).
+            :data:`fence._redis_settings.SETTINGS` (missing ones are not judged), and
+            :data:`LOADED_KEYS` from ``INFO persistence`` if the node said.
 
     Returns:
         One sentence per problem; empty when the node fits the fault model.

@@ -392,12 +392,56 @@ def test_quorum_warns_about_persistence_that_can_roll_a_node_back() -> None:
         stop_nodes(servers)
 
 
+@pytest.mark.redis
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_a_node_without_persistence_that_loaded_an_old_dump_is_reported(
+    flavour: str,
+) -> None:
+    """``save ''`` and ``appendonly no`` do not stop a start-up from loading a dump.rdb left
+    in the node's directory (a SAVE, a BGSAVE, an earlier configuration): the node comes
+    back with an older copy of its data, marker included, and looks intact. The check on
+    first use asks the node what it loaded and says so."""
+    servers = start_nodes()
+    kind = QuorumLockManager if flavour == "sync" else AsyncQuorumLockManager
+    try:
+        set_up(servers)
+        quiet = kind(urls(servers), ttl=5)
+        try:
+            lease = await _now(quiet.acquire("before", timeout=5))  # warnings are errors
+            await _now(lease.release())
+        finally:
+            await _now(quiet.close())
+        client = raw(servers[0])
+        try:
+            client.save()  # an old copy of the node's data, marker and counters
+        finally:
+            client.close()
+        servers[0].kill()
+        servers[0].start()  # settings that keep no data; the dump.rdb is loaded all the same
+        manager = kind(urls(servers), ttl=5)
+        try:
+            with pytest.warns(FenceWarning, match="loaded [0-9]+ keys from its RDB file") as got:
+                lease = await _now(manager.acquire("after", timeout=5))
+            await _now(lease.release())
+            assert [str(w.message) for w in got if servers[0].url in str(w.message)]
+            assert not [w for w in got if servers[1].url in str(w.message)]
+        finally:
+            await _now(manager.close())
+    finally:
+        stop_nodes(servers)
+
+
 def test_node_settings_outside_the_fault_model() -> None:
     assert node_config_warnings({"appendonly": "no", "save": ""}) == []
     assert node_config_warnings({"appendonly": "yes", "appendfsync": "always"}) == []
     assert "older copy" in node_config_warnings({"appendonly": "yes", "appendfsync": "everysec"})[0]
     assert "snapshot" in node_config_warnings({"appendonly": "no", "save": "3600 1"})[0]
     assert "evict" in node_config_warnings({"maxmemory-policy": "allkeys-lru"})[0]
+    loaded = {"appendonly": "no", "save": "", "rdb_last_load_keys_loaded": "12"}
+    assert "loaded 12 keys" in node_config_warnings(loaded)[0]
+    assert node_config_warnings({**loaded, "rdb_last_load_keys_loaded": "0"}) == []
+    durable = {"appendonly": "yes", "appendfsync": "always", "rdb_last_load_keys_loaded": "12"}
+    assert node_config_warnings(durable) == []  # its data is meant to come back
 
 
 # -- a majority down: no lease, a clean error ----------------------------------------------------

@@ -29,6 +29,7 @@ from fence._events import EventBus, EventKind, default_bus
 from fence._lua import Script
 from fence._quorum import (
     FAILED,
+    LOADED_KEYS,
     NODE_SCRIPTS,
     Answer,
     Op,
@@ -238,7 +239,14 @@ class QuorumDriver:
         """Warn once per node about settings outside the fault model (see
         :func:`fence._quorum.node_config_warnings`). Managed services often disable
         ``CONFIG``; then nothing is checked or said."""
-        settings = self.nodes[index].read_settings("CONFIG GET")
+        node = self.nodes[index]
+        settings = node.read_settings("CONFIG GET")
+        if settings is not None:
+            # Settings that keep no data do not stop a start-up from loading a dump.rdb
+            # left in the node's directory: ask what the node loaded.
+            loaded = node.loaded_keys("INFO persistence")
+            if loaded is not None:
+                settings[LOADED_KEYS] = str(loaded)
         self._unchecked.discard(index)
         if settings is None:
             return
