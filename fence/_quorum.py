@@ -29,8 +29,9 @@ jumps forward, two holders' client deadlines (C10) never overlap.
 
 Beyond the model the manager refuses and reports: a grant that a majority of nodes with
 intact data cannot back raises ``BackendError(code="DATA_LOST")`` and emits
-:attr:`EventKind.REFUSED`. Two faults cannot be detected: every node losing its data at
-once (it looks like a new deployment, :attr:`EventKind.QUORUM_INITIALIZED`), and a node
+:attr:`EventKind.REFUSED`. Two faults cannot be detected: every node losing its data
+before a grant repaired any of them, at once or in turn (a rolling restart of an idle
+quorum: it looks like a new deployment, :attr:`EventKind.QUORUM_INITIALIZED`), and a node
 rolled back to an older copy of its data.
 
 **Incarnations.** Each node keeps a marker (``<prefix>quorum:node``: ``state`` and ``id``).
