@@ -37,7 +37,8 @@ class EventKind(enum.StrEnum):
         REFUSED: a quorum manager refused a call it could not show safe, e.g. too few
             nodes with intact data (``detail["reason"]``, ``detail["ineligible"]``).
         QUORUM_INITIALIZED: a quorum manager found every node empty and set the quorum up
-            (a new deployment, or every node lost its data at once).
+            (a new deployment, or every node lost its data before a grant repaired any of
+            them: at once, or in turn).
         RETRYING: a retry policy runs a unit of work again after a retryable error
             (``duration`` = the delay before the next attempt, ``detail["attempt"]`` = the
             attempt that failed, from 1, ``detail["error"]`` = the error's class name).

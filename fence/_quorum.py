@@ -16,7 +16,10 @@ jumps forward, two holders' client deadlines (C10) never overlap.
 - A node restarts either **with all its data** (every write it acknowledged survives:
   ``appendonly yes`` with ``appendfsync always``) or **empty** (no persistence, or a lost
   disk). A restart that rolls a node back to an older copy of its data (RDB snapshots,
-  ``appendfsync everysec``) is outside the model: keep such nodes without persistence.
+  ``appendfsync everysec``, or a ``dump.rdb`` that a node without persistence loads at
+  start-up) is outside the model: keep such nodes without persistence, starting in a
+  directory that holds no RDB file (:func:`node_config_warnings` reports a node that
+  loaded one).
 - For each resource, fewer than a majority of nodes are *unrepaired* at any moment. A node
   is unrepaired for ``R`` from the moment it restarts empty until a grant of ``R`` repairs
   it (below). With 3 nodes: one node at a time may have lost its data; with 5: two.
@@ -26,8 +29,9 @@ jumps forward, two holders' client deadlines (C10) never overlap.
 
 Beyond the model the manager refuses and reports: a grant that a majority of nodes with
 intact data cannot back raises ``BackendError(code="DATA_LOST")`` and emits
-:attr:`EventKind.REFUSED`. Two faults cannot be detected: every node losing its data at
-once (it looks like a new deployment, :attr:`EventKind.QUORUM_INITIALIZED`), and a node
+:attr:`EventKind.REFUSED`. Two faults cannot be detected: every node losing its data
+before a grant repaired any of them, at once or in turn (a rolling restart of an idle
+quorum: it looks like a new deployment, :attr:`EventKind.QUORUM_INITIALIZED`), and a node
 rolled back to an older copy of its data.
 
 **Incarnations.** Each node keeps a marker (``<prefix>quorum:node``: ``state`` and ``id``).
@@ -47,6 +51,18 @@ lost its data. A repair that lands on a later incarnation changes nothing.
 ``pending`` (naming its id) and, only if all ``N`` took the mark, ``genesis``. A node can
 leave ``new``/``pending`` only by genesis or repair, so if all ``N`` took the mark, there
 was a moment at which no node held any data: nothing could have been lost.
+
+**Attempts.** Every attempt of one acquire call sends the call's owner secret, with a
+number larger for each later attempt; the lock hash records the number of the attempt that
+took (or took over) the lock. An undo releases only a lock of its attempt or an earlier
+one, a commit counts only where its attempt holds the lock, and an acquire arriving after a
+later attempt of its call took the node is refused. Otherwise a late undo of attempt 1
+could end the lock attempt 2 was granted on a node, and a contender could take that node
+and another while attempt 2's lease runs::
+
+    attempt 1   A grants, B refuses, C's request lost      -> undo A, C (C's undo delayed)
+    attempt 2   C and A grant                               -> granted
+    late undo   C releases the secret's lock                -> a contender gets B and C
 
 **Why the token needs a second round trip (the commit).** Each node proposes its own
 candidate in the acquire script (``max(last + 1, TIME)`` or ``last + 1``) and stores it in
@@ -83,8 +99,8 @@ from fence._core import MAX_TOKEN, TokenMode, backoff_delay, validate_token
 from fence._errors import BackendError, ConfigurationError
 from fence._lua import Script
 from fence._redis_keys import quorum_keys
-from fence._redis_scripts import _PRELUDE, RELEASE
-from fence._redis_settings import Level, judge_settings
+from fence._redis_scripts import _PRELUDE
+from fence._redis_settings import LOADED_KEYS, Level, judge_settings
 from fence.abc import LockInfo
 
 __all__ = [
@@ -92,11 +108,13 @@ __all__ = [
     "COMMIT",
     "FAILED",
     "GENESIS",
+    "LOADED_KEYS",
     "NODE_SCRIPTS",
     "QUORUM_RELEASE",
     "REPAIR",
     "REVOKE",
     "SCRIPTS",
+    "UNDO",
     "Answer",
     "NodeState",
     "Op",
@@ -155,9 +173,11 @@ ACQUIRE = (
 -- ARGV[1] owner secret   ARGV[2] ttl in ms       ARGV[3] holder label
 -- ARGV[4] 'hybrid' or 'counter'                  ARGV[5] an incarnation id for a node
 --                                                          that has none
+-- ARGV[6] the attempt's number (every attempt of an acquire call has a larger one)
 -- Returns the proposal (granted; the held token for the same secret), {0, pttl_ms} when
--- another secret holds the lock, or {-1, state, id, genesis id} when the node is not
--- eligible. Error 'token space exhausted' when the next token would pass 2**53-1.
+-- another secret (or a later attempt of this call) holds the lock, or
+-- {-1, state, id, genesis id} when the node is not eligible. Error 'token space exhausted'
+-- when the next token would pass 2**53-1.
 local ok, state, id, genesis = eligible(KEYS[4], KEYS[3], ARGV[5])
 if not ok then
   return {-1, state, id, genesis}
@@ -165,8 +185,15 @@ end
 if redis.call('EXISTS', KEYS[6]) == 1 then
   return {0, 0}  -- this acquire was cancelled: refused, as if held, wherever it arrives late
 end
-local held = redis.call('HMGET', KEYS[1], 'secret', 'token')
+local held = redis.call('HMGET', KEYS[1], 'secret', 'token', 'attempt')
 if held[1] == ARGV[1] then
+  -- An earlier attempt of this call left the lock here: this attempt takes it over, so
+  -- that the earlier attempt's undo, arriving late, leaves it alone. An attempt that
+  -- arrives after a later one took it is refused.
+  if (tonumber(held[3]) or 0) > tonumber(ARGV[6]) then
+    return {0, redis.call('PTTL', KEYS[1])}
+  end
+  redis.call('HSET', KEYS[1], 'attempt', ARGV[6])
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return tonumber(held[2])
 end
@@ -184,7 +211,8 @@ if not token then
 end
 local text = string.format('%d', token)
 redis.call('SET', KEYS[2], text)
-redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', ARGV[3])
+redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', ARGV[3],
+  'attempt', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return token
 """
@@ -199,7 +227,7 @@ REVOKE = (
 -- KEYS[1] lock hash      KEYS[2] token counter
 -- KEYS[3] repaired tag   KEYS[4] node marker     KEYS[5] the guards' fence register
 -- ARGV[1] the revoker's secret   ARGV[2] ttl in ms   ARGV[3] 'hybrid' or 'counter'
--- ARGV[4] an incarnation id for a node that has none
+-- ARGV[4] an incarnation id for a node that has none   ARGV[5] the attempt's number
 -- Returns the proposal, or {-1, state, id, genesis id} when the node is not eligible.
 local ok, state, id, genesis = eligible(KEYS[4], KEYS[3], ARGV[4])
 if not ok then
@@ -217,7 +245,8 @@ end
 local text = string.format('%d', token)
 redis.call('DEL', KEYS[1])
 redis.call('SET', KEYS[2], text)
-redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', 'revoke')
+redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', 'revoke',
+  'attempt', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return token
 """
@@ -231,8 +260,11 @@ COMMIT = """
 -- KEYS[1] lock hash      KEYS[2] token counter
 -- KEYS[3] guard fence register (revoke only)
 -- ARGV[1] owner secret   ARGV[2] the token, as a decimal string
--- Returns 1 if the caller holds the lock here, else 0: only holders count towards the
--- commit. Counters and fences only ever go up: a late or repeated commit cannot lower them.
+-- ARGV[3] the attempt's number
+-- Returns 1 if the caller's attempt holds the lock here, else 0: only holders count
+-- towards the commit, and a late commit of an earlier attempt of the same call neither
+-- counts nor touches the lock a later attempt took. Counters and fences only ever go up:
+-- a late or repeated commit cannot lower them.
 local token = tonumber(ARGV[2])
 local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 if token > last then
@@ -244,7 +276,8 @@ if KEYS[3] then
     redis.call('SET', KEYS[3], ARGV[2])
   end
 end
-if redis.call('HGET', KEYS[1], 'secret') == ARGV[1] then
+local held = redis.call('HMGET', KEYS[1], 'secret', 'attempt')
+if held[1] == ARGV[1] and (tonumber(held[2]) or 0) == tonumber(ARGV[3]) then
   redis.call('HSET', KEYS[1], 'token', ARGV[2])
   return 1
 end
@@ -322,6 +355,28 @@ return 1
 """
 )
 
+UNDO = (
+    _PRELUDE
+    + """
+-- UNDO (quorum): release what one attempt of an acquire (or revoke) may have taken on this
+-- node, and wake one waiter. Every attempt of an acquire call uses the call's secret, so
+-- the attempt's number tells them apart: an undo that arrives late, after a later attempt
+-- of the same call took the lock here (and was perhaps granted), must leave that lock
+-- alone. It needs no marker: it only gives up a lock.
+-- KEYS[1] lock hash      KEYS[2] signal list
+-- ARGV[1] owner secret   ARGV[2] the attempt's number
+-- Returns 1 if released, 0 if the lock is not held by this attempt or an earlier one of
+-- the same call.
+local held = redis.call('HMGET', KEYS[1], 'secret', 'attempt')
+if held[1] ~= ARGV[1] or (tonumber(held[2]) or 0) > tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+wake(KEYS[2], nil, nil, nil)
+return 1
+"""
+)
+
 #: The scripts by name, as :func:`node_call` names them.
 SCRIPTS: dict[str, str] = {
     "acquire": ACQUIRE,
@@ -330,11 +385,8 @@ SCRIPTS: dict[str, str] = {
     "repair": REPAIR,
     "genesis": GENESIS,
     "release": QUORUM_RELEASE,
+    "undo": UNDO,
 }
-
-# The single-node RELEASE is what an undo sends on the nodes where the attempt may hold the
-# lock: it does not need the marker.
-SCRIPTS["undo"] = RELEASE
 
 #: The scripts as the driver sends them, by name: each built once, with its SHA1.
 NODE_SCRIPTS: dict[str, Script] = {
@@ -357,7 +409,7 @@ class Op(enum.StrEnum):
         PREPARE: set-up, first step (:data:`GENESIS`).
         CONFIRM: set-up, second step.
         PROBE: ask nodes for their state and set-up id.
-        UNDO: release what an attempt that failed may hold (:data:`fence._redis_scripts.RELEASE`).
+        UNDO: release what an attempt that failed may hold (:data:`UNDO`).
         RELEASE: a holder's release, or the end of a revoke (:data:`QUORUM_RELEASE`).
     """
 
@@ -491,6 +543,7 @@ def node_call(
     holder: str,
     mode: str,
     nonce: str,
+    attempt: int,
 ) -> tuple[str, list[str], list[str]]:
     """The script call that ``request`` sends to its ``position``-th node.
 
@@ -504,6 +557,7 @@ def node_call(
         holder: the holder label.
         mode: ``"hybrid"`` or ``"counter"``.
         nonce: a fresh random id: the incarnation id of a node that has none.
+        attempt: the attempt's number: larger for every later attempt with ``secret``.
 
     Returns:
         ``(script name in SCRIPTS, keys, args)``.
@@ -514,19 +568,19 @@ def node_call(
         return (
             "acquire",
             [keys.lock, keys.token, keys.repaired, keys.node, keys.fence, keys.void + secret],
-            [secret, str(ttl_ms), holder, mode, nonce],
+            [secret, str(ttl_ms), holder, mode, nonce, str(attempt)],
         )
     if op is Op.REVOKE:
         return (
             "revoke",
             [keys.lock, keys.token, keys.repaired, keys.node, keys.fence],
-            [secret, str(ttl_ms), mode, nonce],
+            [secret, str(ttl_ms), mode, nonce, str(attempt)],
         )
     if op in (Op.COMMIT, Op.FENCE):
         script_keys = [keys.lock, keys.token]
         if op is Op.FENCE:
             script_keys.append(keys.fence)
-        return "commit", script_keys, [secret, str(request.token)]
+        return "commit", script_keys, [secret, str(request.token), str(attempt)]
     if op is Op.REPAIR:
         return (
             "repair",
@@ -539,7 +593,7 @@ def node_call(
     if op is Op.PROBE:
         return "genesis", [keys.node], ["probe", "", ""]
     if op is Op.UNDO:
-        return "undo", [keys.lock, keys.signal], [secret]
+        return "undo", [keys.lock, keys.signal], [secret, str(attempt)]
     return "release", [keys.lock, keys.signal, keys.repaired, keys.node], [secret]
 
 
@@ -955,15 +1009,17 @@ def node_config_warnings(settings: dict[str, str]) -> list[str]:
     A node must either keep every write it acknowledged across a restart (``appendonly
     yes``, ``appendfsync always``) or restart empty (no persistence at all), which the
     quorum detects and repairs. A restart that brings back an older copy of the data (RDB
-    snapshots, ``appendfsync everysec``) or an eviction of keys without a ttl looks like
-    intact data and cannot be detected.
+    snapshots, ``appendfsync everysec``, or a ``dump.rdb`` that a node without persistence
+    found in its directory and loaded: :data:`LOADED_KEYS` above 0) or an eviction of keys
+    without a ttl looks like intact data and cannot be detected.
 
     The verdicts are those of :func:`fence._redis_settings.judge_settings` for a quorum
     node.
 
     Args:
         settings: ``CONFIG GET`` results for the names of
-            :data:`fence._redis_settings.SETTINGS` (missing ones are not judged).
+            :data:`fence._redis_settings.SETTINGS` (missing ones are not judged), and
+            :data:`LOADED_KEYS` from ``INFO persistence`` if the node said.
 
     Returns:
         One sentence per problem; empty when the node fits the fault model.

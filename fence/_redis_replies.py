@@ -27,7 +27,14 @@ from fence._errors import BackendError, ConfigurationError, InvalidTokenError
 from fence._resp import ConnectionFailure, PoolExhausted, RespError
 from fence.abc import LockInfo
 
-__all__ = ["driver_error", "lock_info", "replication_problem", "settings_of", "text"]
+__all__ = [
+    "driver_error",
+    "info_field",
+    "lock_info",
+    "replication_problem",
+    "settings_of",
+    "text",
+]
 
 # Sentinel's error when no sentinel names a primary: a class of its own in each flavour.
 _NO_PRIMARY = (MasterNotFoundError, AsyncMasterNotFoundError)
@@ -172,6 +179,27 @@ def lock_info(resource: str, got: Any) -> LockInfo | None:
 def settings_of(replies: Mapping[Any, Any]) -> dict[str, str]:
     """A ``CONFIG GET`` reply (name -> value, in bytes or text) as text."""
     return {text(k): text(v) for k, v in replies.items()}
+
+
+def info_field(reply: Any, name: str) -> str | None:
+    """One field of an ``INFO`` reply: redis-py's parsed dict, or the raw text
+    (``name:value`` lines) of the manager's own connections; ``None`` if it is not there.
+
+    Example::
+
+        >>> info_field(b"rdb_last_load_keys_loaded:2", "rdb_last_load_keys_loaded")
+        '2'
+        >>> info_field({"loading": 0}, "loading"), info_field({}, "loading")
+        ('0', None)
+    """
+    if isinstance(reply, Mapping):
+        value = reply.get(name)
+        return None if value is None else text(value)
+    for line in text(reply).splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return value.strip()
+    return None
 
 
 def replication_problem(

@@ -28,11 +28,24 @@ from dataclasses import dataclass
 
 from fence._core import TokenMode
 
-__all__ = ["SETTINGS", "Finding", "Level", "judge_role", "judge_settings", "unreadable"]
+__all__ = [
+    "LOADED_KEYS",
+    "SETTINGS",
+    "Finding",
+    "Level",
+    "judge_role",
+    "judge_settings",
+    "unreadable",
+]
 
 #: The ``CONFIG GET`` names every judge reads, one ``CONFIG GET`` each (Redis before 7.0
 #: takes one name per call).
 SETTINGS = ("maxmemory-policy", "maxmemory", "appendonly", "appendfsync", "save")
+
+
+#: Not a ``CONFIG GET`` name: ``INFO persistence``'s count of the keys the server loaded
+#: from an RDB file at its last start (Redis 7.0 and later), judged on a quorum node.
+LOADED_KEYS = "rdb_last_load_keys_loaded"
 
 
 class Level(enum.StrEnum):
@@ -92,7 +105,8 @@ def judge_settings(
             judged the same in either mode).
         fences: judge the persistence of the guards' fence keys too (not on a quorum node,
             which its fault model judges whole).
-        quorum: the server is a node of a quorum manager (see the module).
+        quorum: the server is a node of a quorum manager (see the module). Its settings
+            may also hold :data:`LOADED_KEYS`, from ``INFO persistence``.
 
     Returns:
         One finding per setting judged: eviction (``maxmemory-policy``), then persistence.
@@ -107,7 +121,8 @@ def judge_settings(
     if appendonly is None or (appendonly == "yes" and fsync is None):
         return findings
     if quorum:
-        findings.append(_node_persistence(appendonly, fsync or "", save))
+        loaded = int(settings.get(LOADED_KEYS, "0") or 0)
+        findings.append(_node_persistence(appendonly, fsync or "", save, loaded))
     else:
         counter = token_mode is TokenMode.COUNTER
         findings.append(_persistence(appendonly, fsync or "", save, counter, fences))
@@ -200,8 +215,20 @@ def _persistence(appendonly: str, fsync: str, save: str, counter: bool, fences: 
     )
 
 
-def _node_persistence(appendonly: str, fsync: str, save: str) -> Finding:
+def _node_persistence(appendonly: str, fsync: str, save: str, loaded: int) -> Finding:
     """A node of the quorum manager: all its data back after a restart, or none."""
+    if appendonly != "yes" and loaded:
+        # The settings say 'no data across a restart', yet the node started with data: a
+        # dump.rdb from a SAVE, a BGSAVE or an earlier configuration, loaded as if intact.
+        return Finding(
+            Level.FAIL,
+            "persistence",
+            f"appendonly {appendonly}, yet the node loaded {loaded} keys from its RDB file "
+            "(dir/dbfilename) when it started: an older copy of its data, which the quorum "
+            "cannot tell from intact data",
+            "stop the node, delete the RDB file (CONFIG GET dir, dbfilename), start it empty; "
+            "start such nodes in a directory that holds no RDB file (see docs/managers.md)",
+        )
     if appendonly == "yes":
         if fsync == "always":
             return Finding(

@@ -67,6 +67,9 @@ class Bounds:
         ticks: how far time may run.
         losses: requests or replies that may be lost.
         delays: requests that may be delayed past their client's timeout.
+        lossy: the scripts whose requests may be lost (empty: all of them); a narrower
+            search goes deeper.
+        late: the scripts whose requests may be delayed (empty: all of them).
         slow: requests that may still be in flight when time passes (answered a tick or
             more after they were sent, while the client waits).
         wipes: node restarts without their data.
@@ -90,6 +93,8 @@ class Bounds:
     ticks: int = 6
     losses: int = 0
     delays: int = 0
+    lossy: tuple[str, ...] = ()
+    late: tuple[str, ...] = ()
     slow: int = 0
     wipes: int = 0
     restarts: int = 0
@@ -272,6 +277,7 @@ class Checker:
                 holder=f"c{index}",
                 mode=self.b.mode.value,
                 nonce=f"i{world.nodes[node].incarnation}",
+                attempt=client.attempts,
             )
             messages.append(
                 Message(node, index, rounds[index], position, (name, tuple(keys), tuple(args)))
@@ -377,14 +383,15 @@ class Checker:
                 continue
             step = f"{label} answered {_short(reply)} at t={world.now}"
             yield step, self.answer(ran, message, _parse(message, reply), [*trace, step])
-            if world.losses:
+            name = message.call[0]
+            if world.losses and (not b.lossy or name in b.lossy):
                 step = f"{label} lost"
                 lost = replace(base, losses=world.losses - 1)
                 yield step, self.answer(lost, message, FAILED, [*trace, step])
                 step = f"{label} runs, its reply lost"
                 ran_lost = replace(ran, losses=world.losses - 1)
                 yield step, self.answer(ran_lost, message, FAILED, [*trace, step])
-            if world.delays:
+            if world.delays and (not b.late or name in b.late):
                 step = f"{label} delayed past the client's timeout"
                 late = replace(message, orphan=True)
                 delayed = replace(

@@ -8,9 +8,14 @@ directory emptied, started again with no data.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import random
 import secrets
 import shutil
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +34,7 @@ from fence import (
 from fence._async.quorum import AsyncQuorumLockManager
 from fence._chaos.servers import free_port
 from fence._quorum import (
+    SCRIPTS,
     backoff_delay,
     commit_needed,
     majority,
@@ -386,12 +392,56 @@ def test_quorum_warns_about_persistence_that_can_roll_a_node_back() -> None:
         stop_nodes(servers)
 
 
+@pytest.mark.redis
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_a_node_without_persistence_that_loaded_an_old_dump_is_reported(
+    flavour: str,
+) -> None:
+    """``save ''`` and ``appendonly no`` do not stop a start-up from loading a dump.rdb left
+    in the node's directory (a SAVE, a BGSAVE, an earlier configuration): the node comes
+    back with an older copy of its data, marker included, and looks intact. The check on
+    first use asks the node what it loaded and says so."""
+    servers = start_nodes()
+    kind = QuorumLockManager if flavour == "sync" else AsyncQuorumLockManager
+    try:
+        set_up(servers)
+        quiet = kind(urls(servers), ttl=5)
+        try:
+            lease = await _now(quiet.acquire("before", timeout=5))  # warnings are errors
+            await _now(lease.release())
+        finally:
+            await _now(quiet.close())
+        client = raw(servers[0])
+        try:
+            client.save()  # an old copy of the node's data, marker and counters
+        finally:
+            client.close()
+        servers[0].kill()
+        servers[0].start()  # settings that keep no data; the dump.rdb is loaded all the same
+        manager = kind(urls(servers), ttl=5)
+        try:
+            with pytest.warns(FenceWarning, match="loaded [0-9]+ keys from its RDB file") as got:
+                lease = await _now(manager.acquire("after", timeout=5))
+            await _now(lease.release())
+            assert [str(w.message) for w in got if servers[0].url in str(w.message)]
+            assert not [w for w in got if servers[1].url in str(w.message)]
+        finally:
+            await _now(manager.close())
+    finally:
+        stop_nodes(servers)
+
+
 def test_node_settings_outside_the_fault_model() -> None:
     assert node_config_warnings({"appendonly": "no", "save": ""}) == []
     assert node_config_warnings({"appendonly": "yes", "appendfsync": "always"}) == []
     assert "older copy" in node_config_warnings({"appendonly": "yes", "appendfsync": "everysec"})[0]
     assert "snapshot" in node_config_warnings({"appendonly": "no", "save": "3600 1"})[0]
     assert "evict" in node_config_warnings({"maxmemory-policy": "allkeys-lru"})[0]
+    loaded = {"appendonly": "no", "save": "", "rdb_last_load_keys_loaded": "12"}
+    assert "loaded 12 keys" in node_config_warnings(loaded)[0]
+    assert node_config_warnings({**loaded, "rdb_last_load_keys_loaded": "0"}) == []
+    durable = {"appendonly": "yes", "appendfsync": "always", "rdb_last_load_keys_loaded": "12"}
+    assert node_config_warnings(durable) == []  # its data is meant to come back
 
 
 # -- a majority down: no lease, a clean error ----------------------------------------------------
@@ -716,3 +766,130 @@ def test_bad_node_lists() -> None:
         QuorumLockManager([])
     with pytest.raises(ConfigurationError):
         QuorumLockManager(["redis://127.0.0.1:1/0", "redis://127.0.0.1:1/0"])
+
+
+# -- retries: a late undo of one attempt and the next attempt's grant ---------------------------
+
+
+class HoldingProxy:
+    """A TCP proxy to a node that, while holding, keeps back every request it receives
+    (a request delayed past the client's timeout) and forwards it on :meth:`deliver`,
+    even on a connection the client has given up on since: the node runs it late."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.port = free_port()
+        self.holding = threading.Event()
+        self.held: list[tuple[socket.socket, bytes]] = []
+        self._ended: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def deliver(self) -> None:
+        """Stop holding; forward what was held, in order, and let those connections end."""
+        with self._lock:
+            self.holding.clear()
+            held, self.held = self.held, []
+            for server, data in held:
+                with contextlib.suppress(OSError):
+                    server.sendall(data)
+        time.sleep(0.2)  # the node runs them
+        with self._lock:
+            for server in {server for server, _ in held} & self._ended:
+                with contextlib.suppress(OSError):
+                    server.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        for sock in [self._listener, *self._sockets]:
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self._sockets += [client, server]
+            threading.Thread(target=self._requests, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._replies, args=(server, client), daemon=True).start()
+
+    def _requests(self, client: socket.socket, server: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                with self._lock:
+                    if self.holding.is_set() or any(s is server for s, _ in self.held):
+                        self.held.append((server, data))
+                        continue
+                server.sendall(data)
+        with self._lock:
+            if any(s is server for s, _ in self.held):
+                self._ended.add(server)  # ended by deliver(), after the held requests
+                return
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)
+
+    def _replies(self, server: socket.socket, client: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                client.sendall(data)
+        with contextlib.suppress(OSError):
+            client.shutdown(socket.SHUT_RDWR)
+
+
+async def _now(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_a_late_undo_of_one_attempt_leaves_the_next_attempts_grant(
+    nodes: list[RedisServer], flavour: str
+) -> None:
+    """Every attempt of an acquire call sends the call's secret. Attempt 1 meets two held
+    nodes; its requests to the third (the acquire and then the undo) are held back past
+    its timeout. Attempt 2, once one holder is gone, is granted by the third node and the
+    freed one. Then the held requests reach the third node: attempt 1's undo must not end
+    the lock attempt 2 holds there, or a contender gets the third node and the second
+    holder's, a majority, while attempt 2's lease runs."""
+    resource = f"late-undo:{secrets.token_hex(4)}"
+    proxy = HoldingProxy("127.0.0.1", nodes[0].port)
+    targets = [proxy.url, nodes[1].url, nodes[2].url]
+    kind = QuorumLockManager if flavour == "sync" else AsyncQuorumLockManager
+    manager = kind(targets, check_config=False, ttl=10, socket_timeout=0.3)
+    other = kind(urls(nodes), check_config=False, ttl=10, socket_timeout=0.3)
+    driver = manager.driver
+    secret = secrets.token_hex(8)
+    try:
+        for node in nodes:
+            # As on a node in service, every script is loaded: a late EVALSHA finds it.
+            client = raw(node)
+            for source in SCRIPTS.values():
+                client.script_load(source)
+            client.close()
+        plant_lock(nodes[1].url, resource, "client-y", 1200)
+        plant_lock(nodes[2].url, resource, "client-z", 4000)
+        planted = time.monotonic()
+        proxy.holding.set()
+        reply = await _now(driver.acquire(resource, secret, 10.0, "x"))  # attempt 1
+        assert reply.token is None
+        assert proxy.held  # its acquire and undo to the third node, held back
+        await asyncio.sleep(1.3)  # client-y's lock on the second node expires
+        proxy.holding.clear()  # new requests pass; the held ones still wait
+        reply = await _now(driver.acquire(resource, secret, 10.0, "x"))  # attempt 2
+        assert reply.token is not None  # granted by the third and second nodes
+        proxy.deliver()  # attempt 1's acquire and undo run now, late
+        assert lock_exists(nodes[0], resource)  # attempt 2's lock stays
+        await asyncio.sleep(max(0.0, planted + 4.1 - time.monotonic()))  # client-z's ends
+        contender = await _now(other.try_acquire(resource))
+        assert contender is None  # attempt 2 still holds a majority
+    finally:
+        proxy.close()
+        await _now(manager.close())
+        await _now(other.close())

@@ -59,6 +59,7 @@ from fence._redis_keys import (
 )
 from fence._redis_replies import (
     driver_error,
+    info_field,
     lock_info,
     replication_problem,
     settings_of,
@@ -1033,6 +1034,23 @@ class AsyncRedisDriver:
                 raise self._error(exc, what, resource) from exc
             settings.update(settings_of(got))
         return settings
+
+    async def loaded_keys(self, what: str) -> int | None:
+        """How many keys the server loaded from an RDB file when it last started
+        (``rdb_last_load_keys_loaded`` of ``INFO persistence``, Redis 7.0 and later), or
+        ``None`` if the server does not say (older, or ``INFO`` forbidden).
+
+        Raises:
+            BackendError: the server did not answer (for the call ``what``).
+        """
+        try:
+            reply = await self.client.execute_command("INFO", "persistence")
+        except ResponseError:
+            return None
+        except (RedisError, OSError) as exc:
+            raise self._error(exc, what, "") from exc
+        value = info_field(reply, "rdb_last_load_keys_loaded")
+        return int(value) if value is not None and value.isdigit() else None
 
     async def _check_config(self, what: str, resource: str) -> None:
         """Warn once about settings that can lose tokens or fences (C3, C12; the verdicts

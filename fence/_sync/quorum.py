@@ -13,6 +13,7 @@ the same code.
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import warnings
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from fence._events import EventBus, EventKind, default_bus
 from fence._lua import Script
 from fence._quorum import (
     FAILED,
+    LOADED_KEYS,
     NODE_SCRIPTS,
     Answer,
     Op,
@@ -144,6 +146,11 @@ class QuorumDriver:
         self._down: set[int] = set()
         self._lost: dict[int, str] = {}
         self._attempts: dict[str, int] = {}
+        # Every attempt of an acquire call sends the call's secret; its number, larger for
+        # each later attempt, keeps a late undo or commit of one attempt off the lock a
+        # later attempt took (fence._quorum.UNDO). One counter for the driver is enough:
+        # a call's attempts all run here, one after the other.
+        self._numbers = itertools.count(1)
         self._rng = random.Random()
 
     def __repr__(self) -> str:
@@ -185,7 +192,13 @@ class QuorumDriver:
         return result
 
     def _round(
-        self, resource: str, request: Request, secret: str, ttl: float, holder: str
+        self,
+        resource: str,
+        request: Request,
+        secret: str,
+        ttl: float,
+        holder: str,
+        attempt: int,
     ) -> tuple[list[Answer], dict[int, Any]]:
         """Send one round of the protocol; return one answer per node of ``request``."""
         calls = {}
@@ -202,6 +215,7 @@ class QuorumDriver:
                 holder=holder,
                 mode=mode,
                 nonce=f"{self._rng.getrandbits(64):016x}",
+                attempt=attempt,
             )
             calls[index] = functools.partial(
                 self._call, index, NODE_SCRIPTS[name], keys, args, request.op.value
@@ -225,7 +239,14 @@ class QuorumDriver:
         """Warn once per node about settings outside the fault model (see
         :func:`fence._quorum.node_config_warnings`). Managed services often disable
         ``CONFIG``; then nothing is checked or said."""
-        settings = self.nodes[index].read_settings("CONFIG GET")
+        node = self.nodes[index]
+        settings = node.read_settings("CONFIG GET")
+        if settings is not None:
+            # Settings that keep no data do not stop a start-up from loading a dump.rdb
+            # left in the node's directory: ask what the node loaded.
+            loaded = node.loaded_keys("INFO persistence")
+            if loaded is not None:
+                settings[LOADED_KEYS] = str(loaded)
         self._unchecked.discard(index)
         if settings is None:
             return
@@ -243,6 +264,7 @@ class QuorumDriver:
         """
         clock = self.clock
         start = clock.monotonic()
+        number = next(self._numbers)
         step: Request | Outcome
         machine, step = QuorumAcquire.begin(
             len(self.nodes), revoke=revoke, setup_id=f"{self._rng.getrandbits(64):016x}"
@@ -250,7 +272,7 @@ class QuorumDriver:
         first: dict[int, Any] = {}
         try:
             while isinstance(step, Request):
-                answers, raw = self._round(resource, step, secret, ttl, holder)
+                answers, raw = self._round(resource, step, secret, ttl, holder, number)
                 if step.op in (Op.ACQUIRE, Op.REVOKE):
                     first = raw
                 left = validity(
@@ -259,7 +281,7 @@ class QuorumDriver:
                 machine, step = machine.step(answers, left=left)
         except BaseException:
             # Cancelled or failed half way: a node may hold the lock for this secret.
-            self._undo(resource, secret, machine.holding)
+            self._undo(resource, secret, machine.holding, number)
             raise
         self._report(resource, machine, step)
         return step, first
@@ -336,14 +358,14 @@ class QuorumDriver:
         # holder's release will push a wake-up.
         return AcquireReply(None, outcome.holder_ttl, outcome.wait_on)
 
-    def _undo(self, resource: str, secret: str, indexes: Sequence[int]) -> None:
-        """Release the lock for ``secret`` on ``indexes``, best effort: a node that does not
-        answer lets it expire with its ttl."""
+    def _undo(self, resource: str, secret: str, indexes: Sequence[int], attempt: int) -> None:
+        """Release what attempt number ``attempt`` (or an earlier one) of ``secret`` holds on
+        ``indexes``, best effort: a node that does not answer lets it expire with its ttl."""
         if not indexes:
             return
         request = Request(Op.UNDO, tuple(indexes))
         # Shielded: an acquire cancelled half way still undoes what it took.
-        shield(self._round(resource, request, secret, 0.001, ""))
+        shield(self._round(resource, request, secret, 0.001, "", attempt))
 
     def renew(self, resource: str, secret: str, ttl: float) -> bool:
         """Reset the ttl on every node that holds the lock for ``secret``; true if a
@@ -379,7 +401,7 @@ class QuorumDriver:
                 the nodes that did not answer.
         """
         request = Request(Op.RELEASE, tuple(range(len(self.nodes))))
-        answers, outcomes = self._round(resource, request, secret, 0.001, "")
+        answers, outcomes = self._round(resource, request, secret, 0.001, "", 0)
         verdict = release_verdict(answers, len(self.nodes))
         if verdict is None:
             raise self._unavailable("release", outcomes)
