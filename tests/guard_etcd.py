@@ -23,6 +23,11 @@ def _int(raw: bytes | None) -> int | None:
     return None if raw is None else int(raw)
 
 
+# The suite checks what the guard decides, not how fast a loaded cluster answers: a call
+# may wait that long (the manager's default is a third of its ttl, at most 5 s).
+_CALL = 15.0
+
+
 class _Keys:
     features = FEATURES
 
@@ -38,7 +43,7 @@ class EtcdHarness(_Keys):
 
     def __init__(self, url: str) -> None:
         super().__init__()
-        self.manager = EtcdLockManager(url)
+        self.manager = EtcdLockManager(url, request_timeout=_CALL)
         self.guard = EtcdGuard(self.manager)
 
     def claim(self, scope: str, token: int) -> int:
@@ -78,7 +83,7 @@ class AsyncEtcdHarness(_Keys):
 
     def __init__(self, url: str) -> None:
         super().__init__()
-        self.manager = AsyncEtcdLockManager(url)
+        self.manager = AsyncEtcdLockManager(url, request_timeout=_CALL)
         self.guard = AsyncEtcdGuard(self.manager)
 
     async def claim(self, scope: str, token: int) -> int:

@@ -23,6 +23,11 @@ def _int(raw: bytes | None) -> int | None:
     return None if raw is None else int(raw)
 
 
+# The suite checks what the guard decides, not how fast a loaded cluster answers: a call
+# may wait that long (the manager's default is a third of its ttl, at most 5 s).
+_CALL = 15.0
+
+
 class _Keys:
     features = FEATURES
 
@@ -38,7 +43,7 @@ class ZooKeeperHarness(_Keys):
 
     def __init__(self, url: str) -> None:
         super().__init__()
-        self.manager = ZooKeeperLockManager(url)
+        self.manager = ZooKeeperLockManager(url, request_timeout=_CALL)
         self.guard = ZooKeeperGuard(self.manager)
 
     def claim(self, scope: str, token: int) -> int:
@@ -78,7 +83,7 @@ class AsyncZooKeeperHarness(_Keys):
 
     def __init__(self, url: str) -> None:
         super().__init__()
-        self.manager = AsyncZooKeeperLockManager(url)
+        self.manager = AsyncZooKeeperLockManager(url, request_timeout=_CALL)
         self.guard = AsyncZooKeeperGuard(self.manager)
 
     async def claim(self, scope: str, token: int) -> int:

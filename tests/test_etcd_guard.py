@@ -34,7 +34,7 @@ pytestmark = pytest.mark.etcd
 
 @pytest.fixture
 def guard(etcd_url: str) -> Iterator[EtcdGuard]:
-    guard = EtcdGuard(etcd_url, request_timeout=3.0)
+    guard = EtcdGuard(etcd_url, request_timeout=15.0)
     yield guard
     guard.close()
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.zookeeper
 
 @pytest.fixture
 def guard(zookeeper_url: str) -> Iterator[ZooKeeperGuard]:
-    guard = ZooKeeperGuard(zookeeper_url, request_timeout=5.0)
+    guard = ZooKeeperGuard(zookeeper_url, request_timeout=15.0)
     yield guard
     guard.close()
 
