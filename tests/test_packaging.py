@@ -141,3 +141,24 @@ def test_the_release_paperwork_is_checked(tmp_path: Path) -> None:
         "project URL 'Home' is not an address: 'https://'",
     ]
     assert problems("0.2.0", urls, tmp_path)[0] == "no CHANGELOG.md"
+
+
+def test_declared_pythons_are_the_ones_the_suite_runs_on() -> None:
+    """The classifiers name exactly the CPythons scripts/test runs the suite on, and the
+    floor of requires-python is the oldest of them."""
+    import re
+
+    script = (ROOT / "scripts" / "pythons.sh").read_text()
+    match = re.search(r"^PYTHONS=\(([^)]*)\)", script, re.MULTILINE)
+    assert match is not None
+    runs = match.group(1).split()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    prefix = "Programming Language :: Python :: "
+    declared = [
+        c[len(prefix) :]
+        for c in project["classifiers"]
+        if re.fullmatch(r"3\.\d+", c[len(prefix) :])
+    ]
+    assert sorted(declared) == sorted(runs)
+    oldest = min(runs, key=lambda v: tuple(map(int, v.split("."))))
+    assert project["requires-python"] == f">={oldest}"
