@@ -4,7 +4,6 @@ in-memory database shared through one StaticPool engine."""
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +16,15 @@ from fence._async.sql import AsyncSQLLockManager
 from fence._sql_schema import lease_schema_ddl
 from fence._sync.sql import SQLLockManager
 from tests.registry import ManagerBackend, register_manager_backend
+from tests.sqlite_files import sqlite_file
 
 
 def _setup_file(request: pytest.FixtureRequest) -> str:
     tmp_path: Path = request.getfixturevalue("tmp_path")
     path = tmp_path / "locks.db"
-    with sqlite3.connect(path) as conn:
+    with sqlite_file(path) as conn:
         for statement in lease_schema_ddl("sqlite"):
             conn.execute(statement)
-    conn.close()
     return f"sqlite:///{path}"
 
 

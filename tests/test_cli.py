@@ -37,6 +37,7 @@ from fence.adapters.sql import (
     fence_register_table,
 )
 from tests.servers import MariaDBServer, PostgresServer, RedisClusterServers
+from tests.sqlite_files import sqlite_file
 
 
 def run(
@@ -416,22 +417,22 @@ def test_the_postgresql_ddl_runs_again_through_psql(postgres_server: PostgresSer
 
 def test_the_sqlite_ddl_says_how_to_run_it_again(tmp_path: Path) -> None:
     path = tmp_path / "app.db"
-    with sqlite3.connect(path) as db:
+    with sqlite_file(path) as db:
         db.execute("CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER)")
     done = run("ddl", "--dialect", "sqlite", "--table", "accounts")
     assert "SQLite has no ADD COLUMN IF NOT EXISTS" in done.stdout
     assert "SQLite has no ADD COLUMN IF NOT EXISTS" in run("ddl", "--help").stdout
-    with sqlite3.connect(path) as db:
+    with sqlite_file(path) as db:
         db.executescript(done.stdout)
-    with sqlite3.connect(path) as db, pytest.raises(sqlite3.OperationalError, match="duplicate"):
+    with sqlite_file(path) as db, pytest.raises(sqlite3.OperationalError, match="duplicate"):
         db.executescript(done.stdout)  # what the comment says: the ALTERs run once
     # What it says to run instead, to upgrade the judge: again and again.
     again = run("ddl", "--dialect", "sqlite", "--table", "accounts", "--triggers-only")
     for _ in range(2):
-        with sqlite3.connect(path) as db:
+        with sqlite_file(path) as db:
             db.executescript(again.stdout)
     # And to fence one more table: the CREATEs run again, the new table's ALTERs once.
-    with sqlite3.connect(path) as db:
+    with sqlite_file(path) as db:
         db.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
         db.executescript(run("ddl", "--dialect", "sqlite", "--table", "invoices").stdout)
         columns = [row[1] for row in db.execute("PRAGMA table_info(invoices)")]
@@ -441,7 +442,7 @@ def test_the_sqlite_ddl_says_how_to_run_it_again(tmp_path: Path) -> None:
 def test_ddl_runs_on_sqlite_and_doctor_judges_the_file(tmp_path: Path) -> None:
     path = tmp_path / "app.db"
     url = f"sqlite:///{path}"
-    with sqlite3.connect(path) as db:
+    with sqlite_file(path) as db:
         db.execute("CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER)")
     before = run("doctor", url)
     assert before.returncode == 1  # the lease table is missing
@@ -452,7 +453,7 @@ def test_ddl_runs_on_sqlite_and_doctor_judges_the_file(tmp_path: Path) -> None:
     )
     assert any(line.startswith("warn  fence register: fence_register is missing") for line in out)
     assert any(line.startswith("warn  journal_mode: delete") for line in out)
-    with sqlite3.connect(path) as db:  # a lease table of a version before shared locks
+    with sqlite_file(path) as db:  # a lease table of a version before shared locks
         db.execute(
             "CREATE TABLE fence_leases (resource TEXT PRIMARY KEY, token INTEGER NOT NULL, "
             "owner TEXT, holder TEXT, expires_at REAL NOT NULL)"
@@ -468,12 +469,12 @@ def test_ddl_runs_on_sqlite_and_doctor_judges_the_file(tmp_path: Path) -> None:
     assert any(
         line.startswith("fail  shared table: fence_leases_shared is missing") for line in old
     ), old
-    with sqlite3.connect(path) as db:
+    with sqlite_file(path) as db:
         db.execute("DROP TABLE fence_leases")
     assert any(line.startswith("ok    busy_timeout: 5000 ms") for line in out)
 
     done = run("ddl", "--dialect", "sqlite", "--table", "accounts")
-    with sqlite3.connect(path) as db:
+    with sqlite_file(path) as db:
         db.executescript(done.stdout)  # as `fence ddl ... | sqlite3 app.db` would
         db.execute("PRAGMA journal_mode=WAL")
     after = run("doctor", url)

@@ -20,7 +20,6 @@ import base64
 import os
 import secrets
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from fence._sync.quorum import QuorumLockManager
 from fence._sync.redis import RedisLockManager
 from fence._sync.sql import SQLLockManager
 from tests.servers import EtcdCluster, PostgresServer
+from tests.sqlite_files import sqlite_file
 
 pytestmark = pytest.mark.slow
 
@@ -290,7 +290,7 @@ def places(kind: str, where: str, table: str, resource: str) -> int:
         f" WHERE resource = {{}} AND kind IN ('W', 'R') AND expires_at > {now}"
     )
     if kind == "sqlite":
-        with sqlite3.connect(where) as conn:
+        with sqlite_file(where) as conn:
             return int(conn.execute(query.format("?"), (resource,)).fetchone()[0])
     with psycopg.connect(where, autocommit=True) as conn:
         row = conn.execute(query.format("%s"), (resource,)).fetchone()
@@ -314,7 +314,7 @@ def test_sql_queued_writer_killed(
         table = DEFAULT_TABLE
         where = str(tmp_path / "locks.db")
         url = f"sqlite:///{where}"
-        with sqlite3.connect(where) as conn:
+        with sqlite_file(where) as conn:
             for statement in lease_schema_ddl("sqlite"):
                 conn.execute(statement)
     manager = SQLLockManager(url, table=table)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 import fence
 from fence import ConfigurationError
 from fence._sync.resp import RespClient
+from tests.sqlite_files import sqlite_file
 
 
 def test_memory_urls() -> None:
@@ -55,7 +55,7 @@ def test_sqlite_url(tmp_path: Path) -> None:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
     manager.close()
-    with sqlite3.connect(tmp_path / "locks.db") as raw:
+    with sqlite_file(tmp_path / "locks.db") as raw:
         assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     raw.close()
 

@@ -34,6 +34,7 @@ from fence.adapters.sql import FenceRegister, RowGuard, fence_column, install_tr
 from fence.adapters.sql import fence_register_table as register_table
 from fence.adapters.sql import tombstone_column as tombstone
 from tests.servers import PostgresServer
+from tests.sqlite_files import sqlite_file
 
 pytestmark = pytest.mark.postgres
 
@@ -459,12 +460,11 @@ def test_doctor_names_every_table_without_a_current_judge(postgres_server: Postg
 def test_sqlite_guards_refuse_a_table_without_its_judge_and_the_token_ends_with_commit(
     tmp_path: Any,
 ) -> None:
-    import sqlite3
 
     from fence.adapters._judge import sqlite_state
 
     path = tmp_path / "judged.db"
-    with sqlite3.connect(path) as db:  # a table made by hand, before the judge
+    with sqlite_file(path) as db:  # a table made by hand, before the judge
         db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v INTEGER, fence BIGINT NOT NULL)")
         db.execute("INSERT INTO t VALUES (1, 0, 10)")
     engine = create_engine(f"sqlite:///{path}")

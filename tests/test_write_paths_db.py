@@ -40,6 +40,7 @@ from fence.adapters.ddl import (
     trigger_ddl,
 )
 from tests.servers import PostgresServer
+from tests.sqlite_files import sqlite_file
 
 pytestmark = pytest.mark.postgres
 
@@ -714,7 +715,7 @@ def test_another_program_cannot_write_a_judged_sqlite_table(tmp_path: Any) -> No
         db.reseed()
     finally:
         db.close()
-    with sqlite3.connect(tmp_path / "other.db") as other:
+    with sqlite_file(tmp_path / "other.db") as other:
         for statement in (
             "UPDATE acct SET balance = 1",
             "INSERT INTO acct (id) VALUES (9)",

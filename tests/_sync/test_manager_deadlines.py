@@ -42,6 +42,7 @@ from fence._sync.sql import SQLLockManager
 from tests._compat import join, sleep, spawn
 from tests.fix_quorum import start_nodes, stop_nodes
 from tests.servers import PostgresServer, RedisServer
+from tests.sqlite_files import sqlite_file
 
 pytestmark = pytest.mark.slow
 
@@ -417,10 +418,9 @@ def test_sqlite_busy_database_honours_the_timeout(tmp_path: Path, resource: str)
     """Another connection holds the write lock longer than the caller's timeout: the busy
     wait is cut at the deadline, not at the 5 s busy timeout."""
     path = tmp_path / "locks.db"
-    with sqlite3.connect(path) as conn:
+    with sqlite_file(path) as conn:
         for statement in lease_schema_ddl("sqlite"):
             conn.execute(statement)
-    conn.close()
     manager = SQLLockManager(f"sqlite:///{path}")
     blocker = sqlite3.connect(path, isolation_level=None)
     try:
