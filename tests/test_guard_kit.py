@@ -1,0 +1,24 @@
+"""iofence's own guards through the guard kit (:mod:`fence.testing.guards`).
+
+The kit adds its conformance tests (C1, C4-C9, C13, the write paths, pickled errors, the
+differential test against ``MemoryGuard``) to this module because it defines the fixture
+``fence_guard_harness``: once per guard registered in ``tests/guard_*.py``, sync and asyncio.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fence.testing.guards import GuardFactory
+from tests.registry import GUARD_HARNESSES, GuardHarnessFactory
+
+
+@pytest.fixture(
+    params=[pytest.param(g, id=g.name, marks=g.marks) for g in GUARD_HARNESSES.values()]
+)
+def fence_guard_harness(request: pytest.FixtureRequest) -> GuardFactory:
+    """Every registered guard, as the kit makes it."""
+    guard: GuardHarnessFactory = request.param
+    return GuardFactory(
+        make=lambda: guard.make(request, False), make_async=lambda: guard.make(request, True)
+    )
