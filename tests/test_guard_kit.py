@@ -7,6 +7,8 @@ differential test against ``MemoryGuard``) to this module because it defines the
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from fence.testing.guards import GuardFactory
@@ -19,6 +21,10 @@ from tests.registry import GUARD_HARNESSES, GuardHarnessFactory
 def fence_guard_harness(request: pytest.FixtureRequest) -> GuardFactory:
     """Every registered guard, as the kit makes it."""
     guard: GuardHarnessFactory = request.param
-    return GuardFactory(
-        make=lambda: guard.make(request, False), make_async=lambda: guard.make(request, True)
-    )
+
+    def make(is_async: bool) -> Any:
+        harness = guard.make(request, is_async)
+        assert guard.features <= harness.features  # what the registry says, it has
+        return harness
+
+    return GuardFactory(make=lambda: make(False), make_async=lambda: make(True))
