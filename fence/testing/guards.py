@@ -33,7 +33,7 @@ import pickle
 import random
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
@@ -67,7 +67,6 @@ FIXTURE = "fence_guard_harness"
 _T = TypeVar("_T")
 
 
-@runtime_checkable
 class GuardHarness(Protocol):
     """A guard under test, driven through scope names and ``int`` values.
 
