@@ -8,11 +8,11 @@ pickle, and the same verdicts as :class:`fence.testing.MemoryGuard` over random
 histories. iofence's own guards run through the same kit.
 
 Load the plugin (``pytest -p fence.testing.guards``, or ``pytest_plugins =
-["fence.testing.guards"]`` in your root ``conftest.py``; an installed iofence also
-registers it as a pytest plugin that does nothing until asked), then define a fixture
-named ``fence_guard_harness`` in a test module. It returns a :class:`GuardFactory` that
-makes your guard, on a fresh storage, behind the :class:`GuardHarness` interface; the kit
-adds its tests, as the class ``GuardKit``, to that module::
+["fence.testing.guards"]`` in your root ``conftest.py``; nothing loads it unasked), then
+define a fixture named ``fence_guard_harness`` in a test module. It returns a
+:class:`GuardFactory` that makes your guard, on a fresh storage, behind the
+:class:`GuardHarness` interface; the kit adds its tests, as the class ``GuardKit``, to that
+module::
 
     import pytest
     from fence.testing.guards import GuardFactory
