@@ -28,3 +28,12 @@ def fence_guard_harness(request: pytest.FixtureRequest) -> GuardFactory:
         return harness
 
     return GuardFactory(make=lambda: make(False), make_async=lambda: make(True))
+
+
+def test_the_kit_adds_its_tests_here(request: pytest.FixtureRequest) -> None:
+    """The plugin is loaded (``tests/conftest.py``): without it this module would collect
+    no kit test at all and pass empty."""
+    assert request.config.pluginmanager.has_plugin("fence.testing.guards")
+    module = request.node.getparent(pytest.Module)
+    assert module is not None
+    assert "GuardKit" in [collector.name for collector in module.collect()]
