@@ -7,7 +7,7 @@
 # what runs no library code (the core, the memory manager, the quorum's model checker) and
 # what measures (benchmarks).
 SUITES=(
-  tests/_async/test_guard_conformance.py tests/_sync/test_guard_conformance.py
+  tests/test_guard_kit.py
   tests/_async/test_manager_conformance.py tests/_sync/test_manager_conformance.py
   tests/_async/test_redis_manager.py tests/_sync/test_redis_manager.py
   tests/_async/test_sql_manager.py tests/_sync/test_sql_manager.py

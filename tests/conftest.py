@@ -6,7 +6,12 @@ import pytest
 
 from tests.registry import GUARD_HARNESSES, MANAGER_BACKENDS, load_all
 
-pytest_plugins = ["tests.fix_servers", "tests.fix_quorum", "tests.fix_consensus"]
+pytest_plugins = [
+    "tests.fix_servers",
+    "tests.fix_quorum",
+    "tests.fix_consensus",
+    "fence.testing.guards",
+]
 
 load_all()
 

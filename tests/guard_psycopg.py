@@ -41,7 +41,7 @@ def _value(row: Any) -> int | None:
 
 
 class PsycopgHarness:
-    """The sync psycopg guard behind the harness interface of ``tests/guard_suite.py``."""
+    """The sync psycopg guard behind the harness interface of ``fence.testing.guards``."""
 
     features = FEATURES
 
@@ -92,7 +92,7 @@ class PsycopgHarness:
 
 
 class AsyncPsycopgHarness:
-    """The asyncio psycopg guard behind the harness interface of ``tests/guard_suite.py``."""
+    """The asyncio psycopg guard behind the harness interface of ``fence.testing.guards``."""
 
     features = FEATURES
 

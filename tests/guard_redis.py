@@ -41,7 +41,7 @@ class _Keys:
 
 
 class RedisHarness(_Keys):
-    """The sync guard behind the harness interface of ``tests/guard_suite.py``."""
+    """The sync guard behind the harness interface of ``fence.testing.guards``."""
 
     def __init__(self, url: str, scope: FenceScope) -> None:
         super().__init__(scope)
@@ -80,7 +80,7 @@ class RedisHarness(_Keys):
 
 
 class AsyncRedisHarness(_Keys):
-    """The asyncio guard behind the harness interface of ``tests/guard_suite.py``."""
+    """The asyncio guard behind the harness interface of ``fence.testing.guards``."""
 
     def __init__(self, url: str, scope: FenceScope) -> None:
         super().__init__(scope)

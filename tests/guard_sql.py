@@ -49,7 +49,7 @@ def _value(row: Any) -> int | None:
 
 
 class SqlHarness:
-    """The sync row guard behind the harness interface of ``tests/guard_suite.py``."""
+    """The sync row guard behind the harness interface of ``fence.testing.guards``."""
 
     features = FEATURES
 
@@ -102,7 +102,7 @@ class SqlHarness:
 
 
 class AsyncSqlHarness:
-    """The asyncio row guard behind the harness interface of ``tests/guard_suite.py``."""
+    """The asyncio row guard behind the harness interface of ``fence.testing.guards``."""
 
     features = FEATURES
 

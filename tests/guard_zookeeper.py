@@ -39,7 +39,7 @@ class _Keys:
 
 
 class ZooKeeperHarness(_Keys):
-    """The sync guard behind the harness interface of ``tests/guard_suite.py``."""
+    """The sync guard behind the harness interface of ``fence.testing.guards``."""
 
     def __init__(self, url: str) -> None:
         super().__init__()
@@ -79,7 +79,7 @@ class ZooKeeperHarness(_Keys):
 
 
 class AsyncZooKeeperHarness(_Keys):
-    """The asyncio guard behind the harness interface of ``tests/guard_suite.py``."""
+    """The asyncio guard behind the harness interface of ``fence.testing.guards``."""
 
     def __init__(self, url: str) -> None:
         super().__init__()

@@ -67,7 +67,7 @@ class GuardHarnessFactory:
 
     Attributes:
         name: the test id, e.g. ``"redis"``, ``"sql-sqlite"``, ``"psycopg"``.
-        make: ``make(request, is_async)`` returns a harness (see ``tests/guard_suite``);
+        make: ``make(request, is_async)`` returns a harness (see ``fence.testing.guards``);
             use ``request.getfixturevalue`` for servers and ``request.addfinalizer``.
         marks: pytest marks for the guard.
         features: optional capabilities the harness has (e.g. ``"batch"``).
@@ -92,5 +92,5 @@ def load_all() -> None:
     """Import every ``tests/backend_*.py`` and ``tests/guard_*.py`` module."""
     here = Path(__file__).parent
     for info in pkgutil.iter_modules([str(here)]):
-        if info.name.startswith(("backend_", "guard_")) and info.name != "guard_suite":
+        if info.name.startswith(("backend_", "guard_")):
             importlib.import_module(f"tests.{info.name}")

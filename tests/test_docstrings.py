@@ -12,6 +12,7 @@ PUBLIC_MODULES = [
     "fence",
     "fence.abc",
     "fence.testing",
+    "fence.testing.guards",
     "fence.prometheus",
     "fence.otel",
     "fence.cli",

@@ -1,8 +1,9 @@
 """The SQLAlchemy Core row guard and fence register, rule by rule, on SQLite and PostgreSQL.
 
-The conformance suite (``tests/_async/test_guard_conformance.py``) drives the guard through
-scope names; these tests cover what only SQL has: the DDL, NULL fences, composite keys,
-the row-count fallback, the caller's transaction, the tombstone rows and the register.
+The guard kit (``fence.testing.guards``, run by ``tests/test_guard_kit.py``) drives the
+guard through scope names; these tests cover what only SQL has: the DDL, NULL fences,
+composite keys, the row-count fallback, the caller's transaction, the tombstone rows and the
+register.
 """
 
 from __future__ import annotations

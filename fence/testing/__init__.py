@@ -15,6 +15,9 @@ patching ``time``::
     new = manager.acquire("order:42", ttl=10)
     store.write("order:42", new.token, "B")  # accepted
     store.write("order:42", old.token, "A")  # raises StaleTokenError
+
+The guard kit, the conformance suite for a guard of your own storage, is the pytest plugin
+:mod:`fence.testing.guards` (``docs/guard-kit.md``).
 """
 
 from __future__ import annotations
