@@ -24,6 +24,7 @@ PUBLIC_MODULES = [
     "fence.adapters.alembic",
     "fence.adapters.psycopg",
     "fence.adapters.orm",
+    "fence.adapters.celery",
 ]
 
 
