@@ -133,8 +133,9 @@ class FencedTask(Task):  # type: ignore[misc]  # Celery ships no type informatio
     A run:
 
     1. formats the resource from the call's arguments (defaults applied);
-    2. acquires it from the lock manager with the renewal watchdog on, waiting at most
-       ``fence_timeout`` seconds; on :class:`fence.AcquireTimeout` the task is retried;
+    2. acquires it from the lock manager with the renewal watchdog on (``fence_renew``),
+       waiting at most ``fence_timeout`` seconds; on :class:`fence.AcquireTimeout` the
+       task is retried;
     3. runs the body, the lease in :attr:`lease`;
     4. releases the lease, whether the body returned or raised;
     5. retries the task when the body raised an error that a new lease cures
@@ -161,6 +162,9 @@ class FencedTask(Task):  # type: ignore[misc]  # Celery ships no type informatio
         fence_ttl: the lease time in seconds (default: the manager's).
         fence_timeout: how long a run waits for the lock, in seconds (default 10; ``0``
             tries once; ``None`` waits as long as it takes, holding the worker).
+        fence_renew: run the renewal watchdog while the body runs (default ``True``).
+            Without it, a body that outlives ``fence_ttl`` loses its lease; the watchdog
+            costs a thread per run, which a short task with a long ``fence_ttl`` can spare.
 
     Raises:
         ConfigurationError: when the task is made: no ``fence``, a template that does not
@@ -173,6 +177,7 @@ class FencedTask(Task):  # type: ignore[misc]  # Celery ships no type informatio
     fence_manager: ClassVar[BaseLockManager | str | None] = None
     fence_ttl: ClassVar[float | None] = None
     fence_timeout: ClassVar[float | None] = 10.0
+    fence_renew: ClassVar[bool] = True
 
     _fence_template: ClassVar[_Template | None] = None
     _fence_resolved: tuple[int, BaseLockManager] | None = None
@@ -254,7 +259,7 @@ class FencedTask(Task):  # type: ignore[misc]  # Celery ships no type informatio
         manager = self.fence_lock_manager()
         try:
             lease = manager.acquire(
-                resource, ttl=self.fence_ttl, timeout=self.fence_timeout, renew=True
+                resource, ttl=self.fence_ttl, timeout=self.fence_timeout, renew=self.fence_renew
             )
         except AcquireTimeout as exc:
             self._fence_retry(exc)
