@@ -263,14 +263,13 @@ class FencedTask(Task):  # type: ignore[misc]  # Celery ships no type informatio
             )
         except AcquireTimeout as exc:
             self._fence_retry(exc)
-            raise
         reset = _current.set(lease)
         try:
             result = self.run(*args, **kwargs)
-        except Exception as exc:
+        except BaseException as exc:  # a time limit or a worker's shutdown releases too
             _current.reset(reset)
             _release(lease, failed=True)
-            if is_retryable(exc):
+            if isinstance(exc, Exception) and is_retryable(exc):
                 self._fence_retry(exc)
             raise
         _current.reset(reset)

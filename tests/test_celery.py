@@ -24,7 +24,14 @@ import pytest
 import redis
 from celery import Celery
 
-from fence import AcquireTimeout, ConfigurationError, MemoryLockManager, RedisLockManager
+from fence import (
+    AcquireTimeout,
+    ConfigurationError,
+    MemoryLockManager,
+    Reason,
+    RedisLockManager,
+    StaleTokenError,
+)
 from fence.adapters.celery import FencedTask
 from fence.testing import ManualClock, MemoryGuard
 from tests.servers import RedisServer
@@ -263,6 +270,55 @@ def test_a_lease_lost_in_the_body_retries_under_a_new_lease(eager: Celery) -> No
     assert job.apply(args=(6,), throw=False).get() == tokens[1]
     assert len(tokens) == 2
     assert tokens[0] < tokens[1]
+
+
+def test_stale_writes_retry_with_celerys_backoff_until_max_retries(eager: Celery) -> None:
+    countdowns: list[float | None] = []
+
+    class Recording(FencedTask):
+        def retry(self, *args: Any, **kwargs: Any) -> Any:
+            countdowns.append(kwargs.get("countdown"))
+            return super().retry(*args, **kwargs)
+
+    manager = eager.conf.iofence_manager
+    eager.conf.task_eager_propagates = False  # each eager retry is an apply() of its own
+    tokens: list[int] = []
+
+    @eager.task(
+        base=Recording,
+        bind=True,
+        fence="job:{job_id}",
+        max_retries=2,
+        retry_backoff=2,
+        retry_jitter=False,
+    )
+    def job(self: FencedTask, job_id: int) -> None:
+        tokens.append(self.lease.token)
+        raise StaleTokenError(f"job:{job_id}", self.lease.token, 2**52, Reason.STALE)
+
+    outcome = job.apply(args=(7,), throw=False)
+    assert outcome.state == "FAILURE"
+    assert isinstance(outcome.result, StaleTokenError)
+    assert countdowns == [2, 4, 8]  # the third asks past max_retries: the error is raised
+    assert len(tokens) == 3
+    assert tokens == sorted(set(tokens))  # a new lease, a newer token, each run
+    assert manager.inspect("job:7") is None
+
+
+def test_an_error_a_new_lease_does_not_cure_fails_at_once_and_releases(eager: Celery) -> None:
+    manager = eager.conf.iofence_manager
+    runs = []
+
+    @eager.task(base=FencedTask, bind=True, fence="job:{job_id}", default_retry_delay=0)
+    def job(self: FencedTask, job_id: int) -> None:
+        runs.append(self.lease.token)
+        raise KeyError("no such customer")
+
+    outcome = job.apply(args=(8,), throw=False)
+    assert outcome.state == "FAILURE"
+    assert isinstance(outcome.result, KeyError)
+    assert len(runs) == 1
+    assert manager.inspect("job:8") is None
 
 
 def test_a_template_naming_a_missing_parameter_is_refused_when_the_task_is_made(
