@@ -48,6 +48,7 @@ SECTIONS: dict[str, str] = {
     "shared": "bench_shared",
     "memory": "bench_memory",
     "observe": "bench_observe",
+    "celery": "bench_celery",
 }
 
 TITLES = {
@@ -67,6 +68,7 @@ TITLES = {
     "consensus-handoff": "4b. Contended hand-off on etcd and ZooKeeper vs the Redis manager",
     "memory": "5. Memory after many acquire/release cycles (lower is better)",
     "observe": "6. What the metrics collectors cost, in process (vs nothing listening)",
+    "celery": "7. A Celery task under a lease (FencedTask) vs the same task unfenced (tasks/s)",
 }
 
 GROUP_ORDER = list(TITLES)

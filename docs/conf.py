@@ -71,6 +71,7 @@ PUBLIC_MODULES = [
     "fence.adapters.sql",
     "fence.adapters.psycopg",
     "fence.adapters.orm",
+    "fence.adapters.celery",
 ]
 
 _log = logging.getLogger("iofence.docs")

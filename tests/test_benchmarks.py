@@ -60,6 +60,10 @@ REQUIRED = {
         "PostgreSQL: 16 readers + 1 writer, shared locks",
         "PostgreSQL: the same 17 tasks, one exclusive lock",
     ),
+    (
+        "eager, body one SET: FencedTask, Redis manager",
+        "eager, body one SET: Celery task, unfenced",
+    ),
 }
 
 #: The waiters section's rows, per kind of waiter (their names carry the count of waiters).

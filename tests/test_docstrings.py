@@ -25,6 +25,7 @@ PUBLIC_MODULES = [
     "fence.adapters.alembic",
     "fence.adapters.psycopg",
     "fence.adapters.orm",
+    "fence.adapters.celery",
 ]
 
 
