@@ -632,3 +632,35 @@ async def test_an_asyncio_pooled_connection_carries_no_token(mariadb_url: str) -
             await conn.rollback()
     finally:
         await engine.dispose()
+
+
+def test_a_mysql_url_installs_the_judge_by_drop_and_create(mariadb_url: str) -> None:
+    """``mysql+pymysql://`` gets SQLAlchemy's MySQL dialect, whose DDL has no ``CREATE OR
+    REPLACE TRIGGER`` (MySQL 8 lacks it): the judge is dropped and created. Run here on
+    MariaDB, which takes both; MySQL itself is not tested."""
+    ddl = trigger_ddl("t", dialect="mysql")
+    assert [s.split()[0] for s in ddl] == ["DROP", "CREATE"] * 5
+    assert "OR REPLACE" not in " ".join(ddl)
+    engine = create_engine(mariadb_url.replace("mariadb+pymysql", "mysql+pymysql"))
+    assert engine.dialect.name == "mysql"
+    metadata = MetaData()
+    table = Table(
+        f"mysql_{secrets.token_hex(4)}",
+        metadata,
+        Column("k", String(32), primary_key=True),
+        Column("v", BigInteger, nullable=True),
+        fence_column(),
+        tombstone_column(),
+    )
+    try:
+        metadata.create_all(engine)
+        with engine.begin() as conn:
+            install_triggers(conn, table)  # again: an upgrade
+            RowGuard(conn, table).upsert(20, {"k": "a", "v": 1})
+        with engine.connect() as conn, pytest.raises(StaleTokenError):
+            RowGuard(conn, table).upsert(19, {"k": "a", "v": 2})
+        token, verdict = _driver_write(engine, table)
+        assert token is None
+        assert verdict.startswith("iofence: unfenced update")
+    finally:
+        engine.dispose()
