@@ -42,6 +42,7 @@ from ._sql_common import judge_error, translate_error
 from ._sql_gate import OWN_OPTIONS, UNFENCED
 from ._sql_statements import OPTIONAL_INFO, REGISTER_INFO, TOMBSTONE_INFO, fence_of
 from ._triggers import (
+    CASCADE_VERDICT,
     MARIADB_CHECK_QUERY,
     MAX_TOKEN,
     PG_CHECK_QUERY,
@@ -247,11 +248,14 @@ def record_verdict(conn: Connection | None, judged: Judged, rows: Any) -> None:
     if they are in place.
 
     Raises:
-        ConfigurationError: the triggers are missing, disabled or of another version.
+        ConfigurationError: the triggers are missing, disabled or of another version (on
+            MariaDB and MySQL: or a foreign key cascades into the table).
     """
     dialect = conn.dialect.name if conn is not None else "postgresql"
     exists, why = verdict(dialect, rows, judged)
     if why is not None:
+        if CASCADE_VERDICT in why:  # the triggers are not what is wrong
+            raise ConfigurationError(why)
         raise ConfigurationError(f"{why}; {judged.hint(dialect)}")
     if exists and conn is not None and not conn.closed and not conn.invalidated:
         conn.connection.info.setdefault(CHECKED_KEY, set()).add(judged.check_key)

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from fence._sql_dialect import SQLSTATE_REFUSED, SQLSTATE_STALE, SQLSTATE_UNFENCED
 
 __all__ = [
+    "CASCADE_VERDICT",
     "JUDGE_VERSION",
     "MARIADB_CHECK_QUERY",
     "MARIADB_UNFENCED_SQL",
@@ -662,6 +663,9 @@ MARIADB_CHECK_QUERY = (
     "WHERE t.TABLE_SCHEMA = {schema} AND t.TABLE_NAME = {param}"
 )
 
+#: What the verdict on a table says when a foreign key cascades into it (MariaDB, MySQL).
+CASCADE_VERDICT = "has foreign keys that write it by themselves"
+
 # The judge's triggers by what each is for: the three that judge, and the two that clear
 # the row's token once the row is written.
 _MARIADB_TRIGGERS = {
@@ -868,9 +872,9 @@ def _mariadb_verdict(rows: list[Sequence[object]], expected: Judged) -> tuple[bo
     cascades = rows[0][1]
     if cascades:
         return True, (
-            f"{table} has foreign keys that write it by themselves ({cascades}: CASCADE, "
-            "SET NULL or SET DEFAULT), and InnoDB's cascades fire no trigger, so nothing "
-            "would judge those writes; make them RESTRICT"
+            f"{table} {CASCADE_VERDICT} ({cascades}: CASCADE, SET NULL or SET DEFAULT), and "
+            "InnoDB's cascades fire no trigger, so nothing would judge those writes; make "
+            "them RESTRICT (or NO ACTION) and delete the rows through a guard"
         )
     found = {str(r[2]): (str(r[3]), str(r[4]), r[5]) for r in rows if r[2] is not None}
     names = mariadb_trigger_names(expected)
