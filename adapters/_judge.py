@@ -13,6 +13,12 @@ themselves (``_sql_statements.TokenOf``). Here:
   hook and the unit of work call it before their first write.
 - SQLite: the functions the triggers call, registered on every connection a pool opens,
   and the token of each connection's transaction, cleared when the transaction ends.
+- MariaDB and MySQL: the session variables the triggers read. An accepted fenced write
+  leaves none behind (the judge's ``AFTER`` trigger clears the row's token); a failed
+  statement, a ``SET`` of the library's own (:func:`set_token`, the opt-out) or a write
+  under :data:`WITHOUT_JUDGE` may, so the end of that transaction clears them, and so does
+  the pool when it takes such a connection back: a session variable outlives the
+  transaction, and a pooled connection must never carry a token into the next one.
 - Engine listeners: a refusal of the judge becomes :class:`fence.UnfencedWriteError` or
   :class:`fence.StaleTokenError` (``handle_error``); a statement marked
   ``.execution_options(unfenced=True)`` opts out in the database too, for itself only.
@@ -20,6 +26,7 @@ themselves (``_sql_statements.TokenOf``). Here:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,12 +42,18 @@ from ._sql_common import judge_error, translate_error
 from ._sql_gate import OWN_OPTIONS, UNFENCED
 from ._sql_statements import OPTIONAL_INFO, REGISTER_INFO, TOMBSTONE_INFO, fence_of
 from ._triggers import (
+    CASCADE_VERDICT,
+    MARIADB_CHECK_QUERY,
     MAX_TOKEN,
     PG_CHECK_QUERY,
+    ROW_TOKEN_VARIABLE,
     SQLITE_CHECK_QUERY,
     TOKEN_SETTING,
+    TOKEN_VARIABLE,
     UNFENCED_SETTING,
+    UNFENCED_VARIABLE,
     Judged,
+    mariadb_judge_ddl,
     pg_drop_ddl,
     pg_judge_ddl,
     sqlite_judge_ddl,
@@ -54,7 +67,7 @@ _DDL_OPTIONS: Mapping[str, Any] = {**OWN_OPTIONS, "no_parameters": True}
 __all__ = [
     "CHECKED_KEY",
     "JUDGED_DIALECTS",
-    "PENDING_DIALECTS",
+    "SESSION_DIALECTS",
     "TOKEN_KEY",
     "WITHOUT_JUDGE",
     "clear_token",
@@ -71,18 +84,28 @@ __all__ = [
 ]
 
 #: The dialects whose tables carry the judge.
-JUDGED_DIALECTS = frozenset({"postgresql", "sqlite"})
+JUDGED_DIALECTS = frozenset({"postgresql", "sqlite", "mariadb", "mysql"})
 
-#: The dialects whose tables are to carry the judge and have no triggers yet (MariaDB and
-#: MySQL, C14): the guards refuse to write them unless the connection carries the execution
-#: option :data:`WITHOUT_JUDGE`, which says that the client's checks alone fence them.
-PENDING_DIALECTS = frozenset({"mariadb", "mysql"})
+#: The dialects whose judge reads session variables that outlive the transaction (MariaDB,
+#: MySQL): the library clears them (see :data:`WITHOUT_JUDGE`).
+SESSION_DIALECTS = frozenset({"mariadb", "mysql"})
 
 #: The execution option (of an engine or a connection) by which a user accepts to write
-#: the fenced tables of a database in :data:`PENDING_DIALECTS` without the database's
-#: judge: the guards' own checks (C4-C9) hold, but a write that does not go through
-#: iofence is not refused by the database.
+#: the fenced tables of a MariaDB or MySQL database (:data:`SESSION_DIALECTS`) whose
+#: triggers are not installed: the guards do not check for them, their own checks
+#: (C4-C9) hold, but a write that does not go through iofence is not refused by the
+#: database.
 WITHOUT_JUDGE = "iofence_without_judge"
+
+#: Pool entry ``info`` key of a MariaDB or MySQL connection whose session may hold one of
+#: the judge's variables (a statement failed, or the library set one): the end of the
+#: transaction, or the pool's reset, clears them.
+_SESSION_KEY = "iofence.session_variables"
+
+#: Pool entry ``info`` key of a MariaDB or MySQL connection that wrote under
+#: :data:`WITHOUT_JUDGE`: a table without the judge's triggers has no ``AFTER`` trigger to
+#: clear the row's token, so every end of a transaction on it clears the variables.
+_UNJUDGED_KEY = "iofence.unjudged_writes"
 
 #: Pool entry ``info`` key of the tables whose triggers were checked on the connection
 #: (their :attr:`Judged.check_key`).
@@ -139,6 +162,10 @@ def trigger_ddl(judged: Judged, dialect: str) -> list[str]:
     """
     if dialect == "postgresql":
         return pg_judge_ddl(judged)
+    if dialect == "mariadb":
+        return mariadb_judge_ddl(judged)
+    if dialect == "mysql":
+        return mariadb_judge_ddl(judged, replace=False)
     if dialect == "sqlite":
         if judged.schema is not None:
             return [
@@ -160,7 +187,8 @@ def install_triggers(
     ``await conn.run_sync(install_triggers, table)``.
 
     Args:
-        conn: a connection to PostgreSQL or SQLite (other databases: nothing is done).
+        conn: a connection to PostgreSQL, SQLite, MariaDB or MySQL (other databases:
+            nothing is done).
         table: the table: it has a fence column, or is a fence register.
         fence: its fence column, where the declaration does not mark it.
         tombstone: its tombstone flag, where the declaration does not mark it.
@@ -203,12 +231,14 @@ def forget_judged(conn: Connection, judged: Judged) -> None:
 
 
 def judged_on(conn: Connection, judged: Judged) -> bool:
-    """Whether ``judged``'s triggers need no check on ``conn`` (found in place before, or a
-    database without the judge). No I/O."""
-    if conn.dialect.name not in JUDGED_DIALECTS:
-        return conn.dialect.name not in PENDING_DIALECTS or bool(
-            conn.get_execution_options().get(WITHOUT_JUDGE)
-        )
+    """Whether ``judged``'s triggers need no check on ``conn`` (found in place before, a
+    database without the judge, or :data:`WITHOUT_JUDGE`). No I/O."""
+    dialect = conn.dialect.name
+    if dialect not in JUDGED_DIALECTS:
+        return True
+    if dialect in SESSION_DIALECTS and conn.get_execution_options().get(WITHOUT_JUDGE):
+        conn.connection.info[_UNJUDGED_KEY] = True
+        return True
     checked: set[tuple[Any, ...]] | None = conn.connection.info.get(CHECKED_KEY)
     return checked is not None and judged.check_key in checked
 
@@ -218,11 +248,14 @@ def record_verdict(conn: Connection | None, judged: Judged, rows: Any) -> None:
     if they are in place.
 
     Raises:
-        ConfigurationError: the triggers are missing, disabled or of another version.
+        ConfigurationError: the triggers are missing, disabled or of another version (on
+            MariaDB and MySQL: or a foreign key cascades into the table).
     """
     dialect = conn.dialect.name if conn is not None else "postgresql"
     exists, why = verdict(dialect, rows, judged)
     if why is not None:
+        if CASCADE_VERDICT in why:  # the triggers are not what is wrong
+            raise ConfigurationError(why)
         raise ConfigurationError(f"{why}; {judged.hint(dialect)}")
     if exists and conn is not None and not conn.closed and not conn.invalidated:
         conn.connection.info.setdefault(CHECKED_KEY, set()).add(judged.check_key)
@@ -240,21 +273,20 @@ def ensure_judged(conn: Connection, judged: Judged) -> None:
         judged: the table as the caller writes it.
 
     Raises:
-        ConfigurationError: the triggers are missing, disabled or of another version; the
-            message says what to run. On MariaDB and MySQL, which have no judge yet: the
-            connection does not carry :data:`WITHOUT_JUDGE`.
+        ConfigurationError: the triggers are missing, disabled or of another version (on
+            MariaDB and MySQL: or a foreign key cascades into the table, which fires no
+            trigger); the message says what to run.
         BackendError: the catalogue could not be read.
     """
     if judged_on(conn, judged):
         return
-    if conn.dialect.name in PENDING_DIALECTS:
-        raise ConfigurationError(
-            f"{judged.table}: MariaDB and MySQL have no database judge yet (C14), so no "
-            "trigger refuses a write that does not go through iofence; to write fenced "
-            "tables on the guards' own checks, say so with "
-            f"engine.execution_options({WITHOUT_JUDGE}=True) (see docs/mariadb.md)"
-        )
-    if conn.dialect.name == "postgresql":
+    if conn.dialect.name in SESSION_DIALECTS:
+        schema = "DATABASE()" if judged.schema is None else ":s"
+        query = text(MARIADB_CHECK_QUERY.format(param=":t", schema=schema))
+        params = {"t": judged.table}
+        if judged.schema is not None:
+            params["s"] = judged.schema
+    elif conn.dialect.name == "postgresql":
         query = text(PG_CHECK_QUERY.format(param=":t"))
         params = {"t": judged.qualified}
     else:
@@ -325,10 +357,31 @@ def _is_sqlite(dbapi_connection: Any) -> bool:
     return module.startswith(("sqlite3", "pysqlite2")) or "aiosqlite" in module
 
 
+_CLEAR_VARIABLES = (
+    f"SET {ROW_TOKEN_VARIABLE} = NULL, {TOKEN_VARIABLE} = NULL, {UNFENCED_VARIABLE} = NULL"
+)
+
+
+def _clear_variables(dbapi_connection: Any) -> None:
+    """Clear the judge's session variables on a MariaDB or MySQL connection (one round
+    trip)."""
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(_CLEAR_VARIABLES)
+    finally:
+        cursor.close()
+
+
 def _pool_reset(dbapi_connection: Any, connection_record: Any, reset_state: Any) -> None:
     record = connection_record
     if record is None:
         return
+    if record.info.get(_SESSION_KEY) or record.info.get(_UNJUDGED_KEY):
+        # The pool takes the connection back (or resets it): no token may stay in the
+        # session for its next user. An error here makes the pool discard the connection,
+        # and the session, variables and all, ends with it.
+        _clear_variables(dbapi_connection)
+        record.info.pop(_SESSION_KEY, None)
     record.info.pop(TOKEN_KEY, None)
     state: SQLiteState | None = record.info.get(_SQLITE_KEY)
     if state is not None:
@@ -337,8 +390,8 @@ def _pool_reset(dbapi_connection: Any, connection_record: Any, reset_state: Any)
 
 def set_token(conn: Connection, token: int) -> None:
     """Make ``token`` the token of ``conn``'s transaction (for the writes that carry none of
-    their own: the flush of a session bound without a claim). PostgreSQL: one statement;
-    SQLite: no I/O.
+    their own: the flush of a session bound without a claim). PostgreSQL, MariaDB, MySQL:
+    one statement; SQLite: no I/O.
 
     Raises:
         BackendError: the statement failed.
@@ -348,12 +401,14 @@ def set_token(conn: Connection, token: int) -> None:
         state = sqlite_state(conn)
         if state is not None:
             state.token = token
-    elif dialect == "postgresql":
+    elif dialect in ("postgresql", *SESSION_DIALECTS):
+        if dialect == "postgresql":
+            statement = f"SELECT pg_catalog.set_config('{TOKEN_SETTING}', '{int(token)}', true)"
+        else:
+            conn.connection.info[_SESSION_KEY] = True
+            statement = f"SET {TOKEN_VARIABLE} = {int(token)}"
         try:
-            conn.exec_driver_sql(
-                f"SELECT pg_catalog.set_config('{TOKEN_SETTING}', '{int(token)}', true)",
-                execution_options=OWN_OPTIONS,
-            )
+            conn.exec_driver_sql(statement, execution_options=OWN_OPTIONS)
         except SQLAlchemyError as exc:
             raise translate_error(exc, "setting the transaction's token", "-") from exc
     conn.info[TOKEN_KEY] = token
@@ -371,15 +426,33 @@ def clear_token(conn: Connection) -> None:
         state = sqlite_state(conn)
         if state is not None:
             state.token = None
-    elif dialect == "postgresql":
+    elif dialect in ("postgresql", *SESSION_DIALECTS):
+        if dialect == "postgresql":
+            statement = f"SELECT pg_catalog.set_config('{TOKEN_SETTING}', '', true)"
+        else:
+            statement = f"SET {TOKEN_VARIABLE} = NULL"
         try:
-            conn.exec_driver_sql(
-                f"SELECT pg_catalog.set_config('{TOKEN_SETTING}', '', true)",
-                execution_options=OWN_OPTIONS,
-            )
+            conn.exec_driver_sql(statement, execution_options=OWN_OPTIONS)
         except SQLAlchemyError as exc:
             raise translate_error(exc, "clearing the transaction's token", "-") from exc
     conn.info.pop(TOKEN_KEY, None)
+
+
+def _transaction_ending(conn: Connection, *args: Any) -> None:
+    if conn.closed or conn.invalidated:
+        return
+    info = conn.connection.info
+    if info.get(_SESSION_KEY) or info.get(_UNJUDGED_KEY):
+        # Before COMMIT or ROLLBACK is sent (the events fire first); the variables are not
+        # transactional, so they are cleared all the same. A connection that cannot be
+        # cleared is discarded: its session, and its variables, end with it.
+        try:
+            _clear_variables(conn.connection.dbapi_connection)
+        except Exception:
+            conn.invalidate()
+            raise
+        info.pop(_SESSION_KEY, None)
+    _transaction_ended(conn)
 
 
 def _transaction_ended(conn: Connection, *args: Any) -> None:
@@ -403,6 +476,7 @@ def _savepoint_undone(conn: Connection, *args: Any) -> None:
 
 _PREVIOUS = "iofence.unfenced_previous"
 _RESTORE = text(f"SELECT pg_catalog.set_config('{UNFENCED_SETTING}', :v, true)")
+_RESTORE_MARIADB = text(f"SET {UNFENCED_VARIABLE} = :v")
 
 
 def _before_execute(
@@ -427,6 +501,12 @@ def _before_execute(
             execution_options=OWN_OPTIONS,
         )
         conn.info[_PREVIOUS] = result.scalar() or ""
+    elif dialect in SESSION_DIALECTS:
+        conn.connection.info[_SESSION_KEY] = True
+        result = conn.exec_driver_sql(
+            f"SELECT {UNFENCED_VARIABLE}, {UNFENCED_VARIABLE} := 1", execution_options=OWN_OPTIONS
+        )
+        conn.info[_PREVIOUS] = result.scalar()
 
 
 def _after_execute(
@@ -448,12 +528,19 @@ def _after_execute(
     elif dialect == "postgresql":
         # The opt-out covers the marked statement, not the rest of the transaction.
         conn.execute(_RESTORE, {"v": previous}, execution_options=OWN_OPTIONS)
+    elif dialect in SESSION_DIALECTS:
+        conn.execute(_RESTORE_MARIADB, {"v": previous}, execution_options=OWN_OPTIONS)
 
 
 def _handle_error(context: Any) -> None:
     """A refusal of the judge, as the iofence error it stands for."""
     token = None
     conn = context.connection
+    if conn is not None and conn.dialect.name in SESSION_DIALECTS and not conn.invalidated:
+        # A failed statement may have assigned the row's token without the AFTER trigger
+        # that clears it (a duplicate key, a lock timeout, a refusal of the judge).
+        with contextlib.suppress(Exception):
+            conn.connection.info[_SESSION_KEY] = True
     if conn is not None and conn.dialect.name == "sqlite" and not conn.invalidated:
         state = sqlite_state(conn)
         token = state.get_token() if state is not None else None
@@ -480,10 +567,10 @@ def install() -> None:
     event.listen(Pool, "connect", _sqlite_connect)
     event.listen(Pool, "reset", _pool_reset)
     event.listen(Engine, "begin", _transaction_ended)
-    event.listen(Engine, "commit", _transaction_ended)
-    event.listen(Engine, "rollback", _transaction_ended)
-    event.listen(Engine, "commit_twophase", _transaction_ended)
-    event.listen(Engine, "rollback_twophase", _transaction_ended)
+    event.listen(Engine, "commit", _transaction_ending)
+    event.listen(Engine, "rollback", _transaction_ending)
+    event.listen(Engine, "commit_twophase", _transaction_ending)
+    event.listen(Engine, "rollback_twophase", _transaction_ending)
     event.listen(Engine, "rollback_savepoint", _savepoint_undone)
     event.listen(Engine, "before_execute", _before_execute)
     event.listen(Engine, "after_execute", _after_execute)

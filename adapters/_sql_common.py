@@ -32,6 +32,8 @@ from fence._sql_dialect import (
     error_code,
     fault_of,
     first_line,
+    mysql_code,
+    mysql_message,
 )
 
 from .ddl import (
@@ -344,6 +346,10 @@ def closed_connection_error(what: str = "the connection") -> BackendError:
 
 # The table named by a SQLite trigger's message: "... of <table>: ..." / "... from <table>: ...".
 _SQLITE_TABLE = re.compile(r"(?:of a row of|of|from) ([^\s:]+)")
+# A stale write's message of MariaDB's triggers, which carry no detail of their own.
+_MARIADB_STALE = re.compile(
+    r"^iofence: stale token (\d+) for (.*), whose fence is (\d+|NULL)$", re.S
+)
 
 
 def judge_error(exc: BaseException, token: int | None = None) -> FenceError | None:
@@ -361,7 +367,7 @@ def judge_error(exc: BaseException, token: int | None = None) -> FenceError | No
     if fault not in JUDGE_FAULTS:
         return None
     orig = getattr(exc, "orig", None) or exc
-    text = first_line(orig)
+    text = mysql_message(orig) if mysql_code(orig) is not None else first_line(orig)
     diag = getattr(orig, "diag", None)
     table = getattr(diag, "table_name", None)
     if table is None:
@@ -376,6 +382,14 @@ def judge_error(exc: BaseException, token: int | None = None) -> FenceError | No
                 detail = json.loads(raw)
             except ValueError:
                 detail = {}
+        stale = _MARIADB_STALE.match(text)
+        if stale is not None:
+            fence = stale.group(3)
+            detail = {
+                "token": int(stale.group(1)),
+                "scope": stale.group(2),
+                "fence": None if fence == "NULL" else int(fence),
+            }
         written = detail.get("token", token)
         return StaleTokenError(
             str(detail.get("scope") or table or "?"),

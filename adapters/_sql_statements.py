@@ -61,7 +61,7 @@ from ._sql_common import (
     chunks,
     one_kind,
 )
-from ._triggers import TOKEN_SETTING, Judged
+from ._triggers import ROW_TOKEN_VARIABLE, TOKEN_SETTING, Judged
 
 __all__ = [
     "DEFAULT_REGISTER",
@@ -106,8 +106,11 @@ class TokenOf(ColumnElement[int]):
     PostgreSQL: ``CAST(set_config('iofence.token', CAST(:t AS TEXT), true) AS BIGINT)``,
     the transaction-local setting the triggers read, made as the ``SET`` or ``VALUES`` of
     the row is evaluated, before its ``BEFORE`` trigger fires (a row the ``WHERE`` skips
-    sets nothing). SQLite: ``iofence_set_token(:t)``, a function iofence registers on its
-    connections. Elsewhere: the token itself. It costs no round trip.
+    sets nothing). MariaDB and MySQL: ``(@iofence_row_token := :t)``, the session variable
+    the triggers read, assigned as the row is evaluated (the judge's ``AFTER`` trigger
+    clears it once the row is written). SQLite: ``iofence_set_token(:t)``, a function
+    iofence registers on its connections. Elsewhere: the token itself. It costs no round
+    trip.
 
     Args:
         value: the token: a bind parameter or any expression of it.
@@ -131,6 +134,14 @@ def _token_plain(element: TokenOf, compiler: SQLCompiler, **kw: Any) -> str:
 def _token_postgresql(element: TokenOf, compiler: SQLCompiler, **kw: Any) -> str:
     value = compiler.process(element.value, **kw)
     return f"CAST(pg_catalog.set_config('{TOKEN_SETTING}', CAST({value} AS TEXT), true) AS BIGINT)"
+
+
+@compiles(TokenOf, "mysql")
+@compiles(TokenOf, "mariadb")
+def _token_mysql(element: TokenOf, compiler: SQLCompiler, **kw: Any) -> str:
+    # The session variable the triggers read, assigned as the row is evaluated; the judge's
+    # AFTER trigger clears it once the row is written.
+    return f"({ROW_TOKEN_VARIABLE} := {compiler.process(element.value, **kw)})"
 
 
 @compiles(TokenOf, "sqlite")

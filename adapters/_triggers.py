@@ -11,6 +11,13 @@ travels with the transaction:
   claim at the start of the transaction. It ends with the transaction, so a pooled
   connection never carries it into the next one. The opt-out is another local setting,
   ``iofence.unfenced = on`` (:data:`UNFENCED_SQL`).
+- MariaDB and MySQL: session variables, which outlive the transaction. A fenced statement
+  assigns ``@iofence_row_token`` as each row is evaluated, before the row's ``BEFORE``
+  trigger fires, and the judge's ``AFTER`` trigger clears it once the row is written; a
+  plain ``SET @iofence_token = <t>`` gives a transaction its token. The library clears
+  both when a transaction ends after a failed statement or a ``SET`` of its own, and when
+  the pool takes such a connection back. The opt-out is ``@iofence_unfenced = 1``
+  (:data:`MARIADB_UNFENCED_SQL`).
 - SQLite: functions the library registers on each connection it touches
   (``iofence_token()``, ``iofence_unfenced()``, ``iofence_set_token(t)``); the triggers call
   them, so a connection without them (the ``sqlite3`` shell, another program) is refused
@@ -29,7 +36,8 @@ What the judge decides, for a row of a fenced table (``f`` its fence column):
 The triggers carry a signature (:meth:`Judged.signature`: the judge's version and the
 columns it was made for) in a comment; the guards, the session hook and the unit of work
 read it once per table and connection (:data:`PG_CHECK_QUERY`, :data:`SQLITE_CHECK_QUERY`,
-:func:`verdict`) and refuse to write a table whose triggers are missing or outdated.
+:data:`MARIADB_CHECK_QUERY`, :func:`verdict`) and refuse to write a table whose triggers are
+missing or outdated.
 """
 
 from __future__ import annotations
@@ -42,20 +50,30 @@ from dataclasses import dataclass, field
 from fence._sql_dialect import SQLSTATE_REFUSED, SQLSTATE_STALE, SQLSTATE_UNFENCED
 
 __all__ = [
+    "CASCADE_VERDICT",
     "JUDGE_VERSION",
+    "MARIADB_CHECK_QUERY",
+    "MARIADB_UNFENCED_SQL",
     "MAX_TOKEN",
     "PG_CHECK_QUERY",
     "PG_REWRITE_CHECK_QUERY",
     "PG_REWRITE_TRIGGER",
     "PG_TRIGGERS",
+    "ROW_TOKEN_VARIABLE",
     "SQLITE_CHECK_QUERY",
     "SQLSTATE_REFUSED",
     "SQLSTATE_STALE",
     "SQLSTATE_UNFENCED",
     "TOKEN_SETTING",
+    "TOKEN_VARIABLE",
     "UNFENCED_SETTING",
     "UNFENCED_SQL",
+    "UNFENCED_VARIABLE",
     "Judged",
+    "mariadb_drop_ddl",
+    "mariadb_judge_ddl",
+    "mariadb_qualified",
+    "mariadb_trigger_names",
     "parse_signature",
     "pg_drop_ddl",
     "pg_judge_ddl",
@@ -243,11 +261,14 @@ def verdict(
     place and current), from the rows of the dialect's check query.
 
     Args:
-        dialect: ``"postgresql"`` or ``"sqlite"``.
-        rows: the rows of :data:`PG_CHECK_QUERY` or :data:`SQLITE_CHECK_QUERY`.
+        dialect: ``"postgresql"``, ``"sqlite"``, ``"mariadb"`` or ``"mysql"``.
+        rows: the rows of :data:`PG_CHECK_QUERY`, :data:`SQLITE_CHECK_QUERY` or
+            :data:`MARIADB_CHECK_QUERY`.
         expected: the table as the caller writes it.
     """
     rows = list(rows)
+    if dialect in ("mariadb", "mysql"):
+        return _mariadb_verdict(rows, expected)
     if dialect == "sqlite":
         exists = any(kind == "table" for kind, _, _ in rows)
         names = {str(name): str(sql or "") for kind, name, sql in rows if kind == "trigger"}
@@ -598,3 +619,276 @@ def sqlite_judge_ddl(judged: Judged) -> list[str]:
 def sqlite_drop_ddl(judged: Judged) -> list[str]:
     """The statements that remove the judge of a table (SQLite)."""
     return [f"DROP TRIGGER IF EXISTS {_ident(name)}" for name in _sqlite_names(judged)]
+
+
+# -- MariaDB (and MySQL) --------------------------------------------------------------------
+
+#: The session variable (MariaDB, MySQL) that carries a transaction's token, set by a
+#: ``SET`` of its own (``SET @iofence_token = 42``): another program's plain SQL, or
+#: :func:`fence.adapters.sql`'s ``set_token``. A session variable outlives the transaction:
+#: whoever sets it clears it when the transaction ends (the library does, for its own).
+TOKEN_VARIABLE = "@iofence_token"  # noqa: S105 - a variable's name, no secret
+
+#: The session variable (MariaDB, MySQL) that carries the token of one row of a fenced
+#: statement: the statement assigns it as the row is evaluated (``fence =
+#: (@iofence_row_token := t)``), before the row's ``BEFORE`` trigger fires, and the
+#: judge's ``AFTER`` trigger clears it once the row is written, so an accepted write
+#: leaves no token in the session and costs no round trip. A statement that fails between
+#: the two leaves it set: the library clears it when the transaction ends.
+ROW_TOKEN_VARIABLE = "@iofence_row_token"  # noqa: S105 - a variable's name, no secret
+
+#: The session variable (MariaDB, MySQL) of the opt-out: ``1`` lets a write without a
+#: token through (a fence is still never lowered).
+UNFENCED_VARIABLE = "@iofence_unfenced"
+
+#: The opt-out (MariaDB, MySQL) as a statement; it lasts until the library clears it at the
+#: end of the transaction, or until ``SET @iofence_unfenced = NULL``.
+MARIADB_UNFENCED_SQL = f"SET {UNFENCED_VARIABLE} = 1"
+
+#: What the check of a table's triggers reads (MariaDB, MySQL): one row per trigger of the
+#: table (or one with NULLs), each with the table's name, the names of the foreign keys
+#: of the table that write it by themselves (``CASCADE``, ``SET NULL``, ``SET DEFAULT``:
+#: InnoDB's cascades fire no trigger), and the trigger's name, event, timing and body;
+#: none if the table does not exist. ``{schema}``: the schema as a literal or
+#: ``DATABASE()``; ``{param}``: the table's name.
+MARIADB_CHECK_QUERY = (
+    "SELECT t.TABLE_NAME, (SELECT GROUP_CONCAT(rc.CONSTRAINT_NAME) "
+    "FROM information_schema.REFERENTIAL_CONSTRAINTS AS rc "
+    "WHERE rc.CONSTRAINT_SCHEMA = t.TABLE_SCHEMA AND rc.TABLE_NAME = t.TABLE_NAME "
+    "AND (rc.DELETE_RULE NOT IN ('RESTRICT', 'NO ACTION') "
+    "OR rc.UPDATE_RULE NOT IN ('RESTRICT', 'NO ACTION'))), "
+    "tr.TRIGGER_NAME, tr.EVENT_MANIPULATION, tr.ACTION_TIMING, tr.ACTION_STATEMENT "
+    "FROM information_schema.TABLES AS t LEFT JOIN information_schema.TRIGGERS AS tr "
+    "ON tr.EVENT_OBJECT_SCHEMA = t.TABLE_SCHEMA AND tr.EVENT_OBJECT_TABLE = t.TABLE_NAME "
+    "WHERE t.TABLE_SCHEMA = {schema} AND t.TABLE_NAME = {param}"
+)
+
+#: What the verdict on a table says when a foreign key cascades into it (MariaDB, MySQL).
+CASCADE_VERDICT = "has foreign keys that write it by themselves"
+
+# The judge's triggers by what each is for: the three that judge, and the two that clear
+# the row's token once the row is written.
+_MARIADB_TRIGGERS = {
+    "INSERT": ("BEFORE", "INSERT", "insert"),
+    "UPDATE": ("BEFORE", "UPDATE", "update"),
+    "DELETE": ("BEFORE", "DELETE", "delete"),
+    "INSERTED": ("AFTER", "INSERT", "inserted"),
+    "UPDATED": ("AFTER", "UPDATE", "updated"),
+}
+
+
+def _mariadb_ident(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+def _mariadb_literal(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def mariadb_qualified(table: str, schema: str | None = None) -> str:
+    """``table`` (in ``schema``) quoted for MariaDB and MySQL."""
+    t = _mariadb_ident(table)
+    return t if schema is None else f"{_mariadb_ident(schema)}.{t}"
+
+
+def mariadb_trigger_names(judged: Judged) -> dict[str, str]:
+    """The names of the judge's triggers of a table (MariaDB, MySQL): ``INSERT``,
+    ``UPDATE``, ``DELETE`` (``BEFORE``, they judge) and ``INSERTED``, ``UPDATED``
+    (``AFTER``, they clear the row's token); at most 64 characters, as MariaDB allows."""
+    base = judged.table
+    if len(f"iofence_{base}_inserted") > 64:
+        digest = hashlib.sha1(base.encode(), usedforsecurity=False).hexdigest()[:8]
+        base = f"{base[:40]}_{digest}"
+    return {what: f"iofence_{base}_{suffix}" for what, (_, _, suffix) in _MARIADB_TRIGGERS.items()}
+
+
+# The signature is a string, not a comment: the mariadb and mysql clients drop comments
+# (unless --comments) before they send a statement. The row's token comes first, the
+# transaction's after it. A refused write takes both out of the session (before SIGNAL):
+# what follows in the transaction writes without one, as on PostgreSQL after an error.
+_MARIADB_TRIGGER = """\
+CREATE {replace}TRIGGER {name} BEFORE {event} ON {table} FOR EACH ROW
+BEGIN
+    DECLARE signature VARCHAR(200) DEFAULT '{signature}';
+    DECLARE tok BIGINT DEFAULT COALESCE({row_token}, {token});
+    DECLARE opted BOOLEAN DEFAULT {optout} <=> 1;
+    DECLARE msg VARCHAR(1024);
+    IF tok IS NOT NULL AND (tok < 1 OR tok > {max}) THEN
+        SET {row_token} = NULL, {token} = NULL;
+        SET msg = CONCAT('iofence: unfenced {op} of ', {tname}, ': ', tok, ' is not a token');
+        SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = msg;
+    END IF;
+{body}END"""
+
+_MARIADB_CLEAR = """\
+CREATE {replace}TRIGGER {name} AFTER {event} ON {table} FOR EACH ROW
+BEGIN
+    DECLARE signature VARCHAR(200) DEFAULT '{signature}';
+    SET {row_token} = NULL;
+END"""
+
+_MARIADB_UNFENCED = """\
+        IF NOT opted{optional} THEN
+            SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT =
+                'iofence: unfenced {op} of {name}: the transaction carries no fencing token';
+        END IF;
+"""
+
+_MARIADB_STALE = """\
+        IF OLD.{f} IS NULL OR tok < OLD.{f} THEN
+            SET {row_token} = NULL, {token} = NULL;
+            SET msg = CONCAT('iofence: stale token ', tok, ' for ', {scope},
+                ', whose fence is ', COALESCE(OLD.{f}, 'NULL'));
+            SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = msg;
+        END IF;
+"""
+
+_MARIADB_LOWER = """\
+        IF NEW.{f} < OLD.{f} OR (NEW.{f} IS NULL AND OLD.{f} IS NOT NULL) THEN
+            SET msg = CONCAT('iofence: refused update of ', {tname},
+                ': it would lower the fence from ', OLD.{f}, ' to ', COALESCE(NEW.{f}, 'NULL'));
+            SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = msg;
+        END IF;
+"""
+
+_MARIADB_HARD_DELETE = """\
+        IF NOT opted THEN
+            SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT =
+                'iofence: refused hard delete from {name}: {why}';
+        END IF;
+"""
+
+
+def _mariadb_scope(judged: Judged) -> str:
+    """The row's scope in a stale write's error, as the guards name it (``accounts(42)``,
+    ``accounts('a', 2)``): text keys quoted, numbers not."""
+    if judged.register:
+        return f"OLD.{_mariadb_ident('scope')}"
+    name = _mariadb_literal(judged.table)
+    if not judged.key:
+        return name
+    parts = []
+    for column in judged.key:
+        old = f"OLD.{_mariadb_ident(column)}"
+        parts.append(
+            f"IF(JSON_TYPE(JSON_EXTRACT(JSON_OBJECT('v', {old}), '$.v')) = 'STRING', "
+            f"QUOTE({old}), {old})"
+        )
+    return f"CONCAT({name}, '(', CONCAT_WS(', ', {', '.join(parts)}), ')')"
+
+
+def mariadb_judge_ddl(judged: Judged, *, replace: bool = True) -> list[str]:
+    """The judge of one table on MariaDB (and MySQL): three ``BEFORE`` row triggers
+    (``INSERT``, ``UPDATE``, ``DELETE``) that refuse with ``SIGNAL SQLSTATE '45000'`` and a
+    message ``iofence: ...``, and set the fence of an accepted write to the token (C4); and
+    two ``AFTER`` row triggers (``INSERT``, ``UPDATE``) that clear the row's token once the
+    row is written. The token is the row's (:data:`ROW_TOKEN_VARIABLE`, set by the fenced
+    statement) or else the transaction's (:data:`TOKEN_VARIABLE`); the opt-out is
+    :data:`UNFENCED_VARIABLE`.
+
+    ``TRUNCATE`` and InnoDB's foreign-key cascades fire no trigger on MariaDB: see
+    ``docs/mariadb.md`` for the privilege that refuses the first, and the check
+    (:data:`MARIADB_CHECK_QUERY`) that refuses a table a cascade can write.
+
+    Args:
+        judged: the table and its columns.
+        replace: ``CREATE OR REPLACE TRIGGER`` (MariaDB: each trigger is replaced in one
+            step, the table is never without it); ``False``: ``DROP TRIGGER IF EXISTS``
+            then ``CREATE TRIGGER`` (MySQL, which has no ``OR REPLACE`` for triggers).
+    """
+    f = _mariadb_ident(judged.fence)
+    name = judged.table.replace("\\", "\\\\").replace("'", "''")
+    tname = _mariadb_literal(judged.table)
+    names = mariadb_trigger_names(judged)
+    optional = " AND FALSE" if judged.optional else ""
+    scope = _mariadb_scope(judged)
+
+    def unfenced(op: str) -> str:
+        return _MARIADB_UNFENCED.format(op=op, name=name, optional=optional)
+
+    def stale() -> str:
+        return _MARIADB_STALE.format(
+            f=f, token=TOKEN_VARIABLE, row_token=ROW_TOKEN_VARIABLE, scope=scope
+        )
+
+    lower = _MARIADB_LOWER.format(f=f, tname=tname)
+    insert = (
+        f"    IF tok IS NOT NULL THEN\n        SET NEW.{f} = tok;\n    ELSE\n"
+        f"{unfenced('insert')}    END IF;\n"
+    )
+    update = (
+        f"    IF tok IS NULL THEN\n{unfenced('update')}{lower}    ELSE\n{stale()}{lower}"
+        f"        SET NEW.{f} = tok;\n    END IF;\n"
+    )
+    hard = ""
+    if judged.register:
+        hard = _MARIADB_HARD_DELETE.format(
+            name=name, why="a fence register keeps its rows for ever (they are the tombstones)"
+        )
+    elif judged.tombstone is not None:
+        why = (
+            f"it would drop the fence that the tombstone flag {judged.tombstone} keeps; "
+            "delete through a guard (a soft delete)"
+        ).replace("'", "''")
+        hard = _MARIADB_HARD_DELETE.format(name=name, why=why)
+    delete = f"    IF tok IS NULL THEN\n{unfenced('delete')}    ELSE\n{stale()}{hard}    END IF;\n"
+    bodies = {"INSERT": insert, "UPDATE": update, "DELETE": delete}
+    out: list[str] = []
+    for what, (timing, event, _) in _MARIADB_TRIGGERS.items():
+        trigger = mariadb_qualified(names[what], judged.schema)
+        if not replace:
+            out.append(f"DROP TRIGGER IF EXISTS {trigger}")
+        out.append(
+            (_MARIADB_TRIGGER if timing == "BEFORE" else _MARIADB_CLEAR).format(
+                replace="OR REPLACE " if replace else "",
+                name=trigger,
+                event=event,
+                table=mariadb_qualified(judged.table, judged.schema),
+                signature=judged.signature(),
+                token=TOKEN_VARIABLE,
+                row_token=ROW_TOKEN_VARIABLE,
+                optout=UNFENCED_VARIABLE,
+                max=MAX_TOKEN,
+                op=event.lower(),
+                tname=tname,
+                body=bodies.get(what, ""),
+            )
+        )
+    return out
+
+
+def mariadb_drop_ddl(judged: Judged) -> list[str]:
+    """The statements that remove the judge of a table (MariaDB, MySQL)."""
+    return [
+        f"DROP TRIGGER IF EXISTS {mariadb_qualified(name, judged.schema)}"
+        for name in mariadb_trigger_names(judged).values()
+    ]
+
+
+def _mariadb_verdict(rows: list[Sequence[object]], expected: Judged) -> tuple[bool, str | None]:
+    if not rows:
+        return False, None
+    table = expected.table
+    cascades = rows[0][1]
+    if cascades:
+        return True, (
+            f"{table} {CASCADE_VERDICT} ({cascades}: CASCADE, SET NULL or SET DEFAULT), and "
+            "InnoDB's cascades fire no trigger, so nothing would judge those writes; make "
+            "them RESTRICT (or NO ACTION) and delete the rows through a guard"
+        )
+    found = {str(r[2]): (str(r[3]), str(r[4]), r[5]) for r in rows if r[2] is not None}
+    names = mariadb_trigger_names(expected)
+    missing = [name for name in names.values() if name not in found]
+    if missing:
+        return True, f"the triggers of {table} are missing ({', '.join(missing)})"
+    for what, name in names.items():
+        manipulation, timing, body = found[name]
+        wanted_timing, event, _ = _MARIADB_TRIGGERS[what]
+        if manipulation.upper() != event or timing.upper() != wanted_timing:
+            return True, f"the trigger {name} of {table} is not {wanted_timing} {event}"
+        if isinstance(body, bytes):
+            body = body.decode()
+        why = _mismatch(body if isinstance(body, str) else None, expected)
+        if why is not None:
+            return True, f"the triggers of {table} are outdated: {why}"
+    return True, None

@@ -27,10 +27,15 @@ from fence._sql_dialect import SQLSTATE_REFUSED, SQLSTATE_STALE, SQLSTATE_UNFENC
 
 from ._triggers import (
     JUDGE_VERSION,
+    MARIADB_UNFENCED_SQL,
     TOKEN_SETTING,
+    TOKEN_VARIABLE,
     UNFENCED_SETTING,
     UNFENCED_SQL,
+    UNFENCED_VARIABLE,
     Judged,
+    mariadb_drop_ddl,
+    mariadb_judge_ddl,
     pg_drop_ddl,
     pg_judge_ddl,
     pg_rewrite_judge_ddl,
@@ -44,15 +49,18 @@ __all__ = [
     "DEFAULT_TOMBSTONE_COLUMN",
     "FENCE_COLUMN_DDL",
     "JUDGE_VERSION",
+    "MARIADB_UNFENCED_SQL",
     "MYSQL_REGISTER_TABLE_DDL",
     "REGISTER_TABLE_DDL",
     "SQLSTATE_REFUSED",
     "SQLSTATE_STALE",
     "SQLSTATE_UNFENCED",
     "TOKEN_SETTING",
+    "TOKEN_VARIABLE",
     "TOMBSTONE_COLUMN_DDL",
     "UNFENCED_SETTING",
     "UNFENCED_SQL",
+    "UNFENCED_VARIABLE",
     "drop_trigger_ddl",
     "rewrite_trigger_ddl",
     "trigger_ddl",
@@ -138,12 +146,15 @@ def trigger_ddl(
     triggers: ``BEFORE INSERT``, ``UPDATE``, ``DELETE`` (for each row) and ``TRUNCATE``.
     SQLite: ``BEFORE`` triggers that refuse, and ``AFTER`` triggers that raise the fence of
     a plain write of the current holder; they call functions iofence registers on its own
-    connections, so another program's connection cannot write the table.
+    connections, so another program's connection cannot write the table. MariaDB and
+    MySQL: ``BEFORE INSERT``, ``UPDATE`` and ``DELETE`` triggers that read the token from
+    the session variable ``@iofence_token`` (each statement is one trigger, whose body
+    holds semicolons: the ``mariadb`` client needs a ``DELIMITER``).
 
     Args:
         table: the table's name, as the catalogue spells it.
-        dialect: ``"postgresql"`` or ``"sqlite"``.
-        schema: its schema (PostgreSQL) or attached database.
+        dialect: ``"postgresql"``, ``"sqlite"``, ``"mariadb"`` or ``"mysql"``.
+        schema: its schema (PostgreSQL), attached database (SQLite) or database (MariaDB).
         fence: the fence column.
         tombstone: the tombstone flag, if the table has one: a hard delete is then refused
             (it would drop the fence the tombstone keeps).
@@ -151,7 +162,8 @@ def trigger_ddl(
             is refused.
         optional: a ``fenced_version()`` model's table: writes without a token keep plain
             optimistic concurrency (they pass, never lowering the fence).
-        key: the key columns (SQLite, for a ``WITHOUT ROWID`` table; default ``rowid``).
+        key: the key columns (SQLite, for a ``WITHOUT ROWID`` table; default ``rowid``.
+            MariaDB: they name the row in a stale write's error; without them, the table).
 
     Raises:
         ConfigurationError: an unknown dialect, an empty name, or a register with a
@@ -175,8 +187,10 @@ def trigger_ddl(
         return pg_judge_ddl(judged)
     if dialect == "sqlite":
         return sqlite_judge_ddl(judged)
+    if dialect in ("mariadb", "mysql"):
+        return mariadb_judge_ddl(judged, replace=dialect == "mariadb")
     raise ConfigurationError(
-        f"the database's judge exists for postgresql and sqlite, not {dialect!r}"
+        f"the database's judge exists for postgresql, sqlite, mariadb and mysql, not {dialect!r}"
     )
 
 
@@ -202,8 +216,10 @@ def drop_trigger_ddl(
         return pg_drop_ddl(judged)
     if dialect == "sqlite":
         return sqlite_drop_ddl(judged)
+    if dialect in ("mariadb", "mysql"):
+        return mariadb_drop_ddl(judged)
     raise ConfigurationError(
-        f"the database's judge exists for postgresql and sqlite, not {dialect!r}"
+        f"the database's judge exists for postgresql, sqlite, mariadb and mysql, not {dialect!r}"
     )
 
 

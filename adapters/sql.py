@@ -1,6 +1,6 @@
 """Fenced SQL rows through SQLAlchemy Core (2.x), sync and asyncio, PostgreSQL, SQLite and
-MariaDB (see ``docs/mariadb.md``: no database judge yet, so its engines must carry
-``execution_options(iofence_without_judge=True)``, :data:`WITHOUT_JUDGE`).
+MariaDB (see ``docs/mariadb.md``: its fenced tables carry the database judge too;
+:data:`WITHOUT_JUDGE` writes a MariaDB table without it).
 
 Two guards, both run inside the caller's connection and transaction:
 

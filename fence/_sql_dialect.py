@@ -50,6 +50,7 @@ __all__ = [
     "JUDGE_FAULTS",
     "MYSQL_DEADLOCK",
     "MYSQL_LOCK_WAIT_TIMEOUT",
+    "MYSQL_SIGNAL",
     "PG_CONNECT_TIMEOUT",
     "SQLITE_PRAGMAS",
     "SQLSTATE_REFUSED",
@@ -67,6 +68,7 @@ __all__ = [
     "fault_of",
     "first_line",
     "mysql_code",
+    "mysql_message",
     "set_sqlite_pragmas",
     "sqlite_code",
     "sqlstate",
@@ -103,6 +105,9 @@ SQLSTATE_REFUSED = "IOF03"
 #: of a lock wait that timed out (``innodb_lock_wait_timeout``; only the statement was).
 MYSQL_DEADLOCK = 1213
 MYSQL_LOCK_WAIT_TIMEOUT = 1205
+#: MariaDB's and MySQL's error number of ``SIGNAL SQLSTATE '45000'`` (ER_SIGNAL_EXCEPTION):
+#: the judge's triggers refuse with it, and a message ``iofence: ...`` says why.
+MYSQL_SIGNAL = 1644
 
 
 class Fault(enum.Enum):
@@ -127,7 +132,8 @@ class Fault(enum.Enum):
             does not exist or that ``pg_hba.conf`` turns away): never transient.
         CONNECTION: the connection is lost or closed (classes 08 and 57P).
         UNFENCED: the database's judge (C14) refused a write that carries no token
-            (:data:`SQLSTATE_UNFENCED`; SQLite: a message ``iofence: unfenced ...``).
+            (:data:`SQLSTATE_UNFENCED`; SQLite, and MariaDB's error 1644: a message
+            ``iofence: unfenced ...``).
         STALE: the judge refused a write whose token is below the row's fence
             (:data:`SQLSTATE_STALE`; ``iofence: stale ...``).
         REFUSED: the judge refused a write that would lower or drop a fence: a lowered
@@ -217,6 +223,13 @@ def error_code(exc: BaseException) -> str | None:
         return f"MariaDB error {code}"
     state = sqlstate(exc)
     return None if state is None else f"SQLSTATE {state}"
+
+
+def mysql_message(exc: BaseException) -> str:
+    """The message of a MariaDB or MySQL error (the DB-API error's second argument; its
+    ``str()`` is the tuple of number and message)."""
+    args = _dbapi_error(exc).args
+    return args[1] if len(args) > 1 and isinstance(args[1], str) else ""
 
 
 def first_line(exc: BaseException) -> str:
@@ -628,6 +641,12 @@ class MySQLDialect(SQLDialect):
         """See :meth:`SQLDialect.classify`. By error number."""
         code = mysql_code(exc)
         if code is None:
+            return None
+        if code == MYSQL_SIGNAL:
+            message = mysql_message(exc)
+            for prefix, fault in _JUDGED_MESSAGES.items():
+                if message.startswith(prefix):
+                    return fault
             return None
         return _MYSQL_FAULTS.get(code)
 

@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
         "refuse stale and unfenced writes, whoever sends them; run it again to upgrade them). "
         "The PostgreSQL and MariaDB scripts run again unharmed (IF NOT EXISTS). "
         + _SQLITE_AGAIN
-        + " MariaDB and MySQL: no lease table and no judge yet (docs/mariadb.md).",
+        + " MariaDB and MySQL: no lease table yet (docs/mariadb.md); their triggers come "
+        "between DELIMITER lines, for the mariadb and mysql clients.",
     )
     ddl_parser.add_argument(
         "--dialect",
@@ -798,14 +799,8 @@ def _ddl_script(
     fence_column_ddl, tombstone_ddl, register_ddl = sql_ddl()
     mysql = dialect in ("mariadb", "mysql")
     if mysql:
-        if triggers_only:
-            raise ConfigurationError(
-                f"{dialect} has no database judge yet (see docs/mariadb.md): there are no "
-                "triggers to print"
-            )
-        # Neither has its lease statements nor its judge yet: the row guards and the
-        # register only.
-        lease_table, triggers = None, False
+        # No lease statements yet: the row guards, the register and the judge only.
+        lease_table = None
         register_ddl = sql_mysql_register_ddl()
     if dialect in ("postgresql", "mariadb"):
         # The library's templates run on SQLite too, which has no ADD COLUMN IF NOT EXISTS;
@@ -829,6 +824,10 @@ def _ddl_script(
     def judge(name: str, in_schema: str | None = None, **options: Any) -> list[str]:
         *owner, table = parts_of(name, in_schema)
         found = trigger_ddl(table, dialect=dialect, schema=owner[0] if owner else None, **options)
+        if mysql:
+            # A trigger's body holds semicolons: the clients split statements at another
+            # delimiter meanwhile.
+            return ["DELIMITER //", *(statement + " //" for statement in found), "DELIMITER ;"]
         return [statement + ";" for statement in found]
 
     judge_note = (
@@ -851,10 +850,9 @@ def _ddl_script(
     elif mysql:
         out = [
             f"-- iofence DDL for {dialect}, for a migration or the {dialect} client: the fence",
-            "-- register and the columns of fenced tables. No lease table (the SQL lock",
-            "-- manager does not run on it yet) and no judge (its triggers are not written",
-            "-- yet): the guards write these tables only on an engine or connection with",
-            "-- execution_options(iofence_without_judge=True); see docs/mariadb.md.",
+            "-- register, the columns of fenced tables and the judge's triggers (whose",
+            "-- DELIMITER lines are for the client; a migration runs each statement alone).",
+            "-- No lease table: the SQL lock manager does not run on it yet (docs/mariadb.md).",
         ]
         if dialect == "mariadb":
             out.append("-- Running it again changes nothing (IF NOT EXISTS).")

@@ -2,8 +2,8 @@
 
 ``sql-sqlite``, ``sql-postgres`` and ``sql-mariadb``: every scope is a row of a fresh table
 ``(k PK, v, fence, deleted)``, every harness call is its own transaction
-(``engine.begin()``), and batches are :meth:`RowGuard.upsert_many`. MariaDB has no
-database judge yet: its engines say so (``WITHOUT_JUDGE``), as a user must.
+(``engine.begin()``), and batches are :meth:`RowGuard.upsert_many`. Every table carries
+the database's judge (C14), MariaDB's too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from sqlalchemy import BigInteger, Column, MetaData, String, Table, create_engin
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from fence.adapters.sql import (
-    WITHOUT_JUDGE,
     AsyncRowGuard,
     RowGuard,
     fence_column,
@@ -40,10 +39,6 @@ def make_table(name: str | None = None) -> Table:
     )
 
 
-def _options(url: str) -> dict[str, Any]:
-    return {WITHOUT_JUDGE: True} if url.startswith(("mariadb", "mysql")) else {}
-
-
 def _value(row: Any) -> int | None:
     return None if row is None else row.v
 
@@ -54,7 +49,7 @@ class SqlHarness:
     features = FEATURES
 
     def __init__(self, url: str) -> None:
-        self.engine = create_engine(url).execution_options(**_options(url))
+        self.engine = create_engine(url)
         self.table = make_table()
         with self.engine.begin() as conn:
             self.table.create(conn)
@@ -107,7 +102,7 @@ class AsyncSqlHarness:
     features = FEATURES
 
     def __init__(self, url: str) -> None:
-        self.engine = create_async_engine(url).execution_options(**_options(url))
+        self.engine = create_async_engine(url)
         self.table = make_table()
         self.created = False
 

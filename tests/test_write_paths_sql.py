@@ -300,8 +300,6 @@ class Db:
 
 def _open(url: str, models: Models, dialect: str) -> Iterator[Db]:
     engine = create_engine(url)
-    if dialect == "mariadb":  # no judge there yet: said, as a user must (docs/mariadb.md)
-        engine = engine.execution_options(iofence_without_judge=True)
     with engine.begin() as conn:
         if dialect == "postgres":
             conn.execute(text("CREATE SCHEMA IF NOT EXISTS wp_schema"))

@@ -185,7 +185,10 @@ class _AsyncFlow(Generic[RowT]):
         first would be a transaction of its own, and releasing it would commit) and takes
         the write lock, so the fences read stay as they are until the transaction ends.
         Where the row count cannot prove an upsert (``found_rows``), ``verify`` proves the
-        batch instead, by a locking read of every fence after the writes.
+        batch instead, by a locking read of every fence after the writes. There (MariaDB,
+        MySQL) the database's judge refuses a row that a concurrent transaction fenced
+        after ``check`` read it (READ COMMITTED takes no gap locks); that too undoes the
+        batch (``False``), and the caller's read of the fences lists every rejected item.
         """
         executor = self.executor
         if not executor.counts_many and verify is None:
@@ -194,8 +197,13 @@ class _AsyncFlow(Generic[RowT]):
         def body() -> bool:
             check()
             count = 0
-            for stmt, params in writes:
-                count += executor.many(stmt, params, action, name)
+            try:
+                for stmt, params in writes:
+                    count += executor.many(stmt, params, action, name)
+            except StaleTokenError:
+                if verify is None:
+                    raise
+                return False
             if verify is not None:
                 return verify()
             return count == expected
@@ -253,9 +261,22 @@ class RowFlow(_AsyncFlow[RowT]):
         self.read_back = read_back
         # Resolved once for the single-row writes: the executor's run, and whether a write
         # without RETURNING is unverifiable (C9).
-        self._run = executor.run
+        self._run = executor.run if not statements.found_rows else self._run_judged
         self._uncounted = not executor.counts_rows
         self._one_key = len(statements.key_names) == 1
+
+    def _run_judged(
+        self, stmt: Any, params: Any, returning: bool, action: str, scope: str | RowScope
+    ) -> tuple[int, Sequence[RowT]]:
+        """The executor's run where an upsert has no ``WHERE`` (MariaDB, MySQL): the
+        database's judge refuses a stale upsert itself, and its refusal is reported as the
+        guard's own (``WRITE_REJECTED``), with the row's scope as the guard names it (the
+        triggers name the row only where their DDL was given the key columns)."""
+        try:
+            return self.executor.run(stmt, params, returning, action, scope)
+        except StaleTokenError as err:
+            err.scope = str(scope)
+            raise self._rejected(err) from err.__cause__
 
     # -- reads ------------------------------------------------------------------------
 
@@ -695,7 +716,10 @@ class RegisterFlow(_AsyncFlow[RowT]):
         if not self._judged:
             self._judge(self.statements.judged)
         stmt, params = self.statements.claim_call(scope, token, returning)
-        count, _ = self.executor.run(stmt, params, returning, "fence claim", scope)
+        try:
+            count, _ = self.executor.run(stmt, params, returning, "fence claim", scope)
+        except StaleTokenError as err:  # the database's judge (MariaDB, MySQL: no WHERE)
+            raise self._rejected(err) from err.__cause__
         found_rows = self.statements.found_rows
         if found_rows and count == 2:  # a fence raised
             count = 1
