@@ -516,6 +516,14 @@ def test_postgres_failed_acquire_leaves_no_lock(
     lease.release()
 
 
+#: The timeout of an acquire whose statement must reach the frozen backend's socket before
+#: it runs out: sending it takes a thread, a pool check-out and a write, which a loaded
+#: machine can hold up for longer than half a second. Had it run out first, the clean-up
+#: would take the pooled connection, the frozen one, and the schedule the test is about
+#: would not happen.
+ON_THE_WIRE = 2.0
+
+
 def frozen_manager(pg: PostgresServer, managers: list[Any]) -> tuple[Any, str, str]:
     """A manager of a table of its own whose connections name the table (to find them in
     ``pg_stat_activity``); returns it, the table and that name."""
@@ -547,9 +555,9 @@ def test_postgres_attempt_that_arrives_after_its_clean_up_is_refused(
     (pid,) = [row[0] for row in backends(pg.conninfo, app)]  # the pool's one connection
     os.kill(pid, signal.SIGSTOP)
     try:
-        outcome, elapsed = timed(lambda: manager.acquire(resource, timeout=0.5))
+        outcome, elapsed = timed(lambda: manager.acquire(resource, timeout=ON_THE_WIRE))
         assert isinstance(outcome, BackendError), outcome
-        assert elapsed < 0.5 + SLACK
+        assert elapsed < ON_THE_WIRE + SLACK
         until(
             lambda: any(
                 p != pid and state == "idle" and query == "COMMIT"
@@ -588,7 +596,7 @@ def test_postgres_attempt_queued_behind_its_clean_up_is_refused(
         blocker.execute(f'SELECT 1 FROM "{table}" WHERE resource = %s FOR UPDATE', (resource,))
         os.kill(pid, signal.SIGSTOP)
         try:
-            outcome, _ = timed(lambda: manager.acquire(resource, timeout=0.5))
+            outcome, _ = timed(lambda: manager.acquire(resource, timeout=ON_THE_WIRE))
             assert isinstance(outcome, BackendError), outcome
             until(lambda: len(waiting() - {pid}) == 1, "the clean-up to wait for the row")
         finally:
