@@ -3,9 +3,10 @@
 The request has reached the server (or will, when it runs again) when the task is
 cancelled; the attempt may be granted after all. The manager cleans up before the
 ``CancelledError`` reaches the caller, so the lock is free at the next round trip instead
-of being held for the whole ttl by a secret nobody has. A task cancelled while it waits
-in the queue of etcd or ZooKeeper takes its entry out, so the contenders behind it do not
-wait for its lease or session to end. asyncio only: a thread cannot be cancelled (its
+of being held for the whole ttl by a secret nobody has (etcd and ZooKeeper: also when
+the join ran and its reply is held back). A task cancelled while it waits in the queue
+of etcd or ZooKeeper takes its entry out, so the contenders behind it do not wait for its
+lease or session to end. asyncio only: a thread cannot be cancelled (its
 timeouts are in ``tests/_async/test_manager_deadlines.py`` and, for a waiter on etcd and
 ZooKeeper, ``tests/test_consensus_managers.py``).
 """
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import secrets
 import signal
+import socket
 import sqlite3
 import threading
 import time
@@ -40,7 +43,7 @@ from fence._etcd import queue_prefix, range_end
 from fence._redis_keys import resource_keys
 from fence._zookeeper import queue_order, resource_path
 from tests.proxy_zookeeper import MULTI, ZooKeeperProxy
-from tests.servers import EtcdCluster, PostgresServer, RedisServer, ZooKeeperEnsemble
+from tests.servers import EtcdCluster, PostgresServer, RedisServer, ZooKeeperEnsemble, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -377,3 +380,109 @@ async def test_consensus_cancelled_while_waiting(
     finally:
         await holder.close()
         await waiter.close()
+
+
+class ReplyHolder:
+    """A TCP proxy to an etcd member that, while armed, keeps back the reply on every
+    connection whose request contained ``marker`` (the request goes on and runs): the
+    client waits inside that round trip for as long as the test likes. A held reply is
+    never delivered; the connection ends when the client closes it."""
+
+    def __init__(self, host: str, port: int, marker: bytes) -> None:
+        self.upstream = (host, port)
+        self.marker = marker
+        self.port = free_port()
+        self.armed = threading.Event()
+        self.held = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        for sock in [self._listener, *self._sockets]:
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self._sockets += [client, server]
+            marked = threading.Event()
+            for args in ((client, server, False, marked), (server, client, True, marked)):
+                threading.Thread(target=self._pipe, args=args, daemon=True).start()
+
+    def _pipe(
+        self, source: socket.socket, sink: socket.socket, replies: bool, marked: threading.Event
+    ) -> None:
+        try:
+            while data := source.recv(65536):
+                if not replies and self.armed.is_set() and self.marker in data:
+                    marked.set()  # before the request goes on: its reply comes after
+                if replies and marked.is_set():
+                    self.held.set()
+                    continue
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["lock-free", "lock-held"])
+async def test_etcd_cancelled_inside_the_join(
+    request: pytest.FixtureRequest,
+    etcd_cluster: EtcdCluster,
+    etcd_url: str,
+    resource: str,
+    held: bool,
+) -> None:
+    """The transaction that joins the queue (its key, on the contender's lease) has run
+    on the member, and its reply is held (:class:`ReplyHolder`) when the task is
+    cancelled. The key is the lock (the lock was free), or a place behind a holder, for a
+    secret nobody has; its lease lives 31 s. The manager revokes that lease before the
+    cancellation reaches the caller: the key is gone, and the next contender gets the lock
+    at once (or when the holder releases), not when the lease ends."""
+    host, port = etcd_cluster.endpoints[0].rsplit(":", 1)
+    proxy = ReplyHolder(host, int(port), b"/v3/kv/txn")
+    path = etcd_url.split("/", 3)[3]
+    manager = AsyncEtcdLockManager(f"etcd://127.0.0.1:{proxy.port}/{path}", ttl=30)
+    other = AsyncEtcdLockManager(etcd_url, ttl=30)
+
+    def entries() -> int:
+        return queue_entries(request, "etcd", etcd_url, resource)
+
+    try:
+        await (await manager.acquire(resource, timeout=10)).release()  # connected
+        lease = await other.acquire(resource, timeout=10) if held else None
+        proxy.armed.set()
+        task = asyncio.create_task(manager.acquire(resource, timeout=60))
+        for _ in range(600):
+            if proxy.held.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert proxy.held.is_set()
+        assert entries() == 1 + int(held)  # the join landed
+        await cancel_after(task, 0.0)
+        proxy.armed.clear()
+        # The revoke is sent before the caller hears of the cancellation; a member slow to
+        # answer (a loaded machine) gets it from the background, well within the lease.
+        for _ in range(200):
+            if entries() == int(held):
+                break
+            await asyncio.sleep(0.05)
+        assert entries() == int(held)
+        if lease is not None:
+            await lease.release()
+        released = time.monotonic()
+        again = await other.acquire(resource, timeout=60)
+        took = time.monotonic() - released
+        await again.release()
+        assert took < 10.0, f"granted {took:.2f} s after the cancellation (lease 31 s)"
+    finally:
+        await manager.close()
+        await other.close()
+        proxy.close()
