@@ -486,3 +486,50 @@ async def test_etcd_cancelled_inside_the_join(
         await manager.close()
         await other.close()
         proxy.close()
+
+
+async def test_etcd_cancelled_inside_the_attempt_after_the_wake(
+    request: pytest.FixtureRequest, etcd_cluster: EtcdCluster, etcd_url: str, resource: str
+) -> None:
+    """A waiter queued behind a holder is woken by the release; the first round trip of
+    its next attempt (the keepalive of its lease) has run on the member and its reply is
+    held (:class:`ReplyHolder`) when the task is cancelled. Its key comes first now: the
+    lock is its own, for a secret nobody has, and its lease lives 31 s. The manager
+    revokes the lease before the cancellation reaches the caller (and takes its place
+    out): the next contender gets the lock at once, not when the lease ends."""
+    host, port = etcd_cluster.endpoints[0].rsplit(":", 1)
+    proxy = ReplyHolder(host, int(port), b"/v3/lease/keepalive")
+    path = etcd_url.split("/", 3)[3]
+    manager = AsyncEtcdLockManager(f"etcd://127.0.0.1:{proxy.port}/{path}", ttl=30)
+    other = AsyncEtcdLockManager(etcd_url, ttl=30)
+
+    async def until(condition: Callable[[], bool], what: str) -> None:
+        for _ in range(400):
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"gave up waiting for {what}")
+
+    def entries() -> int:
+        return queue_entries(request, "etcd", etcd_url, resource)
+
+    try:
+        lease = await other.acquire(resource, timeout=10)
+        task = asyncio.create_task(manager.acquire(resource, timeout=60))
+        await until(lambda: entries() == 2, "the waiter's key")
+        proxy.armed.set()
+        await lease.release()
+        await until(proxy.held.is_set, "the waiter's keepalive")
+        assert entries() == 1  # the waiter's key, first in the queue
+        await cancel_after(task, 0.0)
+        proxy.armed.clear()
+        cancelled = time.monotonic()
+        await until(lambda: entries() == 0, "the waiter's key to go")
+        again = await other.acquire(resource, timeout=60)
+        took = time.monotonic() - cancelled
+        await again.release()
+        assert took < 10.0, f"granted {took:.2f} s after the cancellation (lease 31 s)"
+    finally:
+        await manager.close()
+        await other.close()
+        proxy.close()
