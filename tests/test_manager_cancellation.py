@@ -36,10 +36,12 @@ from kazoo.exceptions import NoNodeError
 from fence import MemoryBackend
 from fence._async.etcd import AsyncEtcdLockManager
 from fence._async.memory import AsyncMemoryLockManager
+from fence._async.quorum import AsyncQuorumLockManager
 from fence._async.redis import AsyncRedisLockManager
 from fence._async.sql import AsyncSQLLockManager
 from fence._async.zookeeper import AsyncZooKeeperLockManager
 from fence._etcd import queue_prefix, range_end
+from fence._quorum import SCRIPTS as QUORUM_SCRIPTS
 from fence._redis_keys import resource_keys
 from fence._zookeeper import queue_order, resource_path
 from tests.proxy_zookeeper import MULTI, ZooKeeperProxy
@@ -383,10 +385,11 @@ async def test_consensus_cancelled_while_waiting(
 
 
 class ReplyHolder:
-    """A TCP proxy to an etcd member that, while armed, keeps back the reply on every
-    connection whose request contained ``marker`` (the request goes on and runs): the
-    client waits inside that round trip for as long as the test likes. A held reply is
-    never delivered; the connection ends when the client closes it."""
+    """A TCP proxy to a server (an etcd member, a Redis node) that, while armed, keeps
+    back the reply on every connection whose request contained ``marker`` (the request
+    goes on and runs): the client waits inside that round trip for as long as the test
+    likes. A held reply is never delivered; the connection ends when the client closes
+    it."""
 
     def __init__(self, host: str, port: int, marker: bytes) -> None:
         self.upstream = (host, port)
@@ -533,3 +536,62 @@ async def test_etcd_cancelled_inside_the_attempt_after_the_wake(
         await manager.close()
         await other.close()
         proxy.close()
+
+
+async def test_quorum_cancelled_inside_the_acquire_round(
+    quorum_urls: list[str], resource: str
+) -> None:
+    """Two nodes of three (a majority) have run the acquire and their replies are held
+    (:class:`ReplyHolder`: the requests go through, no reply comes back) when the task is
+    cancelled. The undo that goes out before the cancellation reaches the caller runs on
+    every node, whether or not its reply comes: nobody is left holding the lock for a
+    secret nobody has, and a contender gets it at once, while those replies are still
+    held (its ttl is 60 s)."""
+    proxies = []
+    for url in quorum_urls[:2]:
+        host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        proxies.append(ReplyHolder(host, int(port), b"EVALSHA"))
+    targets = [f"redis://127.0.0.1:{p.port}/0" for p in proxies] + quorum_urls[2:]
+    manager = AsyncQuorumLockManager(targets, ttl=60, check_config=False)
+    other = AsyncQuorumLockManager(quorum_urls, ttl=60, check_config=False)
+    keys = resource_keys("fence:", resource)
+    clients = [redis.Redis.from_url(url, socket_timeout=5) for url in quorum_urls]
+
+    def tokens() -> list[int]:
+        return [int(client.get(keys.token) or 0) for client in clients[:2]]
+
+    try:
+        for client in clients:
+            # As on a node in service, every script is loaded: a held NOSCRIPT reply would
+            # keep the undo from running at all.
+            for source in QUORUM_SCRIPTS.values():
+                client.script_load(source)
+        await (await manager.acquire(resource, timeout=10)).release()  # warm up
+        before = tokens()
+        for proxy in proxies:
+            proxy.armed.set()
+        task = asyncio.create_task(manager.acquire(resource, timeout=60))
+        for _ in range(600):
+            if all(proxy.held.is_set() for proxy in proxies):
+                break
+            await asyncio.sleep(0.05)
+        assert all(proxy.held.is_set() for proxy in proxies)
+        assert all(a > b for a, b in zip(tokens(), before, strict=True))  # both granted it
+        await cancel_after(task, 0.0)
+        for _ in range(200):
+            if not any(client.exists(keys.lock) for client in clients):
+                break
+            await asyncio.sleep(0.05)
+        assert not any(client.exists(keys.lock) for client in clients)
+        lease = await other.try_acquire(resource)
+        assert lease is not None  # the replies are held still
+        await lease.release()
+    finally:
+        for proxy in proxies:
+            proxy.armed.clear()
+        await manager.close()
+        await other.close()
+        for client in clients:
+            client.close()
+        for proxy in proxies:
+            proxy.close()
