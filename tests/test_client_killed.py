@@ -440,3 +440,46 @@ def test_quorum_holder_killed(quorum_urls: list[str], resource: str, flavour: st
     finally:
         reap(child)
         manager.close()
+
+
+def subscribed(urls: list[str], channel: str) -> bool:
+    """Whether a client listens on ``channel`` on one of the nodes: a quorum waiter
+    waits there, on one node that refused it."""
+    for url in urls:
+        client = redis.Redis.from_url(url)
+        try:
+            if any(n for _, n in client.pubsub_numsub(channel)):
+                return True
+        finally:
+            client.close()
+    return False
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_quorum_waiter_killed(quorum_urls: list[str], resource: str, flavour: str) -> None:
+    """A waiter is killed while its acquire waits for a held lock (it listens on one
+    node that refused it; the quorum queues nobody): it left nothing on the nodes, so
+    when the holder releases, the next contender gets the lock at once, not after the
+    dead waiter's ttl; no node keeps a lock."""
+    manager = QuorumLockManager(quorum_urls, check_config=False)
+    keys = resource_keys("fence:", resource)
+    child = None
+    try:
+        holder = manager.acquire(resource)
+        child = start_child(
+            flavour, "quorum", ",".join(quorum_urls), "", resource, "wait", ttl=WAITER_TTL
+        )
+        until(lambda: subscribed(quorum_urls, keys.signal), "the waiter to listen")
+        kill(child)
+        holder.release()
+        granted_within(manager, resource, time.monotonic(), SLACK)
+        for url in quorum_urls:
+            client = redis.Redis.from_url(url)
+            try:
+                assert client.exists(keys.lock) == 0
+            finally:
+                client.close()
+    finally:
+        if child is not None:
+            reap(child)
+        manager.close()

@@ -3,9 +3,10 @@
 The request has reached the server (or will, when it runs again) when the task is
 cancelled; the attempt may be granted after all. The manager cleans up before the
 ``CancelledError`` reaches the caller, so the lock is free at the next round trip instead
-of being held for the whole ttl by a secret nobody has. A task cancelled while it waits
-in the queue of etcd or ZooKeeper takes its entry out, so the contenders behind it do not
-wait for its lease or session to end. asyncio only: a thread cannot be cancelled (its
+of being held for the whole ttl by a secret nobody has (etcd and ZooKeeper: also when
+the join ran and its reply is held back). A task cancelled while it waits in the queue
+of etcd or ZooKeeper takes its entry out, so the contenders behind it do not wait for its
+lease or session to end. asyncio only: a thread cannot be cancelled (its
 timeouts are in ``tests/_async/test_manager_deadlines.py`` and, for a waiter on etcd and
 ZooKeeper, ``tests/test_consensus_managers.py``).
 """
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import secrets
 import signal
+import socket
 import sqlite3
 import threading
 import time
@@ -33,14 +36,16 @@ from kazoo.exceptions import NoNodeError
 from fence import MemoryBackend
 from fence._async.etcd import AsyncEtcdLockManager
 from fence._async.memory import AsyncMemoryLockManager
+from fence._async.quorum import AsyncQuorumLockManager
 from fence._async.redis import AsyncRedisLockManager
 from fence._async.sql import AsyncSQLLockManager
 from fence._async.zookeeper import AsyncZooKeeperLockManager
 from fence._etcd import queue_prefix, range_end
+from fence._quorum import SCRIPTS as QUORUM_SCRIPTS
 from fence._redis_keys import resource_keys
 from fence._zookeeper import queue_order, resource_path
 from tests.proxy_zookeeper import MULTI, ZooKeeperProxy
-from tests.servers import EtcdCluster, PostgresServer, RedisServer, ZooKeeperEnsemble
+from tests.servers import EtcdCluster, PostgresServer, RedisServer, ZooKeeperEnsemble, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -377,3 +382,216 @@ async def test_consensus_cancelled_while_waiting(
     finally:
         await holder.close()
         await waiter.close()
+
+
+class ReplyHolder:
+    """A TCP proxy to a server (an etcd member, a Redis node) that, while armed, keeps
+    back the reply on every connection whose request contained ``marker`` (the request
+    goes on and runs): the client waits inside that round trip for as long as the test
+    likes. A held reply is never delivered; the connection ends when the client closes
+    it."""
+
+    def __init__(self, host: str, port: int, marker: bytes) -> None:
+        self.upstream = (host, port)
+        self.marker = marker
+        self.port = free_port()
+        self.armed = threading.Event()
+        self.held = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        for sock in [self._listener, *self._sockets]:
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self._sockets += [client, server]
+            marked = threading.Event()
+            for args in ((client, server, False, marked), (server, client, True, marked)):
+                threading.Thread(target=self._pipe, args=args, daemon=True).start()
+
+    def _pipe(
+        self, source: socket.socket, sink: socket.socket, replies: bool, marked: threading.Event
+    ) -> None:
+        try:
+            while data := source.recv(65536):
+                if not replies and self.armed.is_set() and self.marker in data:
+                    marked.set()  # before the request goes on: its reply comes after
+                if replies and marked.is_set():
+                    self.held.set()
+                    continue
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["lock-free", "lock-held"])
+async def test_etcd_cancelled_inside_the_join(
+    request: pytest.FixtureRequest,
+    etcd_cluster: EtcdCluster,
+    etcd_url: str,
+    resource: str,
+    held: bool,
+) -> None:
+    """The transaction that joins the queue (its key, on the contender's lease) has run
+    on the member, and its reply is held (:class:`ReplyHolder`) when the task is
+    cancelled. The key is the lock (the lock was free), or a place behind a holder, for a
+    secret nobody has; its lease lives 31 s. The manager revokes that lease before the
+    cancellation reaches the caller: the key is gone, and the next contender gets the lock
+    at once (or when the holder releases), not when the lease ends."""
+    host, port = etcd_cluster.endpoints[0].rsplit(":", 1)
+    proxy = ReplyHolder(host, int(port), b"/v3/kv/txn")
+    path = etcd_url.split("/", 3)[3]
+    manager = AsyncEtcdLockManager(f"etcd://127.0.0.1:{proxy.port}/{path}", ttl=30)
+    other = AsyncEtcdLockManager(etcd_url, ttl=30)
+
+    def entries() -> int:
+        return queue_entries(request, "etcd", etcd_url, resource)
+
+    try:
+        await (await manager.acquire(resource, timeout=10)).release()  # connected
+        lease = await other.acquire(resource, timeout=10) if held else None
+        proxy.armed.set()
+        task = asyncio.create_task(manager.acquire(resource, timeout=60))
+        for _ in range(600):
+            if proxy.held.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert proxy.held.is_set()
+        assert entries() == 1 + int(held)  # the join landed
+        await cancel_after(task, 0.0)
+        proxy.armed.clear()
+        # The revoke is sent before the caller hears of the cancellation; a member slow to
+        # answer (a loaded machine) gets it from the background, well within the lease.
+        for _ in range(200):
+            if entries() == int(held):
+                break
+            await asyncio.sleep(0.05)
+        assert entries() == int(held)
+        if lease is not None:
+            await lease.release()
+        released = time.monotonic()
+        again = await other.acquire(resource, timeout=60)
+        took = time.monotonic() - released
+        await again.release()
+        assert took < 10.0, f"granted {took:.2f} s after the cancellation (lease 31 s)"
+    finally:
+        await manager.close()
+        await other.close()
+        proxy.close()
+
+
+async def test_etcd_cancelled_inside_the_attempt_after_the_wake(
+    request: pytest.FixtureRequest, etcd_cluster: EtcdCluster, etcd_url: str, resource: str
+) -> None:
+    """A waiter queued behind a holder is woken by the release; the first round trip of
+    its next attempt (the keepalive of its lease) has run on the member and its reply is
+    held (:class:`ReplyHolder`) when the task is cancelled. Its key comes first now: the
+    lock is its own, for a secret nobody has, and its lease lives 31 s. The manager
+    revokes the lease before the cancellation reaches the caller (and takes its place
+    out): the next contender gets the lock at once, not when the lease ends."""
+    host, port = etcd_cluster.endpoints[0].rsplit(":", 1)
+    proxy = ReplyHolder(host, int(port), b"/v3/lease/keepalive")
+    path = etcd_url.split("/", 3)[3]
+    manager = AsyncEtcdLockManager(f"etcd://127.0.0.1:{proxy.port}/{path}", ttl=30)
+    other = AsyncEtcdLockManager(etcd_url, ttl=30)
+
+    async def until(condition: Callable[[], bool], what: str) -> None:
+        for _ in range(400):
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"gave up waiting for {what}")
+
+    def entries() -> int:
+        return queue_entries(request, "etcd", etcd_url, resource)
+
+    try:
+        lease = await other.acquire(resource, timeout=10)
+        task = asyncio.create_task(manager.acquire(resource, timeout=60))
+        await until(lambda: entries() == 2, "the waiter's key")
+        proxy.armed.set()
+        await lease.release()
+        await until(proxy.held.is_set, "the waiter's keepalive")
+        assert entries() == 1  # the waiter's key, first in the queue
+        await cancel_after(task, 0.0)
+        proxy.armed.clear()
+        cancelled = time.monotonic()
+        await until(lambda: entries() == 0, "the waiter's key to go")
+        again = await other.acquire(resource, timeout=60)
+        took = time.monotonic() - cancelled
+        await again.release()
+        assert took < 10.0, f"granted {took:.2f} s after the cancellation (lease 31 s)"
+    finally:
+        await manager.close()
+        await other.close()
+        proxy.close()
+
+
+async def test_quorum_cancelled_inside_the_acquire_round(
+    quorum_urls: list[str], resource: str
+) -> None:
+    """Two nodes of three (a majority) have run the acquire and their replies are held
+    (:class:`ReplyHolder`: the requests go through, no reply comes back) when the task is
+    cancelled. The undo that goes out before the cancellation reaches the caller runs on
+    every node, whether or not its reply comes: nobody is left holding the lock for a
+    secret nobody has, and a contender gets it at once, while those replies are still
+    held (its ttl is 60 s)."""
+    proxies = []
+    for url in quorum_urls[:2]:
+        host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        proxies.append(ReplyHolder(host, int(port), b"EVALSHA"))
+    targets = [f"redis://127.0.0.1:{p.port}/0" for p in proxies] + quorum_urls[2:]
+    manager = AsyncQuorumLockManager(targets, ttl=60, check_config=False)
+    other = AsyncQuorumLockManager(quorum_urls, ttl=60, check_config=False)
+    keys = resource_keys("fence:", resource)
+    clients = [redis.Redis.from_url(url, socket_timeout=5) for url in quorum_urls]
+
+    def tokens() -> list[int]:
+        return [int(client.get(keys.token) or 0) for client in clients[:2]]
+
+    try:
+        for client in clients:
+            # As on a node in service, every script is loaded: a held NOSCRIPT reply would
+            # keep the undo from running at all.
+            for source in QUORUM_SCRIPTS.values():
+                client.script_load(source)
+        await (await manager.acquire(resource, timeout=10)).release()  # warm up
+        before = tokens()
+        for proxy in proxies:
+            proxy.armed.set()
+        task = asyncio.create_task(manager.acquire(resource, timeout=60))
+        for _ in range(600):
+            if all(proxy.held.is_set() for proxy in proxies):
+                break
+            await asyncio.sleep(0.05)
+        assert all(proxy.held.is_set() for proxy in proxies)
+        assert all(a > b for a, b in zip(tokens(), before, strict=True))  # both granted it
+        await cancel_after(task, 0.0)
+        for _ in range(200):
+            if not any(client.exists(keys.lock) for client in clients):
+                break
+            await asyncio.sleep(0.05)
+        assert not any(client.exists(keys.lock) for client in clients)
+        lease = await other.try_acquire(resource)
+        assert lease is not None  # the replies are held still
+        await lease.release()
+    finally:
+        for proxy in proxies:
+            proxy.armed.clear()
+        await manager.close()
+        await other.close()
+        for client in clients:
+            client.close()
+        for proxy in proxies:
+            proxy.close()

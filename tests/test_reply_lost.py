@@ -1,5 +1,5 @@
 """An acquire granted by the server whose reply is lost with the connection leaves no lock
-behind, on Redis and PostgreSQL, sync and asyncio.
+behind, on Redis, PostgreSQL, etcd and the Redis quorum, sync and asyncio.
 
 A proxy between the manager and the server forwards everything until it is armed; while
 armed, it throws away every reply of the server and closes that connection at both ends.
@@ -26,11 +26,13 @@ import redis
 
 from fence import BackendError
 from fence._async.etcd import AsyncEtcdLockManager
+from fence._async.quorum import AsyncQuorumLockManager
 from fence._async.redis import AsyncRedisLockManager
 from fence._async.sql import AsyncSQLLockManager
 from fence._redis_keys import resource_keys
 from fence._sql_schema import lease_schema_ddl
 from fence._sync.etcd import EtcdLockManager
+from fence._sync.quorum import QuorumLockManager
 from fence._sync.redis import RedisLockManager
 from fence._sync.sql import SQLLockManager
 from tests.servers import EtcdCluster, PostgresServer, free_port
@@ -44,17 +46,30 @@ class ReplyDropper:
     """A TCP proxy to ``upstream`` that, while armed, drops every reply of the server and
     closes that connection at both ends (the requests it carried may have run). With
     ``only``, it drops only the replies on connections whose requests contained those
-    bytes (an HTTP client with one connection per request: the replies to one call)."""
+    bytes (an HTTP client with one connection per request: the replies to one call).
+    With ``cut_off``, the first reply it drops also cuts the link: until :meth:`heal`, no
+    request gets through and new connections are closed at once."""
 
-    def __init__(self, host: str, port: int, *, only: bytes | None = None) -> None:
+    def __init__(
+        self, host: str, port: int, *, only: bytes | None = None, cut_off: bool = False
+    ) -> None:
         self.upstream = (host, port)
         self.only = only
+        self.cut_off = cut_off
         self.port = free_port()
         self.armed = threading.Event()
+        #: Set at the first reply dropped, with ``cut_off``: from then on, while armed, no
+        #: request reaches the server (a link that fails for good after the reply it lost).
+        self.cut = threading.Event()
         self.dropped = 0
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def heal(self) -> None:
+        """Let everything through again."""
+        self.armed.clear()
+        self.cut.clear()
 
     def close(self) -> None:
         for sock in [self._listener, *self._sockets]:
@@ -66,6 +81,9 @@ class ReplyDropper:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self.cut.is_set():
+                client.close()
+                continue
             server = socket.create_connection(self.upstream)
             self._sockets += [client, server]
             marked = threading.Event()
@@ -77,10 +95,14 @@ class ReplyDropper:
     ) -> None:
         try:
             while data := source.recv(65536):
+                if not replies and self.cut.is_set():
+                    break
                 if not replies and self.only is not None and self.only in data:
                     marked.set()  # before the request goes on: its reply comes after
                 if replies and self.armed.is_set() and (self.only is None or marked.is_set()):
                     self.dropped += 1
+                    if self.cut_off:
+                        self.cut.set()
                     break
                 sink.sendall(data)
         except OSError:
@@ -239,3 +261,102 @@ def test_etcd_reply_lost(
     finally:
         run(flavour, manager, "close")
         proxy.close()
+
+
+# -- the Redis quorum ------------------------------------------------------------------------
+
+#: The quorum's ttl when its nodes stay cut off: the lock they hold must end with it.
+CUT_TTL = 6.0
+# Room for a loaded machine past a bound that is the ttl.
+SLACK = 4.0
+
+
+def node_has(url: str, key: str) -> bool:
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        return bool(client.exists(key))
+    finally:
+        client.close()
+
+
+def node_counter(url: str, resource: str) -> int:
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        return int(client.get(resource_keys("fence:", resource).token) or 0)
+    finally:
+        client.close()
+
+
+def nodes_free(flavour: str, urls: list[str], key: str, seconds: float) -> bool:
+    """Whether no node has ``key`` within ``seconds`` (the manager's background work runs
+    meanwhile, on its event loop for asyncio)."""
+    for _ in range(int(seconds / 0.1)):
+        if not any(node_has(url, key) for url in urls):
+            return True
+        if flavour == "sync":
+            time.sleep(0.1)
+        else:
+            loop.run_until_complete(asyncio.sleep(0.1))
+    return False
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("heals", [True, False], ids=["link-heals", "link-stays-down"])
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_quorum_reply_lost(
+    quorum_urls: list[str], resource: str, flavour: str, heals: bool
+) -> None:
+    """Two nodes of three (a majority) grant the acquire, and their replies are lost with
+    the connection; the link to each then stays cut (no request gets through: not the
+    quorum's undo, nor the manager's clean-up). The third node's grant is undone, the
+    acquire gives up with an error, and the two nodes hold the lock for a secret nobody
+    has: a majority, so nobody else can take it. When the links heal, the clean-up from
+    the background frees it long before its ttl (60 s); while they stay cut, it ends with
+    its ttl (6 s) and a contender that reaches the nodes directly gets it then, not
+    later."""
+    ttl = TTL if heals else CUT_TTL
+    proxies = []
+    for url in quorum_urls[:2]:
+        host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        proxies.append(ReplyDropper(host, int(port), cut_off=True))
+    targets = [f"redis://127.0.0.1:{p.port}/0" for p in proxies] + quorum_urls[2:]
+    cls = QuorumLockManager if flavour == "sync" else AsyncQuorumLockManager
+    manager = cls(targets, ttl=ttl, check_config=False)
+    contender = QuorumLockManager(quorum_urls, check_config=False)
+    key = resource_keys("fence:", resource).lock
+    try:
+        run(flavour, run(flavour, manager, "acquire", resource), "release")  # warm up
+        before = [node_counter(url, resource) for url in quorum_urls[:2]]
+        for proxy in proxies:
+            proxy.armed.set()
+        sent = time.monotonic()
+        try:
+            with pytest.raises(BackendError):
+                run(flavour, manager, "acquire", resource, timeout=1)
+            held = [node_has(url, key) for url in quorum_urls]
+            assert all(proxy.cut.is_set() for proxy in proxies)
+        finally:
+            if heals:
+                for proxy in proxies:
+                    proxy.heal()
+        # Both nodes granted the acquire whose reply was lost: their counters moved.
+        assert all(a > b for a, b in zip(
+            [node_counter(url, resource) for url in quorum_urls[:2]], before, strict=True
+        ))  # fmt: skip
+        if heals:
+            assert held == [True, True, False]  # the orphan, on a majority
+            # Read on the nodes: an uncommitted orphan has a different token on each node,
+            # so the manager's inspect, which needs a majority to agree, calls it free.
+            assert nodes_free(flavour, quorum_urls, key, 20.0)
+        else:
+            lease = contender.acquire(resource, timeout=ttl + 60)
+            took = time.monotonic() - sent
+            lease.release()
+            assert took < ttl + SLACK, f"granted {took:.2f} s after the grant (ttl {ttl:g} s)"
+    finally:
+        for proxy in proxies:
+            proxy.heal()
+        run(flavour, manager, "close")
+        contender.close()
+        for proxy in proxies:
+            proxy.close()
