@@ -38,6 +38,7 @@ import hashlib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fence._sql_dialect import SQLSTATE_REFUSED, SQLSTATE_STALE, SQLSTATE_UNFENCED
 
@@ -56,6 +57,7 @@ __all__ = [
     "UNFENCED_SETTING",
     "UNFENCED_SQL",
     "Judged",
+    "SQLiteState",
     "parse_signature",
     "pg_drop_ddl",
     "pg_judge_ddl",
@@ -598,3 +600,39 @@ def sqlite_judge_ddl(judged: Judged) -> list[str]:
 def sqlite_drop_ddl(judged: Judged) -> list[str]:
     """The statements that remove the judge of a table (SQLite)."""
     return [f"DROP TRIGGER IF EXISTS {_ident(name)}" for name in _sqlite_names(judged)]
+
+
+# The state behind the functions SQLite's triggers call, the same for every client that
+# registers them (SQLAlchemy's pools, Django's connections).
+
+
+@dataclass(eq=False, slots=True)
+class SQLiteState:
+    """What the judge's functions read on one SQLite connection.
+
+    Attributes:
+        token: the token of the transaction under way, ``None`` if it has none.
+        unfenced: the transaction opted out.
+    """
+
+    token: int | None = None
+    unfenced: bool = False
+
+    def set_token(self, value: Any) -> Any:
+        """``iofence_set_token(t)``: the token of the transaction from now on; returns it."""
+        self.token = value if type(value) is int else None
+        return value
+
+    def get_token(self) -> int | None:
+        """``iofence_token()``: ``None`` (no token) for a value that is no token (C1)."""
+        token = self.token
+        return token if token is not None and 0 < token <= MAX_TOKEN else None
+
+    def get_unfenced(self) -> int:
+        """``iofence_unfenced()``."""
+        return 1 if self.unfenced else 0
+
+    def clear(self) -> None:
+        """The transaction ended: no token, no opt-out."""
+        self.token = None
+        self.unfenced = False
