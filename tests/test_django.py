@@ -164,6 +164,12 @@ def _raw_update_many(alias: str, pk: int) -> None:
         )
 
 
+def _raw_update_hidden(alias: str, pk: int) -> None:
+    # A shape the wrapper does not read: only the judge sees it.
+    with connections[alias].cursor() as cursor:
+        cursor.execute("/* hidden */ UPDATE djangoapp_account SET balance = 99 WHERE id = %s", [pk])
+
+
 # The paths that change the account (its balance to 99, or its tombstone flag).
 ACCOUNT_PATHS: dict[str, Callable[[str, int], None]] = {
     "save_update": _save_update,
@@ -174,6 +180,7 @@ ACCOUNT_PATHS: dict[str, Callable[[str, int], None]] = {
     "bulk_create_update_conflicts": _bulk_upsert,
     "raw_cursor_execute": _raw_update,
     "raw_cursor_executemany": _raw_update_many,
+    "raw_sql_the_wrapper_cannot_read": _raw_update_hidden,
 }
 
 
@@ -203,8 +210,10 @@ def test_an_unbound_write_is_refused_before_any_io(alias: str, path: str) -> Non
 
     pk, _ = _seed(alias)
     before = _row(alias, Account, pk)
-    with pytest.raises(TokenRequiredError, match="no token is bound"):
+    with pytest.raises(TokenRequiredError) as caught:
         ACCOUNT_PATHS[path](alias, pk)
+    if path != "raw_sql_the_wrapper_cannot_read":
+        assert "no token is bound" in str(caught.value), "refused before any I/O"
     assert _row(alias, Account, pk) == before
 
 
