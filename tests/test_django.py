@@ -381,6 +381,22 @@ def test_the_token_never_outlives_the_block(alias: str) -> None:
     assert (account.balance, account.fence) == (99, CURRENT)
 
 
+def test_a_block_that_caught_a_refusal_ends_inside_the_callers_transaction(alias: str) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account, Plain
+
+    pk, _ = _seed(alias)
+    with transaction.atomic(using=alias):
+        with fenced(STALE, using=alias):
+            Plain.objects.using(alias).create(text="rolled back with the block")
+            with pytest.raises(StaleTokenError):
+                _queryset_update(alias, pk)
+        assert _token_in_transaction(alias) is None
+        Plain.objects.using(alias).create(text="after")
+    assert list(Plain.objects.using(alias).values_list("text", flat=True)) == ["after"]
+    assert Account.objects.using(alias).get(pk=pk).balance == 1
+
+
 def test_a_refused_block_rolls_back_its_earlier_writes(alias: str) -> None:
     from fence.adapters.django import fenced
     from tests.djangoapp.models import Plain

@@ -24,6 +24,10 @@ PUBLIC_MODULES = [
     "fence.adapters.alembic",
     "fence.adapters.psycopg",
     "fence.adapters.orm",
+    "fence.adapters.django",
+    "fence.adapters.django.fields",
+    "fence.adapters.django.operations",
+    "fence.adapters.django.apps",
 ]
 
 

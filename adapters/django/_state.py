@@ -194,6 +194,8 @@ def restore(conn: Any, binding: Binding, failed: bool) -> None:
         return
     if conn.vendor != "postgresql" or not (binding.nested and binding.sent) or failed:
         return
+    if conn.needs_rollback:
+        return  # Django rolls the savepoint back, and the setting with it
     token, unfenced = _settings(state, len(state.stack))
     with conn.connection.cursor() as cursor:
         cursor.execute(_set_sql(token, unfenced))
