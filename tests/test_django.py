@@ -3,9 +3,10 @@ path of the ORM, for an unbound writer, a stale holder and the current holder (C
 tombstones (C7); the token's lifetime; the opt-out; the migration operation.
 
 Django is configured once per process, here (plain pytest, no pytest-django): databases
-``default`` (SQLite, a file), ``pg`` (the suite's PostgreSQL) and ``scratch`` (SQLite, for
-the migrations run backwards). The settings name the test app ``tests.djangoapp`` only; no
-other test of the suite reads Django's settings.
+``default`` (SQLite, a file), ``pg`` (the suite's PostgreSQL; ``pg_manual`` the same
+database without autocommit) and ``scratch`` (SQLite, for the migrations run backwards).
+The settings name the test app ``tests.djangoapp`` only; no other test of the suite reads
+Django's settings.
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def django_dbs(postgres_server: PostgresServer, tmp_path_factory: pytest.TempPat
                     "USER": "postgres",
                     "NAME": "postgres",
                 },
+                "pg_manual": {
+                    "ENGINE": "django.db.backends.postgresql",
+                    "HOST": "127.0.0.1",
+                    "PORT": str(postgres_server.port),
+                    "USER": "postgres",
+                    "NAME": "postgres",
+                    "AUTOCOMMIT": False,
+                },
                 "scratch": {
                     "ENGINE": "django.db.backends.sqlite3",
                     "NAME": str(where / "scratch.sqlite3"),
@@ -69,7 +78,7 @@ def django_dbs(postgres_server: PostgresServer, tmp_path_factory: pytest.TempPat
             USE_TZ=True,
         )
         django.setup()
-    for alias in settings.DATABASES:
+    for alias in ("default", "pg", "scratch"):
         call_command("migrate", "djangoapp", database=alias, verbosity=0)
 
 
@@ -379,6 +388,22 @@ def test_the_token_never_outlives_the_block(alias: str) -> None:
             cursor.execute("/* hidden */ UPDATE djangoapp_account SET balance = 5")
     account = Account.objects.using(alias).get(pk=pk)
     assert (account.balance, account.fence) == (99, CURRENT)
+
+
+def test_without_autocommit_the_token_ends_with_the_block(django_dbs: None) -> None:
+    """``AUTOCOMMIT: False``: the transaction goes on after the block, unfenced."""
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Plain
+
+    conn = connections["pg_manual"]
+    try:
+        with fenced(CURRENT, using="pg_manual"):
+            Plain.objects.using("pg_manual").create(text="x")
+            assert _token_in_transaction("pg_manual") == CURRENT
+        assert _token_in_transaction("pg_manual") is None
+    finally:
+        conn.rollback()
+        conn.close()
 
 
 def test_a_block_that_caught_a_refusal_ends_inside_the_callers_transaction(alias: str) -> None:

@@ -6,8 +6,9 @@ travels with the transaction (C14) covers exactly the block's statements. Under 
 autocommit every statement outside ``atomic()`` is a transaction of its own: a token set
 by one statement would be gone at the next, and a connection kept open
 (``CONN_MAX_AGE``) must never carry it into the next request. Inside the caller's own
-``atomic()`` the block is a savepoint; its end sets the transaction's token back to the
-enclosing block's (or to none), so the rest of the caller's transaction is unfenced again.
+``atomic()`` (or without autocommit, ``AUTOCOMMIT: False``) the block is a savepoint; its
+end sets the transaction's token back to the enclosing block's (or to none), so the rest
+of the caller's transaction is unfenced again.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class _Block(ContextDecorator):
         nested = conn.in_atomic_block
         atomic = transaction.atomic(using=self._using)
         atomic.__enter__()
-        binding = Binding(self._token, nested)
+        # Without autocommit (AUTOCOMMIT: False) Django's outermost atomic() is a savepoint
+        # of a transaction that goes on after it: the block is nested there too.
+        binding = Binding(self._token, nested or not conn.commit_on_exit)
         state_of(conn).stack.append(binding)
         began(conn)
         self._open.append((atomic, binding))
