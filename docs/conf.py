@@ -71,6 +71,8 @@ PUBLIC_MODULES = [
     "fence.adapters.sql",
     "fence.adapters.psycopg",
     "fence.adapters.orm",
+    "fence.adapters.django",
+    "fence.adapters.django.operations",
 ]
 
 _log = logging.getLogger("iofence.docs")
