@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import django
 from django.conf import settings
+from django.core.management import call_command
 from django.db import connection, models
 
 from fence import (
@@ -75,6 +76,7 @@ class Account(FencedModel):  # a fence column and a tombstone flag
 
 def main() -> int:
     """Run the story; return 0 if every stale or unbound write was refused."""
+    call_command("migrate", "iofence", verbosity=0)  # the fence register the blocks claim in
     with connection.schema_editor() as editor:
         editor.execute("DROP TABLE IF EXISTS example_django_account", params=None)
         editor.create_model(Account)

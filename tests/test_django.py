@@ -79,6 +79,7 @@ def django_dbs(postgres_server: PostgresServer, tmp_path_factory: pytest.TempPat
         )
         django.setup()
     for alias in ("default", "pg", "scratch"):
+        call_command("migrate", "iofence", database=alias, verbosity=0)
         call_command("migrate", "djangoapp", database=alias, verbosity=0)
 
 
@@ -496,6 +497,116 @@ def test_postgres_sends_the_token_with_the_first_statement(django_dbs: None) -> 
     assert seen[0].startswith("SELECT pg_catalog.set_config('iofence.token', '30', true)")
     assert not seen[1].startswith("SELECT")
     assert created.pk is not None  # the INSERT's own RETURNING was read
+
+
+# -- the claim (C8) ------------------------------------------------------------------------
+
+
+def _register(alias: str, scope: str) -> int | None:
+    from fence.adapters.django.models import FenceRegister
+
+    found = FenceRegister.objects.using(alias).filter(scope=scope).first()
+    return found.fence if found is not None else None
+
+
+def test_the_first_statement_claims_the_leases_resource(alias: str) -> None:
+    """A new holder's first statement, a read, raises the resource's fence. A stale
+    holder's block that starts then waits for the new holder's transaction (the register
+    row is locked) and is refused at its first statement, a read too: it never writes
+    between the new holder's read and its first write."""
+    import time
+
+    from fence import ManualClock, MemoryLockManager
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+    clock = ManualClock()
+    manager = MemoryLockManager(clock=clock, ttl=10)
+    scope = f"account:{pk}:{alias}"
+    old = manager.acquire(scope, owner="A")
+    with fenced(old, using=alias):
+        Account.objects.using(alias).get(pk=pk)
+    assert _register(alias, scope) == old.token
+    clock.advance(15)
+    new = manager.acquire(scope, owner="B")
+    # SQLite has one writer at a time: A's block can start only after B's ends there.
+    concurrent = connections[alias].vendor == "postgresql"
+    with fenced(new, using=alias):
+        account = Account.objects.using(alias).get(pk=pk)  # the claim goes with this read
+        if concurrent:
+            stale = _StaleBlock(old.token, scope, alias, pk)  # A wakes, on its own connection
+            time.sleep(0.3)
+        account.balance += 1
+        account.save(using=alias)
+    if not concurrent:
+        stale = _StaleBlock(old.token, scope, alias, pk)
+    error = stale.result()
+    assert isinstance(error, StaleTokenError), error
+    assert error.token == old.token
+    if connections[alias].vendor == "postgresql":
+        assert error.scope == scope
+    assert Account.objects.using(alias).get(pk=pk).balance == 2
+    assert _register(alias, scope) == new.token
+    manager.close()
+
+
+class _StaleBlock:
+    """A block in a thread of its own (Django's connections are per thread) under
+    ``token``, claiming ``scope``: its first statement is a read."""
+
+    def __init__(self, token: int, scope: str, alias: str, pk: int) -> None:
+        import threading
+
+        self.token = token
+        self.resource = scope
+        self._alias = alias
+        self._pk = pk
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from fence.adapters.django import fenced
+        from tests.djangoapp.models import Account
+
+        try:
+            with fenced(self, using=self._alias):  # a lease-like object: token, resource
+                Account.objects.using(self._alias).get(pk=self._pk)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            connections[self._alias].close()
+
+    def result(self) -> BaseException | None:
+        """What the block raised."""
+        self._thread.join(60)
+        assert not self._thread.is_alive()
+        return self._error
+
+
+def test_a_claim_goes_in_the_first_statements_query_text(django_dbs: None) -> None:
+    from fence import MemoryLockManager
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Plain
+
+    seen: list[str] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    manager = MemoryLockManager(ttl=10)
+    with (
+        manager.lock("plain:100%") as lease,  # a % in the scope, and parameters
+        fenced(lease, using="pg"),
+        connections["pg"].execute_wrapper(record),
+    ):
+        Plain.objects.using("pg").create(text="x")
+    assert len(seen) == 1
+    assert "iofence_fence_register" in seen[0]
+    assert _register("pg", "plain:100%") == lease.token
+    manager.close()
 
 
 # -- migrations -----------------------------------------------------------------------------

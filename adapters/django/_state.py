@@ -44,6 +44,7 @@ from .._triggers import (
 
 __all__ = [
     "FENCED_TABLES",
+    "REGISTER",
     "Binding",
     "ConnectionState",
     "began",
@@ -57,6 +58,9 @@ __all__ = [
 
 #: The tables of the fenced models (lower case), filled when the app is ready.
 FENCED_TABLES: dict[str, Judged] = {}
+
+#: The app's fence register, as its judge is made for it.
+REGISTER = Judged("iofence_fence_register", fence="fence", register=True, key=("scope",))
 
 #: The vendors whose tables carry the judge.
 JUDGED_VENDORS = frozenset({"postgresql", "sqlite"})
@@ -79,11 +83,13 @@ class Binding:
     Attributes:
         token: the block's token, ``None`` for the opt-out.
         nested: the block began inside the caller's own transaction (a savepoint).
-        sent: the database has the block's setting.
+        scope: the resource the block claims at its first statement (C8), or ``None``.
+        sent: the database has the block's setting (and its claim).
     """
 
     token: int | None
     nested: bool
+    scope: str | None = None
     sent: bool = False
 
 
@@ -151,6 +157,16 @@ def _set_sql(token: str, unfenced: str) -> str:
     return (
         f"SELECT pg_catalog.set_config('{TOKEN_SETTING}', {_literal(token)}, true), "
         f"pg_catalog.set_config('{UNFENCED_SETTING}', {_literal(unfenced)}, true)"
+    )
+
+
+def _claim_sql(scope: str, token: int) -> str:
+    """The claim of ``scope`` (C8): raise its fence in the register to ``token``. The
+    register's judge refuses it, as a stale write, if the fence is above the token."""
+    table = f'"{REGISTER.table}"'
+    return (
+        f'INSERT INTO {table} ("scope", "fence") VALUES ({_literal(scope)}, {int(token)}) '  # noqa: S608 - a quoted literal and an int
+        'ON CONFLICT ("scope") DO UPDATE SET "fence" = excluded."fence"'
     )
 
 
@@ -269,31 +285,43 @@ def execute_wrapper(
                 )
             if judged.check_key not in state.checked:
                 _check(conn, state, judged)
-    prefixed = False
-    if top is not None and not top.sent:
-        if conn.vendor == "sqlite":
-            _sync_sqlite(state)
-        elif conn.vendor == "postgresql":
-            token, unfenced = _settings(state, len(state.stack))
-            setting = _set_sql(token, unfenced)
-            raw = context["cursor"].cursor
-            # One query text holds both statements only where psycopg binds on the client.
-            if not many and _binds_on_client(raw):
-                sql = f"{setting}; {sql}"
-                prefixed = True
-            else:
-                raw.execute(setting)
-        for binding in state.stack:
-            binding.sent = True
+    prefixed = 0
     try:
+        if top is not None and not top.sent:
+            claim = None
+            if top.scope is not None and top.token is not None:
+                if REGISTER.check_key not in state.checked:
+                    _check(conn, state, REGISTER)
+                claim = _claim_sql(top.scope, top.token)
+            raw = context["cursor"].cursor
+            if conn.vendor == "sqlite":
+                _sync_sqlite(state)
+                if claim is not None:
+                    raw.execute(claim)
+            elif conn.vendor == "postgresql":
+                token, unfenced = _settings(state, len(state.stack))
+                head = [_set_sql(token, unfenced)] + ([claim] if claim is not None else [])
+                # One query text holds them all only where psycopg binds on the client.
+                if not many and _binds_on_client(raw):
+                    text = "; ".join(head)
+                    if params is not None:
+                        text = text.replace("%", "%%")  # psycopg reads the text as a format
+                    sql = f"{text}; {sql}"
+                    prefixed = len(head)
+                else:
+                    for statement in head:
+                        raw.execute(statement)
+            for binding in state.stack:
+                binding.sent = True
         result = execute(sql, params, many, context)
-    except DatabaseError as exc:
+    except Exception as exc:
         written = state.sqlite.get_token() if state.sqlite is not None else None
-        refused = judge_error(exc.__cause__ or exc, written)
+        cause = exc.__cause__ if isinstance(exc, DatabaseError) and exc.__cause__ else exc
+        refused = judge_error(cause, written)
         if refused is not None:
             raise refused from exc
         raise
-    if prefixed:
+    for _ in range(prefixed):
         context["cursor"].cursor.nextset()  # the caller reads the statement's own results
     return result
 

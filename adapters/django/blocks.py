@@ -29,15 +29,16 @@ __all__ = ["fenced", "unfenced"]
 class _Block(ContextDecorator):
     """A block bound to a connection: a transaction (or a savepoint) and its binding."""
 
-    def __init__(self, token: int | None, using: str | None) -> None:
+    def __init__(self, token: int | None, using: str | None, scope: str | None = None) -> None:
         self._token = token
         self._using = using or DEFAULT_DB_ALIAS
+        self._scope = scope
         self._open: list[tuple[Any, Binding]] = []
 
     def _recreate_cm(self) -> Self:
         # A decorated function may run in several threads at once: a block each.
         fresh = type(self).__new__(type(self))
-        _Block.__init__(fresh, self._token, self._using)
+        _Block.__init__(fresh, self._token, self._using, self._scope)
         return fresh
 
     def _begin(self) -> None:
@@ -48,7 +49,7 @@ class _Block(ContextDecorator):
         atomic.__enter__()
         # Without autocommit (AUTOCOMMIT: False) Django's outermost atomic() is a savepoint
         # of a transaction that goes on after it: the block is nested there too.
-        binding = Binding(self._token, nested or not conn.commit_on_exit)
+        binding = Binding(self._token, nested or not conn.commit_on_exit, self._scope)
         state_of(conn).stack.append(binding)
         began(conn)
         self._open.append((atomic, binding))
@@ -88,21 +89,32 @@ class fenced(_Block):
             account.balance += 5
             account.save()
 
+    The first statement of the block also claims the lease's resource (C8): it raises
+    the resource's fence in the app's fence register (``iofence_fence_register``, made
+    by ``migrate iofence``) to the token, so that from then on a stale holder's block is
+    refused at its first statement, a read included, and cannot write between the new
+    holder's read and its first write. On PostgreSQL the claim travels in the same query
+    text as the statement.
+
     Args:
         lease: a write lease (its ``token`` is used; it is checked to be valid at the
-            start of the block), or a token.
+            start of the block), or a token (no claim: a token names no resource).
         using: the database alias (default ``"default"``).
+        claim: claim the lease's resource at the first statement (the default).
 
     Raises:
         InvalidTokenError: the token is not one (C1).
         ReadLeaseError: a read lease's token (C13).
         LeaseExpiredError: the lease is no longer valid at the start of the block.
+        StaleTokenError: (at the block's first statement) a newer holder claimed the
+            lease's resource; or a write met a row a newer holder wrote.
     """
 
-    def __init__(self, lease: Any, *, using: str | None = None) -> None:
+    def __init__(self, lease: Any, *, using: str | None = None, claim: bool = True) -> None:
         self._lease = lease
         token = lease if isinstance(lease, int) else lease.token
-        super().__init__(validate_token(token), using)
+        scope = None if isinstance(lease, int) or not claim else str(lease.resource)
+        super().__init__(validate_token(token), using, scope)
 
     def _recreate_cm(self) -> Self:
         fresh = super()._recreate_cm()

@@ -16,7 +16,7 @@ from django.db import connections, models, router
 from django.db.models.signals import class_prepared
 
 from .._triggers import Judged
-from ._state import FENCED_TABLES, bound_token
+from ._state import FENCED_TABLES, REGISTER, bound_token
 
 __all__ = [
     "FenceField",
@@ -114,7 +114,10 @@ def tombstone_field_of(model: type[models.Model]) -> TombstoneField | None:
 
 
 def judged_of(model: type[models.Model]) -> Judged | None:
-    """The judge of ``model``'s table as its fields say, or ``None`` if it has no fence."""
+    """The judge of ``model``'s table as its fields say, or ``None`` if it has no fence;
+    the app's fence register is judged as one."""
+    if model._meta.app_label == "iofence" and model._meta.model_name == "fenceregister":
+        return REGISTER
     fence = fence_field_of(model)
     if fence is None:
         return None

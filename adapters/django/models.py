@@ -1,4 +1,5 @@
-"""The abstract model of the iofence app: a fenced model with a tombstone (C4, C7).
+"""The models of the iofence app: the abstract fenced model with a tombstone (C4, C7), and
+the fence register that the blocks claim the leases' resources in (C8).
 
 Django imports this module when the app registry loads its models (a model class needs
 the registry); the fields and query sets live in :mod:`fence.adapters.django.fields`.
@@ -12,7 +13,7 @@ from django.db import models, router
 
 from .fields import FencedQuerySet, FenceField, TombstoneField
 
-__all__ = ["FencedModel"]
+__all__ = ["FenceRegister", "FencedModel"]
 
 
 class FencedModel(models.Model):  # type: ignore[misc]
@@ -46,3 +47,20 @@ class FencedModel(models.Model):  # type: ignore[misc]
         return count, {self._meta.label: count}
 
     delete.alters_data = True  # type: ignore[attr-defined]
+
+
+class FenceRegister(models.Model):  # type: ignore[misc]
+    """The fence of each resource a block claimed (C8): one row per resource, never
+    deleted (a register's rows are its tombstones). Judged like a fenced table.
+
+    Attributes:
+        scope: the lease's resource.
+        fence: the highest token that claimed it.
+    """
+
+    scope = models.CharField(max_length=512, primary_key=True)
+    fence = models.BigIntegerField()
+
+    class Meta:
+        app_label = "iofence"
+        db_table = "iofence_fence_register"
