@@ -73,6 +73,7 @@ PUBLIC_MODULES = [
     "fence.adapters.orm",
     "fence.adapters.django",
     "fence.adapters.django.operations",
+    "fence.adapters.django.locks",
 ]
 
 _log = logging.getLogger("iofence.docs")

@@ -609,6 +609,47 @@ def test_a_claim_goes_in_the_first_statements_query_text(django_dbs: None) -> No
     manager.close()
 
 
+# -- the lock manager and the management commands ------------------------------------------
+
+
+def test_the_lock_manager_lives_on_djangos_database(django_dbs: None) -> None:
+    import json
+    from io import StringIO
+
+    from django.core.management.base import CommandError
+
+    from fence.adapters.django import fenced
+    from fence.adapters.django.locks import lock_manager, lock_url
+    from tests.djangoapp.models import Plain
+
+    assert lock_url().startswith("sqlite:///")
+    assert lock_url("pg").startswith("postgresql+psycopg://postgres@127.0.0.1:")
+    manager = lock_manager("pg", ttl=30)
+    assert lock_manager("pg") is manager
+    with manager.lock("cmd:1") as lease, fenced(lease, using="pg"):
+        Plain.objects.using("pg").create(text="locked")
+        out = StringIO()
+        call_command("fence_inspect", "cmd:1", "--database", "pg", "--json", stdout=out)
+        shown = json.loads(out.getvalue())
+        assert (shown["held"], shown["token"]) == (True, lease.token)
+    held = manager.acquire("cmd:2")
+    out = StringIO()
+    call_command("fence_revoke", "cmd:2", "--database", "pg", stdout=out, stderr=StringIO())
+    assert int(out.getvalue()) > held.token
+    out, err = StringIO(), StringIO()
+    status = 0
+    try:
+        call_command("fence_doctor", "--database", "pg", stdout=out, stderr=err)
+    except CommandError as exc:
+        status = exc.returncode  # a check failed: the throwaway cluster is no production one
+    assert status in (0, 1)
+    assert "fsync" in out.getvalue() + err.getvalue()
+    manager.close()
+    from fence.adapters.django import locks
+
+    locks._MANAGERS.clear()
+
+
 # -- migrations -----------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ PUBLIC_MODULES = [
     "fence.adapters.django.fields",
     "fence.adapters.django.operations",
     "fence.adapters.django.apps",
+    "fence.adapters.django.locks",
 ]
 
 
