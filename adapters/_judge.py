@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Engine, Table, event, text
@@ -44,7 +43,6 @@ from ._sql_statements import OPTIONAL_INFO, REGISTER_INFO, TOMBSTONE_INFO, fence
 from ._triggers import (
     CASCADE_VERDICT,
     MARIADB_CHECK_QUERY,
-    MAX_TOKEN,
     PG_CHECK_QUERY,
     ROW_TOKEN_VARIABLE,
     SQLITE_CHECK_QUERY,
@@ -53,6 +51,7 @@ from ._triggers import (
     UNFENCED_SETTING,
     UNFENCED_VARIABLE,
     Judged,
+    SQLiteState,
     mariadb_judge_ddl,
     pg_drop_ddl,
     pg_judge_ddl,
@@ -301,38 +300,6 @@ def ensure_judged(conn: Connection, judged: Judged) -> None:
 
 
 # -- the token of a connection's transaction --------------------------------------------------
-
-
-@dataclass(eq=False, slots=True)
-class SQLiteState:
-    """What the judge's functions read on one SQLite connection.
-
-    Attributes:
-        token: the token of the transaction under way, ``None`` if it has none.
-        unfenced: the transaction opted out.
-    """
-
-    token: int | None = None
-    unfenced: bool = False
-
-    def set_token(self, value: Any) -> Any:
-        """``iofence_set_token(t)``: the token of the transaction from now on; returns it."""
-        self.token = value if type(value) is int else None
-        return value
-
-    def get_token(self) -> int | None:
-        """``iofence_token()``: ``None`` (no token) for a value that is no token (C1)."""
-        token = self.token
-        return token if token is not None and 0 < token <= MAX_TOKEN else None
-
-    def get_unfenced(self) -> int:
-        """``iofence_unfenced()``."""
-        return 1 if self.unfenced else 0
-
-    def clear(self) -> None:
-        """The transaction ended: no token, no opt-out."""
-        self.token = None
-        self.unfenced = False
 
 
 def sqlite_state(conn: Connection) -> SQLiteState | None:

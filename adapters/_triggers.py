@@ -46,6 +46,7 @@ import hashlib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fence._sql_dialect import SQLSTATE_REFUSED, SQLSTATE_STALE, SQLSTATE_UNFENCED
 
@@ -70,6 +71,7 @@ __all__ = [
     "UNFENCED_SQL",
     "UNFENCED_VARIABLE",
     "Judged",
+    "SQLiteState",
     "mariadb_drop_ddl",
     "mariadb_judge_ddl",
     "mariadb_qualified",
@@ -892,3 +894,39 @@ def _mariadb_verdict(rows: list[Sequence[object]], expected: Judged) -> tuple[bo
         if why is not None:
             return True, f"the triggers of {table} are outdated: {why}"
     return True, None
+
+
+# The state behind the functions SQLite's triggers call, the same for every client that
+# registers them (SQLAlchemy's pools, Django's connections).
+
+
+@dataclass(eq=False, slots=True)
+class SQLiteState:
+    """What the judge's functions read on one SQLite connection.
+
+    Attributes:
+        token: the token of the transaction under way, ``None`` if it has none.
+        unfenced: the transaction opted out.
+    """
+
+    token: int | None = None
+    unfenced: bool = False
+
+    def set_token(self, value: Any) -> Any:
+        """``iofence_set_token(t)``: the token of the transaction from now on; returns it."""
+        self.token = value if type(value) is int else None
+        return value
+
+    def get_token(self) -> int | None:
+        """``iofence_token()``: ``None`` (no token) for a value that is no token (C1)."""
+        token = self.token
+        return token if token is not None and 0 < token <= MAX_TOKEN else None
+
+    def get_unfenced(self) -> int:
+        """``iofence_unfenced()``."""
+        return 1 if self.unfenced else 0
+
+    def clear(self) -> None:
+        """The transaction ended: no token, no opt-out."""
+        self.token = None
+        self.unfenced = False

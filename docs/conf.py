@@ -72,6 +72,9 @@ PUBLIC_MODULES = [
     "fence.adapters.psycopg",
     "fence.adapters.orm",
     "fence.adapters.celery",
+    "fence.adapters.django",
+    "fence.adapters.django.operations",
+    "fence.adapters.django.locks",
 ]
 
 _log = logging.getLogger("iofence.docs")

@@ -2,9 +2,9 @@
 # beside the main run. Sourced.
 
 # The tests of the code that calls a library an extra declares (redis-py, SQLAlchemy,
-# psycopg, PyMySQL, aiomysql, httpx, kazoo, prometheus-client, opentelemetry-api, Celery):
-# guards, managers, the ORM hook, the etcd and ZooKeeper managers, the metrics, the Celery
-# task, the examples and the docs' blocks. Not here:
+# psycopg, PyMySQL, aiomysql, httpx, kazoo, prometheus-client, opentelemetry-api, Celery,
+# Django): guards, managers, the ORM hook, the Django app, the etcd and ZooKeeper managers, the
+# metrics, the Celery task, the examples and the docs' blocks. Not here:
 # what runs no library code (the core, the memory manager, the quorum's model checker) and
 # what measures (benchmarks).
 SUITES=(
@@ -26,7 +26,7 @@ SUITES=(
   tests/_async/test_shared_conformance.py tests/_sync/test_shared_conformance.py tests/test_sqlite_clock.py
   tests/_async/test_orm_read_lease.py tests/_sync/test_orm_read_lease.py tests/test_read_tokens.py
   tests/test_sentinel.py
-  tests/test_celery.py
+  tests/test_celery.py tests/test_django.py
   tests/test_examples.py tests/test_docs.py
 )
 # Left out: type-checking the docs against old stubs (it says nothing about how the code

@@ -26,6 +26,11 @@ PUBLIC_MODULES = [
     "fence.adapters.psycopg",
     "fence.adapters.orm",
     "fence.adapters.celery",
+    "fence.adapters.django",
+    "fence.adapters.django.fields",
+    "fence.adapters.django.operations",
+    "fence.adapters.django.apps",
+    "fence.adapters.django.locks",
 ]
 
 

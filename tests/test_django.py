@@ -1,0 +1,703 @@
+"""The Django integration (``fence.adapters.django``) on PostgreSQL and SQLite: every write
+path of the ORM, for an unbound writer, a stale holder and the current holder (C9, C14);
+tombstones (C7); the token's lifetime; the opt-out; the migration operation.
+
+Django is configured once per process, here (plain pytest, no pytest-django): databases
+``default`` (SQLite, a file), ``pg`` (the suite's PostgreSQL; ``pg_manual`` the same
+database without autocommit) and ``scratch`` (SQLite, for the migrations run backwards).
+The settings name the test app ``tests.djangoapp`` only; no other test of the suite reads
+Django's settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("django")
+
+import django
+from django.conf import settings
+from django.core.management import call_command
+from django.db import connections, transaction
+
+from fence import (
+    InvalidTokenError,
+    StaleTokenError,
+    TokenRequiredError,
+)
+from fence._core import ReadToken
+from fence._errors import (
+    ConfigurationError,
+    ReadLeaseError,
+    UnfencedWriteError,
+)
+from tests.servers import PostgresServer
+
+ALIASES = ["default", "pg"]
+
+STALE, HOLDER, CURRENT = 10, 20, 30
+
+
+@pytest.fixture(scope="module")
+def django_dbs(postgres_server: PostgresServer, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Django configured once, and the test app migrated on every database."""
+    if not settings.configured:
+        where: Path = tmp_path_factory.mktemp("django")
+        settings.configure(
+            INSTALLED_APPS=["fence.adapters.django", "tests.djangoapp"],
+            DATABASES={
+                "default": {
+                    "ENGINE": "django.db.backends.sqlite3",
+                    "NAME": str(where / "default.sqlite3"),
+                },
+                "pg": {
+                    "ENGINE": "django.db.backends.postgresql",
+                    "HOST": "127.0.0.1",
+                    "PORT": str(postgres_server.port),
+                    "USER": "postgres",
+                    "NAME": "postgres",
+                },
+                "pg_manual": {
+                    "ENGINE": "django.db.backends.postgresql",
+                    "HOST": "127.0.0.1",
+                    "PORT": str(postgres_server.port),
+                    "USER": "postgres",
+                    "NAME": "postgres",
+                    "AUTOCOMMIT": False,
+                },
+                "scratch": {
+                    "ENGINE": "django.db.backends.sqlite3",
+                    "NAME": str(where / "scratch.sqlite3"),
+                },
+            },
+            DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
+            USE_TZ=True,
+        )
+        django.setup()
+    for alias in ("default", "pg", "scratch"):
+        call_command("migrate", "iofence", database=alias, verbosity=0)
+        call_command("migrate", "djangoapp", database=alias, verbosity=0)
+
+
+@pytest.fixture(params=ALIASES)
+def alias(request: pytest.FixtureRequest, django_dbs: None) -> Iterator[str]:
+    """A database with empty tables (emptied through the opt-out)."""
+    from fence.adapters.django import unfenced
+
+    name: str = request.param
+    with unfenced(using=name), connections[name].cursor() as cursor:
+        for table in ("djangoapp_account", "djangoapp_note", "djangoapp_plain"):
+            cursor.execute(f"DELETE FROM {table}")
+    yield name
+    connections[name].close()
+
+
+def _seed(alias: str) -> tuple[int, int]:
+    """An account and a note written by the holder (fence 20); their primary keys."""
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account, Note
+
+    with fenced(HOLDER, using=alias):
+        account = Account.objects.using(alias).create(name="a", balance=1)
+        note = Note.objects.using(alias).create(text="n")
+    return account.pk, note.pk
+
+
+def _row(alias: str, model: Any, pk: int) -> tuple[Any, ...] | None:
+    fields = [f.attname for f in model._meta.concrete_fields]
+    found = model._base_manager.using(alias).filter(pk=pk).values_list(*fields).first()
+    return tuple(found) if found is not None else None
+
+
+# -- the write paths ----------------------------------------------------------------------
+
+
+def _save_update(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    account = Account.objects.using(alias).get(pk=pk)
+    account.balance = 99
+    account.save(using=alias)
+
+
+def _queryset_update(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    Account.objects.using(alias).filter(pk=pk).update(balance=99)
+
+
+def _model_delete(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    Account.objects.using(alias).get(pk=pk).delete(using=alias)
+
+
+def _queryset_delete(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    Account.objects.using(alias).filter(pk=pk).delete()
+
+
+def _bulk_update(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    accounts = list(Account.objects.using(alias).filter(pk=pk))
+    for account in accounts:
+        account.balance = 99
+    Account.objects.using(alias).bulk_update(accounts, ["balance"])
+
+
+def _bulk_upsert(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    Account.objects.using(alias).bulk_create(
+        [Account(name="a", balance=99)],
+        update_conflicts=True,
+        unique_fields=["name"],
+        update_fields=["balance"],
+    )
+
+
+def _raw_update(alias: str, pk: int) -> None:
+    with connections[alias].cursor() as cursor:
+        cursor.execute("UPDATE djangoapp_account SET balance = 99 WHERE id = %s", [pk])
+
+
+def _raw_update_many(alias: str, pk: int) -> None:
+    with connections[alias].cursor() as cursor:
+        cursor.executemany(
+            "UPDATE djangoapp_account SET balance = %s WHERE id = %s", [(99, pk), (99, pk)]
+        )
+
+
+def _raw_update_hidden(alias: str, pk: int) -> None:
+    # A shape the wrapper does not read: only the judge sees it.
+    with connections[alias].cursor() as cursor:
+        cursor.execute("/* hidden */ UPDATE djangoapp_account SET balance = 99 WHERE id = %s", [pk])
+
+
+# The paths that change the account (its balance to 99, or its tombstone flag).
+ACCOUNT_PATHS: dict[str, Callable[[str, int], None]] = {
+    "save_update": _save_update,
+    "queryset_update": _queryset_update,
+    "model_delete": _model_delete,
+    "queryset_delete": _queryset_delete,
+    "bulk_update": _bulk_update,
+    "bulk_create_update_conflicts": _bulk_upsert,
+    "raw_cursor_execute": _raw_update,
+    "raw_cursor_executemany": _raw_update_many,
+    "raw_sql_the_wrapper_cannot_read": _raw_update_hidden,
+}
+
+
+def _note_delete(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Note
+
+    Note.objects.using(alias).filter(pk=pk).delete()
+
+
+def _note_save(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Note
+
+    note = Note.objects.using(alias).get(pk=pk)
+    note.text = "changed"
+    note.save(using=alias)
+
+
+NOTE_PATHS: dict[str, Callable[[str, int], None]] = {
+    "hard_delete": _note_delete,
+    "save_update": _note_save,
+}
+
+
+@pytest.mark.parametrize("path", sorted(ACCOUNT_PATHS))
+def test_an_unbound_write_is_refused_before_any_io(alias: str, path: str) -> None:
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+    before = _row(alias, Account, pk)
+    with pytest.raises(TokenRequiredError) as caught:
+        ACCOUNT_PATHS[path](alias, pk)
+    if path != "raw_sql_the_wrapper_cannot_read":
+        assert "no token is bound" in str(caught.value), "refused before any I/O"
+    assert _row(alias, Account, pk) == before
+
+
+@pytest.mark.parametrize("path", sorted(ACCOUNT_PATHS))
+def test_a_stale_write_is_refused_and_changes_nothing(alias: str, path: str) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+    before = _row(alias, Account, pk)
+    with pytest.raises(StaleTokenError) as caught, fenced(STALE, using=alias):
+        ACCOUNT_PATHS[path](alias, pk)
+    assert _row(alias, Account, pk) == before
+    assert caught.value.token == STALE
+    assert "djangoapp_account" in caught.value.scope
+
+
+@pytest.mark.parametrize("path", sorted(ACCOUNT_PATHS))
+def test_the_current_holder_writes_and_raises_the_fence(alias: str, path: str) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+    with fenced(CURRENT, using=alias):
+        ACCOUNT_PATHS[path](alias, pk)
+    account = Account._base_manager.using(alias).get(pk=pk)
+    assert account.fence == CURRENT
+    if "delete" in path:
+        assert account.deleted, "a fenced delete leaves a tombstone (C7)"
+        assert account.balance == 1
+    else:
+        assert (account.balance, account.deleted) == (99, False)
+
+
+@pytest.mark.parametrize("path", sorted(NOTE_PATHS))
+def test_a_model_without_tombstone_is_judged_too(alias: str, path: str) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Note
+
+    _, pk = _seed(alias)
+    before = _row(alias, Note, pk)
+    with pytest.raises(TokenRequiredError):
+        NOTE_PATHS[path](alias, pk)
+    with pytest.raises(StaleTokenError), fenced(STALE, using=alias):
+        NOTE_PATHS[path](alias, pk)
+    assert _row(alias, Note, pk) == before
+    with fenced(CURRENT, using=alias):
+        NOTE_PATHS[path](alias, pk)
+    after = _row(alias, Note, pk)
+    if path == "hard_delete":
+        assert after is None
+    else:
+        assert after is not None
+        assert after[-1] == CURRENT
+
+
+def test_save_insert_takes_the_token_as_its_fence(alias: str) -> None:
+    """An insert of a new row: refused unbound; with any token it is accepted (a new row
+    has no fence yet, C4) and its fence is the token."""
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    with pytest.raises(TokenRequiredError):
+        Account(name="new").save(using=alias)
+    assert not Account.objects.using(alias).exists()
+    with fenced(STALE, using=alias):
+        account = Account(name="new", balance=5)
+        account.save(using=alias)
+    assert account.fence == STALE
+    assert _row(alias, Account, account.pk) == (account.pk, STALE, False, "new", 5)
+
+
+def test_a_tombstone_keeps_a_stale_writer_from_bringing_the_row_back(alias: str) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+    with fenced(CURRENT, using=alias):
+        Account.objects.using(alias).get(pk=pk).delete(using=alias)
+    assert not Account.objects.using(alias).alive().filter(pk=pk).exists()
+    before = _row(alias, Account, pk)
+    for path in (_bulk_upsert, _raw_update):
+        with pytest.raises(StaleTokenError), fenced(HOLDER, using=alias):
+            path(alias, pk)
+    with pytest.raises(StaleTokenError), fenced(HOLDER, using=alias):
+        Account(pk=pk, name="a", balance=7).save(using=alias)
+    assert _row(alias, Account, pk) == before
+
+
+def test_a_hard_delete_of_a_tombstoned_model_is_refused_by_the_judge(alias: str) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+    with (
+        pytest.raises(UnfencedWriteError, match="hard delete"),
+        fenced(CURRENT, using=alias),
+        connections[alias].cursor() as cursor,
+    ):
+        cursor.execute("DELETE FROM djangoapp_account WHERE id = %s", [pk])
+    assert Account.objects.using(alias).filter(pk=pk).exists()
+
+
+def test_raw_sql_the_client_cannot_read_is_refused_by_the_judge(alias: str) -> None:
+    """A statement whose target the wrapper does not see still meets the triggers (C14)."""
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+    with pytest.raises(UnfencedWriteError), connections[alias].cursor() as cursor:
+        cursor.execute("/* hidden */ UPDATE djangoapp_account SET balance = 99 WHERE id = %s", [pk])
+    assert Account.objects.using(alias).get(pk=pk).balance == 1
+
+
+def test_plain_models_are_written_anywhere(alias: str) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Plain
+
+    Plain.objects.using(alias).create(text="outside")
+    with fenced(CURRENT, using=alias):
+        Plain.objects.using(alias).create(text="inside")
+    assert Plain.objects.using(alias).count() == 2
+
+
+# -- the block ------------------------------------------------------------------------------
+
+
+def _token_in_transaction(alias: str) -> Any:
+    """What the judge would read as the current transaction's token."""
+    conn = connections[alias]
+    if conn.vendor == "sqlite":
+        from fence.adapters.django._state import state_of
+
+        sqlite = state_of(conn).sqlite
+        return sqlite.get_token() if sqlite is not None else None
+    with conn.cursor() as cursor:
+        cursor.execute("SELECT current_setting('iofence.token', true)")
+        value = cursor.fetchone()[0]
+    return int(value) if value else None
+
+
+def test_the_token_never_outlives_the_block(alias: str) -> None:
+    """Not in the next autocommit statement, nor in the rest of the caller's transaction,
+    nor on the connection kept open for the next request."""
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+    with fenced(CURRENT, using=alias):
+        assert _token_in_transaction(alias) == CURRENT
+    assert _token_in_transaction(alias) is None
+    with transaction.atomic(using=alias):
+        with fenced(CURRENT, using=alias):
+            _queryset_update(alias, pk)
+            with fenced(CURRENT + 1, using=alias):
+                assert _token_in_transaction(alias) == CURRENT + 1
+            assert _token_in_transaction(alias) == CURRENT
+        assert _token_in_transaction(alias) is None
+        with (
+            pytest.raises(UnfencedWriteError),
+            transaction.atomic(using=alias),
+            connections[alias].cursor() as cursor,
+        ):
+            cursor.execute("/* hidden */ UPDATE djangoapp_account SET balance = 5")
+    account = Account.objects.using(alias).get(pk=pk)
+    assert (account.balance, account.fence) == (99, CURRENT)
+
+
+def test_without_autocommit_the_token_ends_with_the_block(django_dbs: None) -> None:
+    """``AUTOCOMMIT: False``: the transaction goes on after the block, unfenced."""
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Plain
+
+    conn = connections["pg_manual"]
+    try:
+        with fenced(CURRENT, using="pg_manual"):
+            Plain.objects.using("pg_manual").create(text="x")
+            assert _token_in_transaction("pg_manual") == CURRENT
+        assert _token_in_transaction("pg_manual") is None
+    finally:
+        conn.rollback()
+        conn.close()
+
+
+def test_a_block_that_caught_a_refusal_ends_inside_the_callers_transaction(alias: str) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account, Plain
+
+    pk, _ = _seed(alias)
+    with transaction.atomic(using=alias):
+        with fenced(STALE, using=alias):
+            Plain.objects.using(alias).create(text="rolled back with the block")
+            with pytest.raises(StaleTokenError):
+                _queryset_update(alias, pk)
+        assert _token_in_transaction(alias) is None
+        Plain.objects.using(alias).create(text="after")
+    assert list(Plain.objects.using(alias).values_list("text", flat=True)) == ["after"]
+    assert Account.objects.using(alias).get(pk=pk).balance == 1
+
+
+def test_a_refused_block_rolls_back_its_earlier_writes(alias: str) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Plain
+
+    pk, _ = _seed(alias)
+
+    @fenced(STALE, using=alias)
+    def work() -> None:
+        Plain.objects.using(alias).create(text="first")
+        _queryset_update(alias, pk)
+
+    with pytest.raises(StaleTokenError):
+        work()
+    assert not Plain.objects.using(alias).exists()
+
+
+def test_fenced_is_a_decorator_too(alias: str) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+
+    @fenced(CURRENT, using=alias)
+    def pay(amount: int) -> None:
+        account = Account.objects.using(alias).get(pk=pk)
+        account.balance += amount
+        account.save(using=alias)
+
+    pay(5)
+    pay(5)
+    assert Account.objects.using(alias).get(pk=pk).balance == 11
+
+
+def test_the_opt_out_is_seen_by_the_database(alias: str) -> None:
+    from fence.adapters.django import unfenced
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+    with unfenced(using=alias):
+        Account.objects.using(alias).filter(pk=pk).update(balance=50)
+    account = Account.objects.using(alias).get(pk=pk)
+    assert (account.balance, account.fence) == (50, HOLDER), "the opt-out never moves a fence"
+
+
+def test_a_read_lease_or_no_token_is_refused_before_any_io(django_dbs: None) -> None:
+    from fence.adapters.django import fenced
+
+    with pytest.raises(ReadLeaseError):
+        fenced(ReadToken(5))
+    with pytest.raises(InvalidTokenError):
+        fenced(True)
+    with pytest.raises(InvalidTokenError):
+        fenced(0)
+
+
+def test_postgres_sends_the_token_with_the_first_statement(django_dbs: None) -> None:
+    """No round trip of its own: the block's statements are those of its unfenced twin."""
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Plain
+
+    seen: list[str] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    conn = connections["pg"]
+    with fenced(CURRENT, using="pg"), conn.execute_wrapper(record):
+        created = Plain.objects.using("pg").create(text="x")
+        Plain.objects.using("pg").filter(pk=created.pk).update(text="y")
+    assert len(seen) == 2
+    assert seen[0].startswith("SELECT pg_catalog.set_config('iofence.token', '30', true)")
+    assert not seen[1].startswith("SELECT")
+    assert created.pk is not None  # the INSERT's own RETURNING was read
+
+
+# -- the claim (C8) ------------------------------------------------------------------------
+
+
+def _register(alias: str, scope: str) -> int | None:
+    from fence.adapters.django.models import FenceRegister
+
+    found = FenceRegister.objects.using(alias).filter(scope=scope).first()
+    return found.fence if found is not None else None
+
+
+def test_the_first_statement_claims_the_leases_resource(alias: str) -> None:
+    """A new holder's first statement, a read, raises the resource's fence. A stale
+    holder's block that starts then waits for the new holder's transaction (the register
+    row is locked) and is refused at its first statement, a read too: it never writes
+    between the new holder's read and its first write."""
+    import time
+
+    from fence import ManualClock, MemoryLockManager
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    pk, _ = _seed(alias)
+    clock = ManualClock()
+    manager = MemoryLockManager(clock=clock, ttl=10)
+    scope = f"account:{pk}:{alias}"
+    old = manager.acquire(scope, owner="A")
+    with fenced(old, using=alias):
+        Account.objects.using(alias).get(pk=pk)
+    assert _register(alias, scope) == old.token
+    clock.advance(15)
+    new = manager.acquire(scope, owner="B")
+    # SQLite has one writer at a time: A's block can start only after B's ends there.
+    concurrent = connections[alias].vendor == "postgresql"
+    with fenced(new, using=alias):
+        account = Account.objects.using(alias).get(pk=pk)  # the claim goes with this read
+        if concurrent:
+            stale = _StaleBlock(old.token, scope, alias, pk)  # A wakes, on its own connection
+            time.sleep(0.3)
+        account.balance += 1
+        account.save(using=alias)
+    if not concurrent:
+        stale = _StaleBlock(old.token, scope, alias, pk)
+    error = stale.result()
+    assert isinstance(error, StaleTokenError), error
+    assert error.token == old.token
+    if connections[alias].vendor == "postgresql":
+        assert error.scope == scope
+    assert Account.objects.using(alias).get(pk=pk).balance == 2
+    assert _register(alias, scope) == new.token
+    manager.close()
+
+
+class _StaleBlock:
+    """A block in a thread of its own (Django's connections are per thread) under
+    ``token``, claiming ``scope``: its first statement is a read."""
+
+    def __init__(self, token: int, scope: str, alias: str, pk: int) -> None:
+        import threading
+
+        self.token = token
+        self.resource = scope
+        self._alias = alias
+        self._pk = pk
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from fence.adapters.django import fenced
+        from tests.djangoapp.models import Account
+
+        try:
+            with fenced(self, using=self._alias):  # a lease-like object: token, resource
+                Account.objects.using(self._alias).get(pk=self._pk)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            connections[self._alias].close()
+
+    def result(self) -> BaseException | None:
+        """What the block raised."""
+        self._thread.join(60)
+        assert not self._thread.is_alive()
+        return self._error
+
+
+def test_a_claim_goes_in_the_first_statements_query_text(django_dbs: None) -> None:
+    from fence import MemoryLockManager
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Plain
+
+    seen: list[str] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    manager = MemoryLockManager(ttl=10)
+    with (
+        manager.lock("plain:100%") as lease,  # a % in the scope, and parameters
+        fenced(lease, using="pg"),
+        connections["pg"].execute_wrapper(record),
+    ):
+        Plain.objects.using("pg").create(text="x")
+    assert len(seen) == 1
+    assert "iofence_fence_register" in seen[0]
+    assert _register("pg", "plain:100%") == lease.token
+    manager.close()
+
+
+# -- the lock manager and the management commands ------------------------------------------
+
+
+def test_the_lock_manager_lives_on_djangos_database(django_dbs: None) -> None:
+    import json
+    from io import StringIO
+
+    from django.core.management.base import CommandError
+
+    from fence.adapters.django import fenced
+    from fence.adapters.django.locks import lock_manager, lock_url
+    from tests.djangoapp.models import Plain
+
+    assert lock_url().startswith("sqlite:///")
+    assert lock_url("pg").startswith("postgresql+psycopg://postgres@127.0.0.1:")
+    manager = lock_manager("pg", ttl=30)
+    assert lock_manager("pg") is manager
+    with manager.lock("cmd:1") as lease, fenced(lease, using="pg"):
+        Plain.objects.using("pg").create(text="locked")
+        out = StringIO()
+        call_command("fence_inspect", "cmd:1", "--database", "pg", "--json", stdout=out)
+        shown = json.loads(out.getvalue())
+        assert (shown["held"], shown["token"]) == (True, lease.token)
+    held = manager.acquire("cmd:2")
+    out = StringIO()
+    call_command("fence_revoke", "cmd:2", "--database", "pg", stdout=out, stderr=StringIO())
+    assert int(out.getvalue()) > held.token
+    out, err = StringIO(), StringIO()
+    status = 0
+    try:
+        call_command("fence_doctor", "--database", "pg", stdout=out, stderr=err)
+    except CommandError as exc:
+        status = exc.returncode  # a check failed: the throwaway cluster is no production one
+    assert status in (0, 1)
+    assert "fsync" in out.getvalue() + err.getvalue()
+    manager.close()
+    from fence.adapters.django import locks
+
+    locks._MANAGERS.clear()
+
+
+# -- migrations -----------------------------------------------------------------------------
+
+
+def test_install_fence_reads_well_in_a_migration(django_dbs: None) -> None:
+    from io import StringIO
+
+    from django.db.migrations.writer import OperationWriter
+
+    from fence.adapters.django.operations import InstallFence
+
+    operation = InstallFence("account")
+    assert "iofence judge" in operation.describe()
+    assert operation.migration_name_fragment == "install_fence_account"
+    text, imports = OperationWriter(operation, indentation=0).serialize()
+    assert text.strip() == (
+        "fence.adapters.django.operations.InstallFence(\n    model_name='account',\n),"
+    )
+    assert "import fence.adapters.django.operations" in imports
+    out = StringIO()
+    call_command("makemigrations", "djangoapp", check=True, dry_run=True, stdout=out)
+    assert "No changes detected" in out.getvalue()
+    out = StringIO()
+    call_command("sqlmigrate", "djangoapp", "0001", database="pg", stdout=out)
+    assert "CREATE TRIGGER zz_iofence_update" in out.getvalue()
+
+
+def test_install_fence_goes_backwards_and_writes_then_are_refused(django_dbs: None) -> None:
+    from fence.adapters.django import fenced
+    from fence.adapters.django.operations import InstallFence
+    from tests.djangoapp.models import Account
+
+    call_command("migrate", "djangoapp", "zero", database="scratch", verbosity=0)
+    call_command("migrate", "djangoapp", database="scratch", verbosity=0)
+    conn = connections["scratch"]
+    loader_state = _state_of_app("scratch")
+    with conn.schema_editor() as editor:
+        InstallFence("account").database_backwards("djangoapp", editor, loader_state, None)
+    with pytest.raises(ConfigurationError, match="missing"), fenced(CURRENT, using="scratch"):
+        Account.objects.using("scratch").create(name="b")
+    with conn.schema_editor() as editor:
+        InstallFence("account").database_forwards("djangoapp", editor, None, loader_state)
+    with fenced(CURRENT, using="scratch"):
+        Account.objects.using("scratch").create(name="b")
+    assert Account.objects.using("scratch").get(name="b").fence == CURRENT
+
+
+def _state_of_app(alias: str) -> Any:
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connections[alias])
+    return executor.loader.project_state(("djangoapp", "0001_initial"))
