@@ -721,10 +721,15 @@ class MariaDBServer:
         self.dir = Path(tempfile.mkdtemp(prefix="iofence-mariadb-"))
         self.data = self.dir / "data"
         self.socket = self.dir / "mariadb.sock"
+        # Its internal temporary tables go here, not to the machine's /tmp, where another
+        # server's or a clean-up's hands can reach them (MariaDB error 6 on their delete).
+        self.tmp = self.dir / "tmp"
+        self.tmp.mkdir()
         self.proc: subprocess.Popen[bytes] | None = None
         if pw is not None:
             os.chmod(self.dir, 0o755)  # noqa: S103 - the mysql user must enter it
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+            os.chown(self.tmp, pw.pw_uid, pw.pw_gid)
             self._as_user = ["runuser", "-u", "mysql", "--"]
 
     def url(self, database: str = "iofence", driver: str = "pymysql") -> str:
@@ -771,6 +776,7 @@ class MariaDBServer:
                 "--no-defaults",
                 f"--datadir={self.data}",
                 f"--socket={self.socket}",
+                f"--tmpdir={self.tmp}",
                 f"--port={self.port}",
                 "--bind-address=127.0.0.1",
                 f"--pid-file={self.dir / MARIADB_PID_FILE}",
