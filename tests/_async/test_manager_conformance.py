@@ -277,14 +277,15 @@ async def test_non_owner_cannot_release(make_manager: Make, resource: str) -> No
     """C11: a forged secret releases nothing, and an expired holder's release does not
     delete the new holder's lock."""
     manager = make_manager()
-    holder = await manager.acquire(resource, ttl=0.3)
+    # A lease that outlives the three round trips below on a loaded machine (0.3 s did not).
+    holder = await manager.acquire(resource, ttl=2)
     assert not await manager.driver.release(resource, "forged-secret")
     assert not await manager.driver.renew(resource, "forged-secret", 10.0)
     info = await manager.inspect(resource)
     assert info is not None
     assert info.token == holder.token
 
-    await sleep(0.5)
+    await sleep(2.5)
 
     async def take() -> Any:
         return await manager.acquire(resource, ttl=10, timeout=5)

@@ -276,14 +276,15 @@ def test_non_owner_cannot_release(make_manager: Make, resource: str) -> None:
     """C11: a forged secret releases nothing, and an expired holder's release does not
     delete the new holder's lock."""
     manager = make_manager()
-    holder = manager.acquire(resource, ttl=0.3)
+    # A lease that outlives the three round trips below on a loaded machine (0.3 s did not).
+    holder = manager.acquire(resource, ttl=2)
     assert not manager.driver.release(resource, "forged-secret")
     assert not manager.driver.renew(resource, "forged-secret", 10.0)
     info = manager.inspect(resource)
     assert info is not None
     assert info.token == holder.token
 
-    sleep(0.5)
+    sleep(2.5)
 
     def take() -> Any:
         return manager.acquire(resource, ttl=10, timeout=5)
