@@ -29,6 +29,7 @@ from fence._sql_dialect import CHECK_LOGIN, Fault, SQLDialect, dialect_of_url, f
 from fence._wake import WakeBoard
 
 __all__ = [
+    "CLOSE_WAIT",
     "LISTEN_SLICE",
     "QUEUE_TTL",
     "STATEMENTS",
@@ -52,6 +53,11 @@ __all__ = [
 #: How long a queued waiter keeps its place without an attempt (its heartbeat), in seconds;
 #: a queued waiter tries again at least every third of it.
 QUEUE_TTL = 3.0
+
+#: How long, in seconds, a driver's ``close()`` waits for the clean-ups of acquires that gave
+#: up (they run on for as long as the lock could live) before it returns; one that is still
+#: running then disposes of the driver's engine itself when it ends.
+CLOSE_WAIT = 3.0
 
 #: The statements of :class:`fence._sql_schema.LeaseStatements` every dialect has.
 STATEMENTS = (

@@ -54,6 +54,7 @@ from fence._events import EventBus
 from fence._rwlock import decide
 from fence._signal import Signal
 from fence._sql import (
+    CLOSE_WAIT,
     LISTEN_SLICE,
     QUEUE_TTL,
     STATEMENTS,
@@ -326,6 +327,12 @@ class AsyncSQLDriver:
         self._owns_engine = owns_engine
         self._create_pending = create_table
         self._closed = False
+        # The clean-ups in flight (their done signals). A connection that one hands back
+        # after the engine's disposal stays out of every pool, open, until the garbage
+        # collector closes it: the engine goes once the last of them has ended.
+        self._cleanups: set[Signal] = set()
+        self._dispose_pending = False
+        self._cleanup_lock = threading.Lock()
         where = engine.url.render_as_string(hide_password=True)
         self._where = f"{self.statements.dialect} table {table!r} ({where})"
 
@@ -542,6 +549,8 @@ class AsyncSQLDriver:
         # deadline.
         outcome: list[Any] = []
         done = Signal()
+        with self._cleanup_lock:
+            self._cleanups.add(done)
         spawn(self._cancel, resource, secret, ttl, outcome, done, name=f"fence-cancel:{resource}")
         at = deadline()
         waiter = Waiter()
@@ -587,7 +596,18 @@ class AsyncSQLDriver:
             outcome.append(exc)
         finally:
             reset(scope)
+            with self._cleanup_lock:
+                self._cleanups.discard(done)
+                last = self._dispose_pending and not self._cleanups
+                if last:
+                    self._dispose_pending = False
             done.set()
+            if last:
+                # close() returned before this clean-up ended and left the engine to it.
+                try:
+                    await self.engine.dispose()
+                except Exception as exc:  # pragma: no cover - nobody to report to
+                    _log.debug("disposing of the engine of %s failed: %s", self._where, exc)
 
     async def wait(self, resource: str, timeout: float, reply: AcquireReply) -> None:
         """Return on a release seen by this process, or after a jittered poll slice (for a
@@ -709,7 +729,13 @@ class AsyncSQLDriver:
         return token
 
     async def close(self) -> None:
-        """Stop the notification listener; dispose of the engine if the driver owns it."""
+        """Stop the notification listener; dispose of the engine if the driver owns it.
+
+        The clean-ups of acquires that gave up (see :meth:`cancel`) may still be running:
+        ``close()`` waits for them at most :data:`fence._sql.CLOSE_WAIT` seconds, and one
+        still running then disposes of the engine when it ends, once its connection is
+        back in the pool (the engine's disposal closes only the connections in the pool).
+        """
         if self._closed:
             return
         self._closed = True
@@ -721,8 +747,22 @@ class AsyncSQLDriver:
             except BackendError:
                 pass
             await task.join()
-        if self._owns_engine:
+        if await self._cleanups_ended(CLOSE_WAIT) and self._owns_engine:
             await self.engine.dispose()
+
+    async def _cleanups_ended(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the clean-ups in flight; whether they all
+        ended. If not, the last one to end disposes of the engine (if the driver owns it)."""
+        end = time.monotonic() + timeout
+        while True:
+            with self._cleanup_lock:
+                running = next(iter(self._cleanups), None)
+                if running is None:
+                    return True
+                if time.monotonic() >= end:
+                    self._dispose_pending = self._owns_engine
+                    return False
+            await self._wait_signal(running, end - time.monotonic())
 
     # -- schema -----------------------------------------------------------------------------
 

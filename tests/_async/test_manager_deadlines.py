@@ -14,12 +14,14 @@ asyncio-only cases (a task cancelled inside the round trip) are in
 
 from __future__ import annotations
 
+import gc
 import os
 import secrets
 import signal
 import sqlite3
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,10 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+from sqlalchemy import event as sa_event
 
 from fence import AcquireTimeout, BackendError, MemoryBackend
+from fence._async import sql as sql_module
 from fence._async.manager import UNDO_LIMIT
 from fence._async.memory import AsyncMemoryLockManager
 from fence._async.quorum import AsyncQuorumLockManager
@@ -624,3 +628,80 @@ async def test_postgres_missing_database_is_not_called_unreachable(
     assert "does not exist" in str(outcome)
     assert "unreachable" not in str(outcome)
     assert f"127.0.0.1:{pg.port}" in str(outcome)
+
+
+# -- close() with a clean-up in flight -------------------------------------------------------
+
+
+def open_connections(manager: Any) -> Callable[[], int]:
+    """How many connections the manager's engine has opened and not closed yet."""
+    opened = [0]
+    pool = manager.engine.sync_engine.pool  # unasync: pool = manager.engine.pool
+
+    def connect(*_: Any) -> None:
+        opened[0] += 1
+
+    def close(*_: Any) -> None:
+        opened[0] -= 1
+
+    sa_event.listen(pool, "connect", connect)
+    sa_event.listen(pool, "close", close)
+    sa_event.listen(pool, "close_detached", close)
+    return lambda: opened[0]
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["close-waits", "clean-up-disposes"])
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+async def test_close_leaves_no_connection_to_the_collector(
+    database: str,
+    waits: bool,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    resource: str,
+) -> None:
+    """An acquire gives up while another connection holds what its clean-up needs (SQLite's
+    write lock, the PostgreSQL row's lock), and the manager is closed with the clean-up in
+    flight. A connection the clean-up hands back to a pool the engine's disposal has closed
+    stays open until the garbage collector closes it (Python 3.13 reports that, in whatever
+    runs then): ``close()`` waits for the clean-up, or, once it has waited its bound
+    (``clean-up-disposes``: no wait at all), the clean-up disposes of the engine when it
+    ends. Either way every connection is closed, and a collection finds none."""
+    if not waits:
+        monkeypatch.setattr(sql_module, "CLOSE_WAIT", 0.0, raising=False)
+    if database == "sqlite":
+        path = tmp_path / "locks.db"
+        manager = AsyncSQLLockManager(f"sqlite:///{path}", create_table=True, ttl=60)
+        blocker: Any = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        block: Callable[[], Any] = lambda: blocker.execute("BEGIN IMMEDIATE")  # noqa: E731
+        unblock: Callable[[], Any] = lambda: blocker.execute("COMMIT")  # noqa: E731
+    else:
+        pg: PostgresServer = request.getfixturevalue("pg")
+        table = f"leases_{secrets.token_hex(4)}"
+        manager = AsyncSQLLockManager(pg.url, table=table, create_table=True, ttl=60)
+        blocker = psycopg.connect(pg.conninfo)
+        query = f'SELECT 1 FROM "{table}" WHERE resource = %s FOR UPDATE'
+        block = lambda: blocker.execute(query, (resource,))  # noqa: E731
+        unblock = blocker.commit
+    opened = open_connections(manager)
+    try:
+        first = await manager.acquire(resource)
+        await first.release()
+        block()
+        outcome, _ = await timed(lambda: manager.acquire(resource, timeout=0.5))
+        assert isinstance(outcome, BackendError | AcquireTimeout), outcome
+        timer = later(0.3, unblock)
+        try:
+            await manager.close()
+        finally:
+            timer.join()
+    finally:
+        await manager.close()
+        blocker.close()
+    if waits:
+        assert opened() == 0
+    else:
+        await until(lambda: opened() == 0, "the clean-up to end and dispose of the engine", 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        gc.collect()
