@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import os
 import secrets
 import signal
-import socket
 import sqlite3
 import threading
 import time
@@ -44,8 +42,9 @@ from fence._etcd import queue_prefix, range_end
 from fence._quorum import SCRIPTS as QUORUM_SCRIPTS
 from fence._redis_keys import resource_keys
 from fence._zookeeper import queue_order, resource_path
+from tests.proxies import ReplyHolder
 from tests.proxy_zookeeper import MULTI, ZooKeeperProxy
-from tests.servers import EtcdCluster, PostgresServer, RedisServer, ZooKeeperEnsemble, free_port
+from tests.servers import EtcdCluster, PostgresServer, RedisServer, ZooKeeperEnsemble
 
 pytestmark = pytest.mark.slow
 
@@ -382,57 +381,6 @@ async def test_consensus_cancelled_while_waiting(
     finally:
         await holder.close()
         await waiter.close()
-
-
-class ReplyHolder:
-    """A TCP proxy to a server (an etcd member, a Redis node) that, while armed, keeps
-    back the reply on every connection whose request contained ``marker`` (the request
-    goes on and runs): the client waits inside that round trip for as long as the test
-    likes. A held reply is never delivered; the connection ends when the client closes
-    it."""
-
-    def __init__(self, host: str, port: int, marker: bytes) -> None:
-        self.upstream = (host, port)
-        self.marker = marker
-        self.port = free_port()
-        self.armed = threading.Event()
-        self.held = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def close(self) -> None:
-        for sock in [self._listener, *self._sockets]:
-            sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            self._sockets += [client, server]
-            marked = threading.Event()
-            for args in ((client, server, False, marked), (server, client, True, marked)):
-                threading.Thread(target=self._pipe, args=args, daemon=True).start()
-
-    def _pipe(
-        self, source: socket.socket, sink: socket.socket, replies: bool, marked: threading.Event
-    ) -> None:
-        try:
-            while data := source.recv(65536):
-                if not replies and self.armed.is_set() and self.marker in data:
-                    marked.set()  # before the request goes on: its reply comes after
-                if replies and marked.is_set():
-                    self.held.set()
-                    continue
-                sink.sendall(data)
-        except OSError:
-            pass
-        for sock in (source, sink):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["lock-free", "lock-held"])

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,83 +33,12 @@ from fence._sync.etcd import EtcdLockManager
 from fence._sync.quorum import QuorumLockManager
 from fence._sync.redis import RedisLockManager
 from fence._sync.sql import SQLLockManager
-from tests.servers import EtcdCluster, PostgresServer, free_port
+from tests.proxies import ReplyDropper
+from tests.servers import EtcdCluster, PostgresServer
 
 pytestmark = pytest.mark.slow
 
 TTL = 60.0
-
-
-class ReplyDropper:
-    """A TCP proxy to ``upstream`` that, while armed, drops every reply of the server and
-    closes that connection at both ends (the requests it carried may have run). With
-    ``only``, it drops only the replies on connections whose requests contained those
-    bytes (an HTTP client with one connection per request: the replies to one call).
-    With ``cut_off``, the first reply it drops also cuts the link: until :meth:`heal`, no
-    request gets through and new connections are closed at once."""
-
-    def __init__(
-        self, host: str, port: int, *, only: bytes | None = None, cut_off: bool = False
-    ) -> None:
-        self.upstream = (host, port)
-        self.only = only
-        self.cut_off = cut_off
-        self.port = free_port()
-        self.armed = threading.Event()
-        #: Set at the first reply dropped, with ``cut_off``: from then on, while armed, no
-        #: request reaches the server (a link that fails for good after the reply it lost).
-        self.cut = threading.Event()
-        self.dropped = 0
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def heal(self) -> None:
-        """Let everything through again."""
-        self.armed.clear()
-        self.cut.clear()
-
-    def close(self) -> None:
-        for sock in [self._listener, *self._sockets]:
-            sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            if self.cut.is_set():
-                client.close()
-                continue
-            server = socket.create_connection(self.upstream)
-            self._sockets += [client, server]
-            marked = threading.Event()
-            for args in ((client, server, False, marked), (server, client, True, marked)):
-                threading.Thread(target=self._pipe, args=args, daemon=True).start()
-
-    def _pipe(
-        self, source: socket.socket, sink: socket.socket, replies: bool, marked: threading.Event
-    ) -> None:
-        try:
-            while data := source.recv(65536):
-                if not replies and self.cut.is_set():
-                    break
-                if not replies and self.only is not None and self.only in data:
-                    marked.set()  # before the request goes on: its reply comes after
-                if replies and self.armed.is_set() and (self.only is None or marked.is_set()):
-                    self.dropped += 1
-                    if self.cut_off:
-                        self.cut.set()
-                    break
-                sink.sendall(data)
-        except OSError:
-            pass
-        for sock in (source, sink):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 @pytest.fixture
