@@ -48,7 +48,7 @@ from fence.adapters import psycopg as pg_guard
 from fence.adapters.orm import INCLUDE_TOMBSTONES, bind
 from fence.adapters.redis import RedisGuard
 from fence.adapters.sql import RowGuard, fence_column, tombstone_column
-from fence.testing import MemoryGuard
+from fence.testing import MemoryGuard, _differential
 
 BAD = -1  # a value each storage refuses while applying it
 SCOPES = ["a", "b", "x:{y}", "fence:z", "ü", "k}{"]
@@ -86,32 +86,14 @@ def judge(call: Callable[[], Any], scope_of: Callable[[str], str]) -> Verdict:
 # -- the reference ---------------------------------------------------------------------------
 
 
-class Reference:
-    """MemoryGuard, with the batch's bad item refused as a data error after the token check."""
+class Reference(_differential.Reference):
+    """The guard kit's reference (MemoryGuard), with the batch's bad item refused as a data
+    error after the token check."""
 
     name = "reference"
 
-    def __init__(self) -> None:
-        self.guard = MemoryGuard()
-
     def scope_of(self, raw: str) -> str:
         return raw
-
-    def create(self, scope: str, token: int, value: int) -> None:
-        self.guard.write(scope, token, value)
-
-    def update(self, scope: str, token: int, value: int) -> None:
-        self.guard.update(scope, token, lambda _: value)
-
-    def delete(self, scope: str, token: int) -> None:
-        self.guard.delete(scope, token)
-
-    def claim(self, scope: str, token: int) -> None:
-        self.guard.claim(scope, token)
-
-    def read_for_update(self, scope: str, token: int) -> int | None:
-        value: int | None = self.guard.read_for_update(scope, token)
-        return value
 
     def batch(self, token: int, values: Mapping[str, int]) -> None:
         good = {k: (0 if v == BAD else v) for k, v in values.items()}
@@ -126,7 +108,7 @@ class Reference:
         self.guard.write_many(token, good)
 
     def state(self, scope: str) -> tuple[int | None, int | None]:
-        return self.guard.read(scope), self.guard.fence(scope)
+        return self.read(scope), self.fence(scope)
 
 
 # -- the guards under test --------------------------------------------------------------------
