@@ -27,6 +27,7 @@ from fence import (
 )
 from fence._etcd import b64
 from fence.adapters.etcd import EtcdGuard
+from tests._async.key_harness import CALL_TIMEOUT
 from tests.servers import EtcdCluster
 
 pytestmark = pytest.mark.etcd
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.etcd
 
 @pytest.fixture
 def guard(etcd_url: str) -> Iterator[EtcdGuard]:
-    guard = EtcdGuard(etcd_url, request_timeout=15.0)
+    guard = EtcdGuard(etcd_url, request_timeout=CALL_TIMEOUT)
     yield guard
     guard.close()
 

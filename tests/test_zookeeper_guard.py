@@ -27,6 +27,7 @@ from fence import (
     StaleTokenError,
 )
 from fence.adapters.zookeeper import ZooKeeperGuard
+from tests._async.key_harness import CALL_TIMEOUT
 from tests.servers import ZooKeeperEnsemble
 
 pytestmark = pytest.mark.zookeeper
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.zookeeper
 
 @pytest.fixture
 def guard(zookeeper_url: str) -> Iterator[ZooKeeperGuard]:
-    guard = ZooKeeperGuard(zookeeper_url, request_timeout=15.0)
+    guard = ZooKeeperGuard(zookeeper_url, request_timeout=CALL_TIMEOUT)
     yield guard
     guard.close()
 
