@@ -923,6 +923,61 @@ def test_the_lock_manager_lives_on_djangos_database(django_dbs: None) -> None:
     locks._MANAGERS.clear()
 
 
+@pytest.mark.parametrize("using", ["default", "pg"])
+def test_fence_revoke_raises_the_fence_in_the_register(django_dbs: None, using: str) -> None:
+    """A revoked holder that does not ask its lock manager again is refused by the
+    database: the command claimed the resource with the new token."""
+    from io import StringIO
+    from types import SimpleNamespace
+
+    from fence.adapters.django import fenced, locks
+    from fence.adapters.django.locks import lock_manager
+    from tests.djangoapp.models import Plain
+
+    resource = f"revoked:{using}"
+    manager = lock_manager(using, ttl=30)
+    try:
+        held = manager.acquire(resource)
+        with fenced(held, using=using):
+            Plain.objects.using(using).create(text="before")
+        out = StringIO()
+        call_command("fence_revoke", resource, "--database", using, stdout=out, stderr=StringIO())
+        revoked = int(out.getvalue())
+        assert revoked > held.token
+        assert _register(using, resource) == revoked
+        unaware = SimpleNamespace(token=held.token, resource=resource)  # asks no manager
+        with pytest.raises(StaleTokenError), fenced(unaware, using=using):
+            Plain.objects.using(using).exists()
+        assert _register(using, resource) == revoked
+    finally:
+        manager.close()
+        locks._MANAGERS.clear()
+        connections[using].close()
+
+
+def test_the_settings_managers_are_closed_at_exit(
+    django_dbs: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process owns the managers made from the settings: the first one made registers
+    their closing with ``atexit``, once."""
+    from fence.adapters.django import locks
+
+    locks.close_managers()
+    registered: list[Any] = []
+    monkeypatch.setattr(locks.atexit, "register", registered.append)
+    monkeypatch.setattr(locks, "_AT_EXIT", [])
+    manager = locks.lock_manager("pg", ttl=30)
+    assert locks.lock_manager("default", ttl=30) is not manager
+    assert registered == [locks.close_managers], "registered once, for every manager"
+    registered[0]()
+    assert manager._closed
+    assert not locks._MANAGERS
+    fresh = locks.lock_manager("pg", ttl=30)
+    assert fresh is not manager
+    locks.close_managers()
+    assert fresh._closed
+
+
 # -- migrations -----------------------------------------------------------------------------
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "ConnectionState",
     "began",
     "bound_token",
+    "claim_sql",
     "connection_created",
     "execute_wrapper",
     "install_wrapper",
@@ -188,7 +189,7 @@ def is_mariadb(conn: Any) -> bool:
     return conn.vendor == "mysql" and bool(conn.mysql_is_mariadb)
 
 
-def _claim_sql(scope: str, token: int, vendor: str = "postgresql") -> str:
+def claim_sql(scope: str, token: int, vendor: str = "postgresql") -> str:
     """The claim of ``scope`` (C8): raise its fence in the register to ``token``. The
     register's judge refuses it, as a stale write, if the fence is above the token."""
     if vendor == "mysql":
@@ -362,7 +363,7 @@ def execute_wrapper(
             if top.scope is not None and top.token is not None:
                 if REGISTER.check_key not in state.checked:
                     _check(conn, state, REGISTER)
-                claim = _claim_sql(top.scope, top.token, conn.vendor)
+                claim = claim_sql(top.scope, top.token, conn.vendor)
             raw = context["cursor"].cursor
             if conn.vendor == "sqlite":
                 _sync_sqlite(state)
