@@ -410,6 +410,105 @@ def test_plain_models_are_written_anywhere(alias: str) -> None:
     assert Plain.objects.using(alias).count() == 2
 
 
+# -- the async ORM --------------------------------------------------------------------------
+
+
+async def _asave(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    account = await Account.objects.using(alias).aget(pk=pk)
+    account.balance = 99
+    await account.asave(using=alias)
+
+
+async def _aupdate(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    await Account.objects.using(alias).filter(pk=pk).aupdate(balance=99)
+
+
+async def _adelete(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    account = await Account.objects.using(alias).aget(pk=pk)
+    await account.adelete(using=alias)
+
+
+async def _abulk_update(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    accounts = [a async for a in Account.objects.using(alias).filter(pk=pk)]
+    for account in accounts:
+        account.balance = 99
+    await Account.objects.using(alias).abulk_update(accounts, ["balance"])
+
+
+async def _abulk_upsert(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    mysql = connections[alias].vendor == "mysql"
+    await Account.objects.using(alias).abulk_create(
+        [Account(name="a", balance=99)],
+        update_conflicts=True,
+        unique_fields=None if mysql else ["name"],
+        update_fields=["balance"],
+    )
+
+
+ASYNC_PATHS: dict[str, Callable[[str, int], Any]] = {
+    "asave": _asave,
+    "aupdate": _aupdate,
+    "adelete": _adelete,
+    "abulk_update": _abulk_update,
+    "abulk_create_update_conflicts": _abulk_upsert,
+}
+
+
+@pytest.mark.parametrize("path", sorted(ASYNC_PATHS))
+async def test_the_async_orm_is_fenced_inside_afenced(alias: str, path: str) -> None:
+    """``sync_to_async`` runs the ORM in one thread, on its connection: ``afenced`` binds
+    the token there. Unbound, stale, the current holder."""
+    from asgiref.sync import sync_to_async
+
+    from fence.adapters.django import afenced
+
+    pk, _ = await sync_to_async(_seed)(alias)
+    before = await sync_to_async(_row)(alias, _account(), pk)
+    # The connection is the fixture's (the context's), which closes it in its thread.
+    with pytest.raises(TokenRequiredError):
+        await ASYNC_PATHS[path](alias, pk)
+    with pytest.raises(StaleTokenError):
+        async with afenced(STALE, using=alias):
+            await ASYNC_PATHS[path](alias, pk)
+    assert await sync_to_async(_row)(alias, _account(), pk) == before
+    async with afenced(CURRENT, using=alias):
+        await ASYNC_PATHS[path](alias, pk)
+    account = await _account()._base_manager.using(alias).aget(pk=pk)
+    assert account.fence == CURRENT
+    if path == "adelete":
+        assert (account.deleted, account.balance) == (True, 1)
+    else:
+        assert (account.balance, account.deleted) == (99, False)
+
+
+async def test_the_async_opt_out(alias: str) -> None:
+    from asgiref.sync import sync_to_async
+
+    from fence.adapters.django import aunfenced
+
+    pk, _ = await sync_to_async(_seed)(alias)
+    async with aunfenced(using=alias):
+        await _account().objects.using(alias).filter(pk=pk).aupdate(balance=50)
+    account = await _account().objects.using(alias).aget(pk=pk)
+    assert (account.balance, account.fence) == (50, HOLDER)
+
+
+def _account() -> Any:
+    from tests.djangoapp.models import Account
+
+    return Account
+
+
 # -- the block ------------------------------------------------------------------------------
 
 
