@@ -49,6 +49,7 @@ SECTIONS: dict[str, str] = {
     "memory": "bench_memory",
     "observe": "bench_observe",
     "celery": "bench_celery",
+    "django": "bench_django",
 }
 
 TITLES = {
@@ -69,6 +70,7 @@ TITLES = {
     "memory": "5. Memory after many acquire/release cycles (lower is better)",
     "observe": "6. What the metrics collectors cost, in process (vs nothing listening)",
     "celery": "7. A Celery task under a lease (FencedTask) vs the same task unfenced (tasks/s)",
+    "django": "8. A fenced Django save() vs a plain save() and optimistic version checks (saves/s)",
 }
 
 GROUP_ORDER = list(TITLES)

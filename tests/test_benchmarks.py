@@ -64,6 +64,10 @@ REQUIRED = {
         "eager, body one SET: FencedTask, Redis manager",
         "eager, body one SET: Celery task, unfenced",
     ),
+    ("Django SQLite: fenced save()", "Django SQLite: plain save(), atomic()"),
+    ("Django PostgreSQL: fenced save()", "Django PostgreSQL: plain save(), atomic()"),
+    ("Django SQLite: fenced save()", "Django SQLite: django-concurrency save()"),
+    ("Django PostgreSQL: fenced save()", "Django PostgreSQL: django-concurrency save()"),
 }
 
 #: The waiters section's rows, per kind of waiter (their names carry the count of waiters).

@@ -1,10 +1,11 @@
-"""The Django integration (``fence.adapters.django``) on PostgreSQL and SQLite: every write
-path of the ORM, for an unbound writer, a stale holder and the current holder (C9, C14);
-tombstones (C7); the token's lifetime; the opt-out; the migration operation.
+"""The Django integration (``fence.adapters.django``) on PostgreSQL, SQLite and MariaDB:
+every write path of the ORM, for an unbound writer, a stale holder and the current holder
+(C9, C14); tombstones (C7); the token's lifetime; the opt-out; the migration operation.
 
 Django is configured once per process, here (plain pytest, no pytest-django): databases
 ``default`` (SQLite, a file), ``pg`` (the suite's PostgreSQL; ``pg_manual`` the same
-database without autocommit) and ``scratch`` (SQLite, for the migrations run backwards).
+database without autocommit), ``maria`` (a database of its own on the suite's MariaDB,
+through PyMySQL as ``MySQLdb``) and ``scratch`` (SQLite, for the migrations run backwards).
 The settings name the test app ``tests.djangoapp`` only; no other test of the suite reads
 Django's settings.
 """
@@ -35,17 +36,49 @@ from fence._errors import (
     ReadLeaseError,
     UnfencedWriteError,
 )
-from tests.servers import PostgresServer
+from tests.servers import MariaDBServer, PostgresServer
 
-ALIASES = ["default", "pg"]
+ALIASES = ["default", "pg", "maria"]
 
 STALE, HOLDER, CURRENT = 10, 20, 30
 
 
+def _maria_database(server: MariaDBServer, name: str, *, drop: bool = False) -> None:
+    import pymysql
+
+    admin = pymysql.connect(
+        host="127.0.0.1",
+        port=server.port,
+        user=server.USER,
+        password=server.PASSWORD,
+        autocommit=True,
+    )
+    try:
+        with admin.cursor() as cursor:
+            cursor.execute(
+                f"{'DROP' if drop else 'CREATE'} DATABASE IF {'' if drop else 'NOT '}EXISTS {name}"
+            )
+    finally:
+        admin.close()
+
+
+MARIA_DATABASE = "django_tests"
+
+
 @pytest.fixture(scope="module")
-def django_dbs(postgres_server: PostgresServer, tmp_path_factory: pytest.TempPathFactory) -> None:
+def django_dbs(
+    postgres_server: PostgresServer,
+    mariadb_server: MariaDBServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
     """Django configured once, and the test app migrated on every database."""
+    _maria_database(mariadb_server, MARIA_DATABASE)
     if not settings.configured:
+        import pymysql
+
+        # Django's MySQL backend imports MySQLdb (mysqlclient, a C extension); PyMySQL,
+        # pure Python and already the driver of the mysql extra, stands in for it.
+        pymysql.install_as_MySQLdb()
         where: Path = tmp_path_factory.mktemp("django")
         settings.configure(
             INSTALLED_APPS=["fence.adapters.django", "tests.djangoapp"],
@@ -69,6 +102,19 @@ def django_dbs(postgres_server: PostgresServer, tmp_path_factory: pytest.TempPat
                     "NAME": "postgres",
                     "AUTOCOMMIT": False,
                 },
+                "maria": {
+                    "ENGINE": "django.db.backends.mysql",
+                    "HOST": "127.0.0.1",
+                    "PORT": str(mariadb_server.port),
+                    "USER": mariadb_server.USER,
+                    "PASSWORD": mariadb_server.PASSWORD,
+                    "NAME": MARIA_DATABASE,
+                },
+                "busy": {  # default's file, with a short busy timeout
+                    "ENGINE": "django.db.backends.sqlite3",
+                    "NAME": str(where / "default.sqlite3"),
+                    "OPTIONS": {"timeout": 0.2},
+                },
                 "scratch": {
                     "ENGINE": "django.db.backends.sqlite3",
                     "NAME": str(where / "scratch.sqlite3"),
@@ -78,22 +124,37 @@ def django_dbs(postgres_server: PostgresServer, tmp_path_factory: pytest.TempPat
             USE_TZ=True,
         )
         django.setup()
-    for alias in ("default", "pg", "scratch"):
+    for alias in ("default", "pg", "maria", "scratch"):
         call_command("migrate", "iofence", database=alias, verbosity=0)
         call_command("migrate", "djangoapp", database=alias, verbosity=0)
+    yield
+    connections["maria"].close()
+    _maria_database(mariadb_server, MARIA_DATABASE, drop=True)
+
+
+def _empty(name: str) -> None:
+    from fence.adapters.django import unfenced
+
+    with unfenced(using=name), connections[name].cursor() as cursor:
+        for table in ("djangoapp_account", "djangoapp_note", "djangoapp_plain"):
+            cursor.execute(f"DELETE FROM {table}")
 
 
 @pytest.fixture(params=ALIASES)
 def alias(request: pytest.FixtureRequest, django_dbs: None) -> Iterator[str]:
     """A database with empty tables (emptied through the opt-out)."""
-    from fence.adapters.django import unfenced
-
     name: str = request.param
-    with unfenced(using=name), connections[name].cursor() as cursor:
-        for table in ("djangoapp_account", "djangoapp_note", "djangoapp_plain"):
-            cursor.execute(f"DELETE FROM {table}")
+    _empty(name)
     yield name
     connections[name].close()
+
+
+@pytest.fixture
+def maria(django_dbs: None) -> Iterator[str]:
+    """MariaDB's alias, its tables empty."""
+    _empty("maria")
+    yield "maria"
+    connections["maria"].close()
 
 
 def _seed(alias: str) -> tuple[int, int]:
@@ -154,10 +215,12 @@ def _bulk_update(alias: str, pk: int) -> None:
 def _bulk_upsert(alias: str, pk: int) -> None:
     from tests.djangoapp.models import Account
 
+    # MariaDB's ON DUPLICATE KEY UPDATE takes every unique key: Django refuses to name one.
+    mysql = connections[alias].vendor == "mysql"
     Account.objects.using(alias).bulk_create(
         [Account(name="a", balance=99)],
         update_conflicts=True,
-        unique_fields=["name"],
+        unique_fields=None if mysql else ["name"],
         update_fields=["balance"],
     )
 
@@ -347,6 +410,105 @@ def test_plain_models_are_written_anywhere(alias: str) -> None:
     assert Plain.objects.using(alias).count() == 2
 
 
+# -- the async ORM --------------------------------------------------------------------------
+
+
+async def _asave(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    account = await Account.objects.using(alias).aget(pk=pk)
+    account.balance = 99
+    await account.asave(using=alias)
+
+
+async def _aupdate(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    await Account.objects.using(alias).filter(pk=pk).aupdate(balance=99)
+
+
+async def _adelete(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    account = await Account.objects.using(alias).aget(pk=pk)
+    await account.adelete(using=alias)
+
+
+async def _abulk_update(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    accounts = [a async for a in Account.objects.using(alias).filter(pk=pk)]
+    for account in accounts:
+        account.balance = 99
+    await Account.objects.using(alias).abulk_update(accounts, ["balance"])
+
+
+async def _abulk_upsert(alias: str, pk: int) -> None:
+    from tests.djangoapp.models import Account
+
+    mysql = connections[alias].vendor == "mysql"
+    await Account.objects.using(alias).abulk_create(
+        [Account(name="a", balance=99)],
+        update_conflicts=True,
+        unique_fields=None if mysql else ["name"],
+        update_fields=["balance"],
+    )
+
+
+ASYNC_PATHS: dict[str, Callable[[str, int], Any]] = {
+    "asave": _asave,
+    "aupdate": _aupdate,
+    "adelete": _adelete,
+    "abulk_update": _abulk_update,
+    "abulk_create_update_conflicts": _abulk_upsert,
+}
+
+
+@pytest.mark.parametrize("path", sorted(ASYNC_PATHS))
+async def test_the_async_orm_is_fenced_inside_afenced(alias: str, path: str) -> None:
+    """``sync_to_async`` runs the ORM in one thread, on its connection: ``afenced`` binds
+    the token there. Unbound, stale, the current holder."""
+    from asgiref.sync import sync_to_async
+
+    from fence.adapters.django import afenced
+
+    pk, _ = await sync_to_async(_seed)(alias)
+    before = await sync_to_async(_row)(alias, _account(), pk)
+    # The connection is the fixture's (the context's), which closes it in its thread.
+    with pytest.raises(TokenRequiredError):
+        await ASYNC_PATHS[path](alias, pk)
+    with pytest.raises(StaleTokenError):
+        async with afenced(STALE, using=alias):
+            await ASYNC_PATHS[path](alias, pk)
+    assert await sync_to_async(_row)(alias, _account(), pk) == before
+    async with afenced(CURRENT, using=alias):
+        await ASYNC_PATHS[path](alias, pk)
+    account = await _account()._base_manager.using(alias).aget(pk=pk)
+    assert account.fence == CURRENT
+    if path == "adelete":
+        assert (account.deleted, account.balance) == (True, 1)
+    else:
+        assert (account.balance, account.deleted) == (99, False)
+
+
+async def test_the_async_opt_out(alias: str) -> None:
+    from asgiref.sync import sync_to_async
+
+    from fence.adapters.django import aunfenced
+
+    pk, _ = await sync_to_async(_seed)(alias)
+    async with aunfenced(using=alias):
+        await _account().objects.using(alias).filter(pk=pk).aupdate(balance=50)
+    account = await _account().objects.using(alias).aget(pk=pk)
+    assert (account.balance, account.fence) == (50, HOLDER)
+
+
+def _account() -> Any:
+    from tests.djangoapp.models import Account
+
+    return Account
+
+
 # -- the block ------------------------------------------------------------------------------
 
 
@@ -359,6 +521,9 @@ def _token_in_transaction(alias: str) -> Any:
         sqlite = state_of(conn).sqlite
         return sqlite.get_token() if sqlite is not None else None
     with conn.cursor() as cursor:
+        if conn.vendor == "mysql":
+            cursor.execute("SELECT @iofence_token")
+            return cursor.fetchone()[0]
         cursor.execute("SELECT current_setting('iofence.token', true)")
         value = cursor.fetchone()[0]
     return int(value) if value else None
@@ -389,6 +554,213 @@ def test_the_token_never_outlives_the_block(alias: str) -> None:
             cursor.execute("/* hidden */ UPDATE djangoapp_account SET balance = 5")
     account = Account.objects.using(alias).get(pk=pk)
     assert (account.balance, account.fence) == (99, CURRENT)
+
+
+def _maria_variables() -> tuple[Any, ...]:
+    """The session's variables, read on the DB-API connection (no block, no wrapper)."""
+    raw = connections["maria"].connection
+    with raw.cursor() as cursor:
+        cursor.execute("SELECT @iofence_token, @iofence_unfenced, @iofence_row_token")
+        return tuple(cursor.fetchone())
+
+
+class _Failed(Exception):
+    """What :func:`_failing_block` raises, with the token its block had."""
+
+
+def _failing_block(alias: str, token: int) -> None:
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Plain
+
+    with fenced(token, using=alias):
+        Plain.objects.using(alias).create(text="rolled back")
+        raise _Failed(_maria_variables()[0])
+
+
+def test_mariadb_session_variables_never_outlive_the_block(maria: str) -> None:
+    """A session variable outlives the transaction: the end of every block sets it back,
+    after a commit, an exception in the block, a refused write, a nested block, the
+    opt-out; and the connection Django keeps for the next request carries none."""
+    from fence.adapters.django import fenced, unfenced
+    from tests.djangoapp.models import Account, Plain
+
+    alias = maria
+    pk, _ = _seed(alias)
+    empty = (None, None, None)
+    with fenced(CURRENT, using=alias):
+        _queryset_update(alias, pk)
+        assert _maria_variables()[0] == CURRENT
+    assert _maria_variables() == empty
+    with pytest.raises(_Failed) as failed:
+        _failing_block(alias, CURRENT + 1)
+    assert failed.value.args == (CURRENT + 1,), "the block had its token"
+    assert _maria_variables() == empty
+    with pytest.raises(StaleTokenError), fenced(STALE, using=alias):
+        _save_update(alias, pk)
+    assert _maria_variables() == empty
+    with transaction.atomic(using=alias), fenced(CURRENT + 2, using=alias):
+        Plain.objects.using(alias).create(text="y")
+        with pytest.raises(_Failed):
+            _failing_block(alias, CURRENT + 3)
+        assert _maria_variables()[0] == CURRENT + 2, "the enclosing block's token is back"
+        with unfenced(using=alias):
+            Plain.objects.using(alias).create(text="w")
+            assert _maria_variables()[:2] == (CURRENT + 2, 1)
+        assert _maria_variables()[:2] == (CURRENT + 2, None)
+    assert _maria_variables() == empty
+    with pytest.raises(TokenRequiredError):
+        _queryset_update(alias, pk)
+    account = Account.objects.using(alias).get(pk=pk)
+    assert (account.balance, account.fence) == (99, CURRENT)
+
+
+def test_mariadb_a_session_that_cannot_be_cleared_is_closed(maria: str) -> None:
+    """The session is killed inside the block: its variables go with it, the connection
+    is closed, and the next block runs on a new session."""
+    import pymysql
+
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Plain
+
+    alias = maria
+    conn = connections[alias]
+
+    @fenced(CURRENT, using=alias)
+    def killed() -> None:
+        Plain.objects.using(alias).create(text="x")
+        with conn.cursor() as cursor:
+            cursor.execute("SELECT CONNECTION_ID()")
+            session = cursor.fetchone()[0]
+        settings_dict = conn.settings_dict
+        killer = pymysql.connect(
+            host="127.0.0.1",
+            port=int(settings_dict["PORT"]),
+            user=settings_dict["USER"],
+            password=settings_dict["PASSWORD"],
+        )
+        with killer.cursor() as cursor:
+            cursor.execute(f"KILL {int(session)}")
+        killer.close()
+        Plain.objects.using(alias).create(text="y")
+
+    with pytest.raises(django.db.Error):
+        killed()
+    assert conn.connection is None
+    with fenced(CURRENT, using=alias):
+        Plain.objects.using(alias).create(text="z")
+    assert _maria_variables() == (None, None, None)
+
+
+def _lock_row_elsewhere(alias: str, pk: int) -> Any:
+    """A second session (PyMySQL, no Django) that holds the account's row lock."""
+    import pymysql
+
+    settings_dict = connections[alias].settings_dict
+    other = pymysql.connect(
+        host="127.0.0.1",
+        port=int(settings_dict["PORT"]),
+        user=settings_dict["USER"],
+        password=settings_dict["PASSWORD"],
+        database=settings_dict["NAME"],
+    )
+    with other.cursor() as cursor:
+        cursor.execute("BEGIN")
+        cursor.execute("SELECT id FROM djangoapp_account WHERE id = %s FOR UPDATE", [pk])
+    return other
+
+
+def test_mariadb_a_lock_wait_timeout_in_a_block_is_retryable(maria: str) -> None:
+    from fence import RetryableError
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    alias = maria
+    pk, _ = _seed(alias)
+    other = _lock_row_elsewhere(alias, pk)
+    try:
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SET SESSION innodb_lock_wait_timeout = 1")
+        with pytest.raises(RetryableError) as caught, fenced(CURRENT, using=alias):
+            _queryset_update(alias, pk)
+        assert caught.value.code == "LOCK_TIMEOUT"
+        assert _maria_variables() == (None, None, None)
+    finally:
+        other.rollback()
+        other.close()
+        connections[alias].close()
+    assert Account.objects.using(alias).get(pk=pk).fence == HOLDER
+
+
+def test_mariadb_a_deadlock_in_a_block_is_retryable(maria: str) -> None:
+    """The block and a second session lock two rows in opposite orders; the second
+    session has written more, so InnoDB ends the block's transaction (error 1213)."""
+    import threading
+    import time
+
+    from fence import RetryableError
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    alias = maria
+    pk, _ = _seed(alias)
+    with fenced(HOLDER, using=alias):
+        second = Account.objects.using(alias).create(name="b").pk
+    other = _lock_row_elsewhere(alias, pk)
+    with other.cursor() as cursor:
+        cursor.execute("SET @iofence_unfenced = 1")
+        cursor.executemany(
+            "INSERT INTO djangoapp_plain (text) VALUES (%s)", [(str(i),) for i in range(200)]
+        )
+    waiting = threading.Thread(
+        target=lambda: other.cursor().execute(
+            "SELECT id FROM djangoapp_account WHERE id = %s FOR UPDATE", [second]
+        )
+    )
+
+    @fenced(CURRENT, using=alias)
+    def crossed() -> None:
+        Account.objects.using(alias).filter(pk=second).update(balance=5)
+        waiting.start()
+        time.sleep(0.5)  # the second session waits for the block's row
+        _queryset_update(alias, pk)
+
+    try:
+        with pytest.raises(RetryableError) as caught:
+            crossed()
+        assert caught.value.code == "DEADLOCK"
+        assert _maria_variables() == (None, None, None)
+    finally:
+        waiting.join(30)
+        other.rollback()
+        other.close()
+        connections[alias].close()
+    assert Account.objects.using(alias).get(pk=second).balance == 0
+
+
+def test_sqlite_a_locked_database_in_a_block_is_retryable(django_dbs: None) -> None:
+    """A second connection holds SQLite's write lock: the block's write waits out the
+    busy timeout and raises RetryableError, not Django's OperationalError."""
+    import sqlite3
+
+    from fence import RetryableError
+    from fence.adapters.django import fenced
+    from tests.djangoapp.models import Account
+
+    _empty("default")
+    pk, _ = _seed("default")
+    other = sqlite3.connect(connections["busy"].settings_dict["NAME"], isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        with pytest.raises(RetryableError) as caught, fenced(CURRENT, using="busy"):
+            _queryset_update("busy", pk)
+        assert caught.value.code == "BUSY"
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+        connections["busy"].close()
+    with fenced(CURRENT, using="busy"):
+        _queryset_update("busy", pk)
+    assert Account.objects.using("default").get(pk=pk).fence == CURRENT
 
 
 def test_without_autocommit_the_token_ends_with_the_block(django_dbs: None) -> None:
@@ -531,7 +903,7 @@ def test_the_first_statement_claims_the_leases_resource(alias: str) -> None:
     clock.advance(15)
     new = manager.acquire(scope, owner="B")
     # SQLite has one writer at a time: A's block can start only after B's ends there.
-    concurrent = connections[alias].vendor == "postgresql"
+    concurrent = connections[alias].vendor != "sqlite"
     with fenced(new, using=alias):
         account = Account.objects.using(alias).get(pk=pk)  # the claim goes with this read
         if concurrent:
@@ -544,7 +916,7 @@ def test_the_first_statement_claims_the_leases_resource(alias: str) -> None:
     error = stale.result()
     assert isinstance(error, StaleTokenError), error
     assert error.token == old.token
-    if connections[alias].vendor == "postgresql":
+    if concurrent:
         assert error.scope == scope
     assert Account.objects.using(alias).get(pk=pk).balance == 2
     assert _register(alias, scope) == new.token
@@ -648,6 +1020,61 @@ def test_the_lock_manager_lives_on_djangos_database(django_dbs: None) -> None:
     from fence.adapters.django import locks
 
     locks._MANAGERS.clear()
+
+
+@pytest.mark.parametrize("using", ["default", "pg"])
+def test_fence_revoke_raises_the_fence_in_the_register(django_dbs: None, using: str) -> None:
+    """A revoked holder that does not ask its lock manager again is refused by the
+    database: the command claimed the resource with the new token."""
+    from io import StringIO
+    from types import SimpleNamespace
+
+    from fence.adapters.django import fenced, locks
+    from fence.adapters.django.locks import lock_manager
+    from tests.djangoapp.models import Plain
+
+    resource = f"revoked:{using}"
+    manager = lock_manager(using, ttl=30)
+    try:
+        held = manager.acquire(resource)
+        with fenced(held, using=using):
+            Plain.objects.using(using).create(text="before")
+        out = StringIO()
+        call_command("fence_revoke", resource, "--database", using, stdout=out, stderr=StringIO())
+        revoked = int(out.getvalue())
+        assert revoked > held.token
+        assert _register(using, resource) == revoked
+        unaware = SimpleNamespace(token=held.token, resource=resource)  # asks no manager
+        with pytest.raises(StaleTokenError), fenced(unaware, using=using):
+            Plain.objects.using(using).exists()
+        assert _register(using, resource) == revoked
+    finally:
+        manager.close()
+        locks._MANAGERS.clear()
+        connections[using].close()
+
+
+def test_the_settings_managers_are_closed_at_exit(
+    django_dbs: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process owns the managers made from the settings: the first one made registers
+    their closing with ``atexit``, once."""
+    from fence.adapters.django import locks
+
+    locks.close_managers()
+    registered: list[Any] = []
+    monkeypatch.setattr(locks.atexit, "register", registered.append)
+    monkeypatch.setattr(locks, "_AT_EXIT", [])
+    manager = locks.lock_manager("pg", ttl=30)
+    assert locks.lock_manager("default", ttl=30) is not manager
+    assert registered == [locks.close_managers], "registered once, for every manager"
+    registered[0]()
+    assert manager._closed
+    assert not locks._MANAGERS
+    fresh = locks.lock_manager("pg", ttl=30)
+    assert fresh is not manager
+    locks.close_managers()
+    assert fresh._closed
 
 
 # -- migrations -----------------------------------------------------------------------------

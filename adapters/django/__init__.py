@@ -14,24 +14,26 @@ inside :func:`fenced`::
         account.save()               # refused with StaleTokenError if a newer holder wrote
 
 Outside a block a write of a fenced model raises :class:`fence.TokenRequiredError` before
-any I/O; :func:`unfenced` is the explicit opt-out. PostgreSQL and SQLite. See
-``docs/django.md``.
+any I/O; :func:`unfenced` is the explicit opt-out. Django's async ORM runs inside
+:func:`afenced` (``async with``). PostgreSQL, SQLite and MariaDB. See ``docs/django.md``.
 """
 
 from __future__ import annotations
 
-from .blocks import fenced, unfenced
+from .blocks import afenced, aunfenced, fenced, unfenced
 from .fields import FencedQuerySet, FenceField, TombstoneField, judged_of
 
 __all__ = [
     "FenceField",
     "FencedQuerySet",
     "TombstoneField",
+    "afenced",
+    "aunfenced",
     "fenced",
     "judged_of",
     "unfenced",
 ]
 
-for _cls in (FenceField, FencedQuerySet, TombstoneField, fenced, unfenced):
+for _cls in (FenceField, FencedQuerySet, TombstoneField, afenced, aunfenced, fenced, unfenced):
     _cls.__module__ = __name__
 del _cls

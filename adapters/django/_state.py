@@ -16,7 +16,9 @@ The token travels with the transaction, as ``docs/database-judge.md`` describes:
 Every statement of a connection runs through :func:`execute_wrapper`, installed when the
 connection is made: a write to a fenced model's table outside a block is refused before
 any I/O, and the judge's refusals become :class:`fence.StaleTokenError` and
-:class:`fence.UnfencedWriteError`.
+:class:`fence.UnfencedWriteError`. Inside a block, a deadlock, a lock wait timeout, a
+serialization failure and a busy SQLite database become :class:`fence.RetryableError`:
+nothing was judged, the block's transaction is rolled back and may be run again.
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ from typing import Any
 from django.db import DatabaseError, connections
 
 from fence._errors import ConfigurationError, TokenRequiredError
+from fence._sql_dialect import fault_of
 
-from .._sql_common import judge_error
+from .._sql_common import judge_error, translate_error
 from .._triggers import (
+    MARIADB_CHECK_QUERY,
     PG_CHECK_QUERY,
+    ROW_TOKEN_VARIABLE,
     SQLITE_CHECK_QUERY,
     TOKEN_SETTING,
+    TOKEN_VARIABLE,
     UNFENCED_SETTING,
+    UNFENCED_VARIABLE,
     Judged,
     SQLiteState,
     verdict,
@@ -49,9 +56,11 @@ __all__ = [
     "ConnectionState",
     "began",
     "bound_token",
+    "claim_sql",
     "connection_created",
     "execute_wrapper",
     "install_wrapper",
+    "is_mariadb",
     "restore",
     "state_of",
 ]
@@ -62,8 +71,8 @@ FENCED_TABLES: dict[str, Judged] = {}
 #: The app's fence register, as its judge is made for it.
 REGISTER = Judged("iofence_fence_register", fence="fence", register=True, key=("scope",))
 
-#: The vendors whose tables carry the judge.
-JUDGED_VENDORS = frozenset({"postgresql", "sqlite"})
+#: The vendors whose tables carry the judge (Django's ``mysql`` vendor: MariaDB only).
+JUDGED_VENDORS = frozenset({"postgresql", "sqlite", "mysql"})
 
 _ATTR = "_iofence_state"
 
@@ -102,11 +111,13 @@ class ConnectionState:
         sqlite: the judge's functions' state (SQLite), ``None`` elsewhere.
         checked: the tables whose triggers were found in place on the current DB-API
             connection (their :attr:`Judged.check_key`).
+        session: (MariaDB) the session's variables may hold a block's token or opt-out.
     """
 
     stack: list[Binding] = field(default_factory=list)
     sqlite: SQLiteState | None = None
     checked: set[tuple[str | None, str, str, str]] = field(default_factory=set)
+    session: bool = False
 
 
 def state_of(conn: Any) -> ConnectionState:
@@ -160,9 +171,33 @@ def _set_sql(token: str, unfenced: str) -> str:
     )
 
 
-def _claim_sql(scope: str, token: int) -> str:
+def _mariadb_literal(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def _mariadb_set_sql(token: str, unfenced: str) -> str:
+    """The ``SET`` of the session's variables (MariaDB) to what ``token`` and ``unfenced``
+    (as :func:`_settings` gives them) stand for; empty ones are ``NULL``."""
+    return (
+        f"SET {TOKEN_VARIABLE} = {int(token) if token else 'NULL'}, "
+        f"{UNFENCED_VARIABLE} = {1 if unfenced else 'NULL'}, {ROW_TOKEN_VARIABLE} = NULL"
+    )
+
+
+def is_mariadb(conn: Any) -> bool:
+    """Whether the Django connection ``conn`` is to MariaDB (Django's ``mysql`` vendor)."""
+    return conn.vendor == "mysql" and bool(conn.mysql_is_mariadb)
+
+
+def claim_sql(scope: str, token: int, vendor: str = "postgresql") -> str:
     """The claim of ``scope`` (C8): raise its fence in the register to ``token``. The
     register's judge refuses it, as a stale write, if the fence is above the token."""
+    if vendor == "mysql":
+        return (
+            f"INSERT INTO `{REGISTER.table}` (`scope`, `fence`) "  # noqa: S608 - a quoted literal and an int
+            f"VALUES ({_mariadb_literal(scope)}, {int(token)}) "
+            "ON DUPLICATE KEY UPDATE `fence` = VALUES(`fence`)"
+        )
     table = f'"{REGISTER.table}"'
     return (
         f'INSERT INTO {table} ("scope", "fence") VALUES ({_literal(scope)}, {int(token)}) '  # noqa: S608 - a quoted literal and an int
@@ -197,7 +232,10 @@ def restore(conn: Any, binding: Binding, failed: bool) -> None:
 
     PostgreSQL: the end of the transaction ends the setting, and a rolled back savepoint
     takes it with it; a block that ends inside the caller's transaction without an error
-    sets it back (one statement, only then). SQLite: no I/O.
+    sets it back (one statement, only then). SQLite: no I/O. MariaDB: the session's
+    variables outlive the transaction and its savepoints, so every block that sent them
+    sets them back (one statement), with an exception or without; if that fails the
+    connection is closed, and its session with them.
 
     Args:
         conn: the Django connection.
@@ -208,6 +246,9 @@ def restore(conn: Any, binding: Binding, failed: bool) -> None:
     if conn.vendor == "sqlite":
         _sync_sqlite(state)
         return
+    if conn.vendor == "mysql":
+        _restore_mariadb(conn, state, failed)
+        return
     if conn.vendor != "postgresql" or not (binding.nested and binding.sent) or failed:
         return
     if conn.needs_rollback:
@@ -215,6 +256,29 @@ def restore(conn: Any, binding: Binding, failed: bool) -> None:
     token, unfenced = _settings(state, len(state.stack))
     with conn.connection.cursor() as cursor:
         cursor.execute(_set_sql(token, unfenced))
+    for below in state.stack:
+        below.sent = True
+
+
+def _restore_mariadb(conn: Any, state: ConnectionState, failed: bool) -> None:
+    if not state.session:
+        return
+    raw = conn.connection
+    if raw is None:  # closed: the session and its variables are gone
+        state.session = False
+        return
+    token, unfenced = _settings(state, len(state.stack))
+    try:
+        # The DB-API cursor: Django refuses its own in a transaction marked for rollback.
+        with raw.cursor() as cursor:
+            cursor.execute(_mariadb_set_sql(token, unfenced))
+    except Exception:
+        state.session = False
+        conn.close()  # a session that may keep the token must not serve another block
+        if not failed:
+            raise
+        return
+    state.session = bool(token or unfenced)
     for below in state.stack:
         below.sent = True
 
@@ -234,10 +298,15 @@ def _check(conn: Any, state: ConnectionState, judged: Judged) -> None:
         query = PG_CHECK_QUERY.format(param=_literal(judged.qualified))
     elif vendor == "sqlite":
         query = SQLITE_CHECK_QUERY.format(param=_literal(judged.table), schema="")
+    elif is_mariadb(conn):
+        query = MARIADB_CHECK_QUERY.format(
+            param=_mariadb_literal(judged.table), schema="DATABASE()"
+        )
+        vendor = "mariadb"
     else:
         raise ConfigurationError(
-            f"{judged.table}: iofence has no database judge on {vendor} yet (C14); "
-            "fenced Django models run on PostgreSQL and SQLite"
+            f"{judged.table}: iofence has no database judge on {conn.display_name} yet "
+            "(C14); fenced Django models run on PostgreSQL, SQLite and MariaDB"
         )
     cursor = conn.connection.cursor()
     try:
@@ -267,6 +336,8 @@ def execute_wrapper(
             nothing was written.
         UnfencedWriteError: the judge refused a write without a token, or one that would
             lower or drop a fence.
+        RetryableError: inside a block, a deadlock, a lock wait timeout, a serialization
+            failure or a busy SQLite database; nothing was judged.
         ConfigurationError: the table's triggers are missing or outdated.
     """
     conn = context["connection"]
@@ -292,10 +363,16 @@ def execute_wrapper(
             if top.scope is not None and top.token is not None:
                 if REGISTER.check_key not in state.checked:
                     _check(conn, state, REGISTER)
-                claim = _claim_sql(top.scope, top.token)
+                claim = claim_sql(top.scope, top.token, conn.vendor)
             raw = context["cursor"].cursor
             if conn.vendor == "sqlite":
                 _sync_sqlite(state)
+                if claim is not None:
+                    raw.execute(claim)
+            elif conn.vendor == "mysql":
+                # Set before it is sent: a SET that fails half way is set back too.
+                state.session = True
+                raw.execute(_mariadb_set_sql(*_settings(state, len(state.stack))))
                 if claim is not None:
                     raw.execute(claim)
             elif conn.vendor == "postgresql":
@@ -320,6 +397,10 @@ def execute_wrapper(
         refused = judge_error(cause, written)
         if refused is not None:
             raise refused from exc
+        if top is not None:
+            fault = fault_of(cause)
+            if fault is not None and fault.retryable:
+                raise translate_error(cause, "fenced statement", conn.alias) from exc
         raise
     for _ in range(prefixed):
         context["cursor"].cursor.nextset()  # the caller reads the statement's own results
@@ -337,6 +418,7 @@ def connection_created(sender: Any, connection: Any, **kwargs: Any) -> None:
     install_wrapper(connection)
     state = state_of(connection)
     state.checked.clear()
+    state.session = False  # a new session has no variables
     for binding in state.stack:
         binding.sent = False
     if connection.vendor == "sqlite":

@@ -9,6 +9,12 @@ by one statement would be gone at the next, and a connection kept open
 ``atomic()`` (or without autocommit, ``AUTOCOMMIT: False``) the block is a savepoint; its
 end sets the transaction's token back to the enclosing block's (or to none), so the rest
 of the caller's transaction is unfenced again.
+
+Django's async ORM (``asave()``, ``aupdate()``, ``adelete()``, ``abulk_create()``...) runs
+the sync ORM in ``sync_to_async``'s one thread, over that thread's connection, and
+refuses the sync calls in the event loop's thread (``SynchronousOnlyOperation``): async
+code opens the block with ``async with`` :func:`afenced` (or :func:`aunfenced`), which
+enters and leaves it in that same thread, on that same connection.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ from contextlib import ContextDecorator
 from types import TracebackType
 from typing import Any, Self
 
+from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from fence._core import validate_token
 
 from ._state import Binding, began, install_wrapper, restore, state_of
 
-__all__ = ["fenced", "unfenced"]
+__all__ = ["afenced", "aunfenced", "fenced", "unfenced"]
 
 
 class _Block(ContextDecorator):
@@ -148,3 +155,62 @@ class unfenced(_Block):
     def __enter__(self) -> Self:
         self._begin()
         return self
+
+
+class _AsyncBlock:
+    """A sync block entered and left through ``sync_to_async`` (thread-sensitive: the
+    thread and connection the async ORM uses)."""
+
+    def __init__(self, block: fenced | unfenced) -> None:
+        self._block = block
+
+    async def __aenter__(self) -> Self:
+        await sync_to_async(self._block.__enter__)()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        result: bool | None = await sync_to_async(self._block.__exit__)(exc_type, exc, tb)
+        return result
+
+
+class afenced(_AsyncBlock):
+    """:func:`fenced` for Django's async ORM: ``async with afenced(lease):`` around
+    ``asave()``, ``aupdate()``, ``adelete()``, ``abulk_create()``, ``abulk_update()`` and
+    the other ``a``-methods, which run in ``sync_to_async``'s thread on the connection the
+    block is bound to::
+
+        async with afenced(lease):
+            account = await Account.objects.aget(pk=42)
+            account.balance += 5
+            await account.asave()
+
+    Args:
+        lease: as :func:`fenced`'s.
+        using: the database alias (default ``"default"``).
+        claim: claim the lease's resource at the first statement (the default).
+
+    Raises:
+        InvalidTokenError: the token is not one (C1).
+        ReadLeaseError: a read lease's token (C13).
+        LeaseExpiredError: (at the start of the block) the lease is no longer valid.
+        StaleTokenError: see :func:`fenced`.
+    """
+
+    def __init__(self, lease: Any, *, using: str | None = None, claim: bool = True) -> None:
+        super().__init__(fenced(lease, using=using, claim=claim))
+
+
+class aunfenced(_AsyncBlock):
+    """:func:`unfenced` for Django's async ORM (``async with aunfenced():``).
+
+    Args:
+        using: the database alias (default ``"default"``).
+    """
+
+    def __init__(self, *, using: str | None = None) -> None:
+        super().__init__(unfenced(using=using))

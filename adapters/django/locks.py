@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Any
 from urllib.parse import quote
@@ -28,13 +29,14 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from fence._connect import connect
 from fence._errors import ConfigurationError
 
-__all__ = ["SETTING", "lock_manager", "lock_url"]
+__all__ = ["SETTING", "close_managers", "lock_manager", "lock_url"]
 
 #: The setting that names the lock backend.
 SETTING = "IOFENCE_LOCKS"
 
 _MANAGERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
+_AT_EXIT: list[bool] = []
 
 
 def lock_url(using: str = DEFAULT_DB_ALIAS) -> str:
@@ -75,6 +77,9 @@ def lock_url(using: str = DEFAULT_DB_ALIAS) -> str:
 def lock_manager(using: str = DEFAULT_DB_ALIAS, **options: Any) -> Any:
     """The project's lock manager, one per process and URL (made on first use).
 
+    The process owns it: :func:`close_managers` closes it at exit (``atexit``), so a
+    caller never closes it; a test that wants a fresh one calls :func:`close_managers`.
+
     On Django's database (no :data:`SETTING`) the SQL lock manager makes its lease table
     if it is missing (``create_table=True``, unless ``options`` says otherwise).
 
@@ -93,4 +98,21 @@ def lock_manager(using: str = DEFAULT_DB_ALIAS, **options: Any) -> Any:
                 options.setdefault("create_table", True)
             manager = connect(url, **options)
             _MANAGERS[url] = manager
+            if not _AT_EXIT:
+                atexit.register(close_managers)
+                _AT_EXIT.append(True)
     return manager
+
+
+def close_managers() -> None:
+    """Close the managers :func:`lock_manager` made (their connections and pools); the
+    next call of :func:`lock_manager` makes a new one. Registered with ``atexit`` when the
+    first is made. A manager that fails to close does not keep the others open."""
+    with _LOCK:
+        managers = list(_MANAGERS.values())
+        _MANAGERS.clear()
+    for manager in managers:
+        try:
+            manager.close()
+        except Exception:  # noqa: S112 - at exit, the others still close
+            continue

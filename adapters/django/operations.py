@@ -17,35 +17,55 @@ first write on each connection.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+from django.db import transaction
 from django.db.migrations.operations.base import Operation
 
 from fence._errors import ConfigurationError
 
-from .._triggers import Judged, pg_drop_ddl, pg_judge_ddl, sqlite_drop_ddl, sqlite_judge_ddl
-from ._state import state_of
+from .._triggers import (
+    Judged,
+    mariadb_drop_ddl,
+    mariadb_judge_ddl,
+    pg_drop_ddl,
+    pg_judge_ddl,
+    sqlite_drop_ddl,
+    sqlite_judge_ddl,
+)
+from ._state import is_mariadb, state_of
 from .fields import judged_of
 
 __all__ = ["InstallFence", "install_fence"]
 
 
-def _ddl(vendor: str, judged: Judged, *, drop: bool) -> list[str]:
+def _ddl(connection: Any, judged: Judged, *, drop: bool) -> list[str]:
+    vendor = connection.vendor
     if vendor == "postgresql":
         return pg_drop_ddl(judged) if drop else pg_judge_ddl(judged)
     if vendor == "sqlite":
         return sqlite_drop_ddl(judged) if drop else sqlite_judge_ddl(judged)
+    if is_mariadb(connection):
+        # CREATE OR REPLACE TRIGGER: the table is never without its judge.
+        return mariadb_drop_ddl(judged) if drop else mariadb_judge_ddl(judged)
     raise ConfigurationError(
-        f"iofence has no database judge on {vendor} yet (C14): the triggers of "
-        f"{judged.table} cannot be installed"
+        f"iofence has no database judge on {connection.display_name} yet (C14): the "
+        f"triggers of {judged.table} cannot be installed"
     )
 
 
 def _run(schema_editor: Any, statements: list[str], judged: Judged) -> None:
-    for statement in statements:
-        # No parameters: the text reaches the database as it is.
-        schema_editor.execute(statement, params=None)
-    state_of(schema_editor.connection).checked.discard(judged.check_key)
+    conn = schema_editor.connection
+    # The triggers of a table go in together where DDL is transactional (PostgreSQL,
+    # SQLite); MariaDB commits each DDL statement and refuses DDL inside atomic(), and its
+    # CREATE OR REPLACE TRIGGER leaves the table without a judge at no moment.
+    atomic = conn.features.can_rollback_ddl and not schema_editor.collect_sql
+    with transaction.atomic(using=conn.alias) if atomic else contextlib.nullcontext():
+        for statement in statements:
+            # No parameters: the text reaches the database as it is.
+            schema_editor.execute(statement, params=None)
+    state_of(conn).checked.discard(judged.check_key)
 
 
 def install_fence(schema_editor: Any, model: type[Any], *, drop: bool = False) -> None:
@@ -64,12 +84,12 @@ def install_fence(schema_editor: Any, model: type[Any], *, drop: bool = False) -
     judged = judged_of(model)
     if judged is None:
         raise ConfigurationError(f"{model.__name__} has no FenceField: nothing to judge")
-    _run(schema_editor, _ddl(schema_editor.connection.vendor, judged, drop=drop), judged)
+    _run(schema_editor, _ddl(schema_editor.connection, judged, drop=drop), judged)
 
 
 class InstallFence(Operation):  # type: ignore[misc]
     """Install (forwards) or drop (backwards) the triggers that judge every write of a
-    fenced model's rows, on PostgreSQL and SQLite. Running it again replaces them (an
+    fenced model's rows, on PostgreSQL, SQLite and MariaDB. Running it again replaces them (an
     upgrade of the judge is a migration with this operation once more).
 
     Args:
@@ -83,7 +103,9 @@ class InstallFence(Operation):  # type: ignore[misc]
 
     reversible = True
     reduces_to_sql = True
-    atomic = True
+    # Not Django's atomic(): MariaDB refuses DDL in it. _run makes the triggers of a table
+    # one transaction where the database can roll DDL back.
+    atomic = False
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name

@@ -24,8 +24,9 @@ class FenceCommand(BaseCommand):  # type: ignore[misc]
             "--database", default="default", help="the alias, without IOFENCE_LOCKS"
         )
 
-    def run(self, options: dict[str, Any], *args: str) -> None:
-        """Run ``fence COMMAND URL ARGS``; its output goes to the command's streams.
+    def run(self, options: dict[str, Any], *args: str) -> str:
+        """Run ``fence COMMAND URL ARGS``; its output goes to the command's streams, and
+        what it printed is returned.
 
         Raises:
             CommandError: the command failed (its exit status is not 0).
@@ -38,3 +39,4 @@ class FenceCommand(BaseCommand):  # type: ignore[misc]
         self.stderr.write(err.getvalue(), ending="")
         if status != 0:
             raise CommandError(f"fence {self.command} exited {status}", returncode=status)
+        return out.getvalue()
