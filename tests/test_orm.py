@@ -963,3 +963,37 @@ def test_a_deadlock_inside_a_flush_is_retryable_on_mariadb(mariadb_url: str) -> 
             assert isinstance(errors[0], RetryableError), repr(errors[0])
     finally:
         engine.dispose()
+
+
+@pytest.mark.mariadb
+async def test_no_token_outlives_a_bound_async_transaction_on_mariadb(mariadb_url: str) -> None:
+    """The same through aiomysql: after a commit and after a refused claim, the one pooled
+    connection carries no token, and an unbound write through it is refused by the judge."""
+    sync = create_engine(mariadb_url)
+    env = Env(sync)
+    sync.dispose()
+    engine = create_async_engine(
+        mariadb_url.replace("+pymysql", "+aiomysql"), pool_size=1, max_overflow=0
+    )
+    table = env.Item.__table__.name
+    try:
+        for token in (10, 8):  # accepted and committed; refused (the fence is 10)
+            async with AsyncSession(engine) as s:
+                bind(s, token=token, scope="item:1", register=env.register)
+                if token == 10:
+                    (await s.get(env.Item, 1)).v = 100
+                    await s.commit()
+                else:
+                    with pytest.raises(StaleTokenError):
+                        await s.get(env.Item, 1)
+                    await s.rollback()
+            async with engine.connect() as conn:
+                found = await conn.exec_driver_sql("SELECT @iofence_token, @iofence_row_token")
+                assert tuple(found.one()) == (None, None)
+                with pytest.raises(UnfencedWriteError):
+                    await conn.exec_driver_sql(
+                        f"UPDATE {table} SET v = 7 WHERE id = 1",
+                        execution_options={"iofence": True},
+                    )
+    finally:
+        await engine.dispose()
