@@ -27,7 +27,7 @@ themselves (``_sql_statements.TokenOf``). Here:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import Engine, Table, event, text
@@ -35,7 +35,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import Pool
 
-from fence._errors import ConfigurationError
+from fence._errors import ConfigurationError, FenceError
 
 from ._sql_common import judge_error, translate_error
 from ._sql_gate import OWN_OPTIONS, UNFENCED
@@ -66,16 +66,19 @@ _DDL_OPTIONS: Mapping[str, Any] = {**OWN_OPTIONS, "no_parameters": True}
 __all__ = [
     "CHECKED_KEY",
     "JUDGED_DIALECTS",
+    "REFUSAL_HOOKS",
     "SESSION_DIALECTS",
     "TOKEN_KEY",
     "WITHOUT_JUDGE",
     "clear_token",
     "ensure_judged",
     "forget_judged",
+    "hold_token",
     "install",
     "install_triggers",
     "judged_of",
     "judged_on",
+    "judged_without_triggers",
     "record_verdict",
     "set_token",
     "sqlite_state",
@@ -381,6 +384,21 @@ def set_token(conn: Connection, token: int) -> None:
     conn.info[TOKEN_KEY] = token
 
 
+def hold_token(conn: Connection) -> None:
+    """Record that a statement about to run on ``conn`` makes a token the transaction's in
+    a session variable (MariaDB, MySQL: the session hook's claim): the end of the
+    transaction, or the pool's reset, clears it. No I/O."""
+    if conn.dialect.name in SESSION_DIALECTS:
+        conn.connection.info[_SESSION_KEY] = True
+
+
+def judged_without_triggers(conn: Connection) -> bool:
+    """Whether ``conn`` writes MariaDB's or MySQL's fenced tables under
+    :data:`WITHOUT_JUDGE`: no trigger refuses a stale write there, so a row count that
+    cannot tell a refused upsert from an accepted one must be proven by a read."""
+    return bool(conn.get_execution_options().get(WITHOUT_JUDGE))
+
+
 def clear_token(conn: Connection) -> None:
     """Take the token out of ``conn``'s transaction again (a refused claim set it): its
     later writes are refused by the judge as writes without a token.
@@ -515,7 +533,16 @@ def _handle_error(context: Any) -> None:
     if found is not None:
         if context.connection is not None:
             context.connection.info.pop(_PREVIOUS, None)
+        for hook in REFUSAL_HOOKS:
+            hook(context, found)  # it raises its own verdict, or leaves this one
         raise found from context.sqlalchemy_exception or context.original_exception
+
+
+#: Called with SQLAlchemy's exception context and the judge's error before it is raised:
+#: the session hook's verdict of its own flush statements (``_orm.verdicts``). SQLAlchemy
+#: runs ``handle_error`` listeners in the order they were added, whatever ``insert=``
+#: asks, so the hook cannot go ahead of this one.
+REFUSAL_HOOKS: list[Callable[[Any, FenceError], None]] = []
 
 
 _INSTALLED: list[bool] = []

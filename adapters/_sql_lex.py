@@ -235,6 +235,8 @@ def _scan(tokens: list[tuple[str, str]]) -> tuple[list[Target], bool, set[str]]:
             else:
                 targets.append(target)
         elif value == "update":
+            if _word(tokens, i - 1) == "key" and _word(tokens, i - 2) == "duplicate":
+                continue  # MySQL's "ON DUPLICATE KEY UPDATE c = ...": the INSERT's own row
             j = i + 1
             if _word(tokens, j) == "or" and _word(tokens, j + 1) in _SQLITE_CONFLICT:
                 j += 2

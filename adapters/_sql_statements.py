@@ -61,7 +61,7 @@ from ._sql_common import (
     chunks,
     one_kind,
 )
-from ._triggers import ROW_TOKEN_VARIABLE, TOKEN_SETTING, Judged
+from ._triggers import ROW_TOKEN_VARIABLE, TOKEN_SETTING, TOKEN_VARIABLE, Judged
 
 __all__ = [
     "DEFAULT_REGISTER",
@@ -80,6 +80,7 @@ __all__ = [
     "fence_column",
     "fence_of",
     "fence_register_table",
+    "fenced_upsert",
     "register_statements",
     "row_statements",
     "tombstone_column",
@@ -112,17 +113,30 @@ class TokenOf(ColumnElement[int]):
     iofence registers on its connections. Elsewhere: the token itself. It costs no round
     trip.
 
+    On PostgreSQL and SQLite the token is the transaction's from then on. On MariaDB and
+    MySQL only with ``transaction=True`` (the session hook's claim):
+    ``(@iofence_row_token := (@iofence_token := :t))``, a session variable that outlives
+    the transaction, so its caller has the end of the transaction clear it
+    (``_judge.hold_token``).
+
     Args:
         value: the token: a bind parameter or any expression of it.
         type_: the fence column's type (default ``BIGINT``).
+        transaction: make it the transaction's token on MariaDB and MySQL too.
     """
 
     inherit_cache = True
-    _traverse_internals = [("value", InternalTraversal.dp_clauseelement)]  # noqa: RUF012 - SQLAlchemy's own attribute
+    _traverse_internals = [  # noqa: RUF012 - SQLAlchemy's own attribute
+        ("value", InternalTraversal.dp_clauseelement),
+        ("transaction", InternalTraversal.dp_boolean),
+    ]
 
-    def __init__(self, value: ColumnElement[Any], type_: Any = None) -> None:
+    def __init__(
+        self, value: ColumnElement[Any], type_: Any = None, *, transaction: bool = False
+    ) -> None:
         self.value = value
         self.type = type_ if type_ is not None else BigInteger()
+        self.transaction = transaction
 
 
 @compiles(TokenOf)
@@ -141,7 +155,10 @@ def _token_postgresql(element: TokenOf, compiler: SQLCompiler, **kw: Any) -> str
 def _token_mysql(element: TokenOf, compiler: SQLCompiler, **kw: Any) -> str:
     # The session variable the triggers read, assigned as the row is evaluated; the judge's
     # AFTER trigger clears it once the row is written.
-    return f"({ROW_TOKEN_VARIABLE} := {compiler.process(element.value, **kw)})"
+    value = compiler.process(element.value, **kw)
+    if element.transaction:
+        value = f"({TOKEN_VARIABLE} := {value})"
+    return f"({ROW_TOKEN_VARIABLE} := {value})"
 
 
 @compiles(TokenOf, "sqlite")
@@ -286,7 +303,9 @@ def _insertable_without(table: Table, skip: set[str]) -> bool:
     return True
 
 
-def _upsert(ins: Any, key: Sequence[Column[Any]], names: Iterable[str], fence: Column[Any]) -> Any:
+def fenced_upsert(
+    ins: Any, key: Sequence[Column[Any]], names: Iterable[str], fence: Column[Any]
+) -> Any:
     """``ins`` made an upsert: on a conflict on ``key`` it sets the columns ``names`` (by
     key) to the inserted row's values where the row's fence is not above the inserted fence
     (C4), and leaves the row as it is otherwise.
@@ -668,7 +687,7 @@ class DialectRowStatements(_OnDialect, RowStatements):
             row[self.tombstone.key] = False
         ins = self._insert().values(row)
         names = [name for name in row if name not in self.key_names]
-        stmt = _upsert(ins, self.key, names, self.fence)
+        stmt = fenced_upsert(ins, self.key, names, self.fence)
         return stmt.returning(*self.table.c) if returning else _counted(stmt)  # type: ignore[no-any-return]
 
     def insert_tombstone(
@@ -685,7 +704,7 @@ class DialectRowStatements(_OnDialect, RowStatements):
         row[self.tombstone.key] = True
         ins = self._insert().values(row)
         names = [self.fence.key, *([self.tombstone.key] if delete else [])]
-        stmt = _upsert(ins, self.key, names, self.fence)
+        stmt = fenced_upsert(ins, self.key, names, self.fence)
         return stmt.returning(*self.table.c) if returning else _counted(stmt)  # type: ignore[no-any-return]
 
     # -- many rows --------------------------------------------------------------------
@@ -939,7 +958,7 @@ class DialectRowStatements(_OnDialect, RowStatements):
                 row[self.tombstone.key] = False
             ins = self._insert().values(row)
             names = [name for name in row if name not in self.key_names]
-            stmt = _upsert(ins, self.key, names, self.fence)
+            stmt = fenced_upsert(ins, self.key, names, self.fence)
             found = self._cache[cache_key] = _counted(stmt)
         return found  # type: ignore[no-any-return]
 
@@ -1076,7 +1095,7 @@ class RegisterStatements:
     def _on_conflict(self, ins: Any) -> Any:
         """The claim of the rows ``ins`` inserts: each fence is raised to the token where it
         is not above it, and a scope without a row gets one (C4, C8)."""
-        return _upsert(ins, [self.scope], ["fence"], self.fence)
+        return fenced_upsert(ins, [self.scope], ["fence"], self.fence)
 
     def claim(self, dialect: str, scope: str, token: int, returning: bool) -> Insert:
         """``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = :t WHERE fence <= :t``."""
@@ -1084,16 +1103,23 @@ class RegisterStatements:
         stmt = self._on_conflict(self._base(dialect).values(scope=scope, fence=value))
         return stmt.returning(self.scope, self.fence) if returning else _counted(stmt)  # type: ignore[no-any-return]
 
-    def claim_row(self, dialect: str) -> Insert:
+    def claim_row(self, dialect: str, *, transaction: bool = False) -> Insert:
         """The claim of one scope with bind parameters ``_scope`` and ``_token``, for
         ``executemany`` (the row path of ``claim_many``) and the session hook's claim at
-        the start of a transaction. Proven by its row count."""
-        cache_key = ("claim_row", dialect)
+        the start of a transaction. Proven by its row count.
+
+        Args:
+            dialect: SQLAlchemy's name of the dialect.
+            transaction: the claim also makes the token the transaction's on MariaDB and
+                MySQL (:class:`TokenOf`), as it does elsewhere.
+        """
+        cache_key = ("claim_row", dialect, transaction)
         found = self._cache.get(cache_key)
         if found is None:
+            token = bindparam("_token", type_=self.fence.type)
             ins = self._base(dialect).values(
                 scope=bindparam("_scope", type_=self.scope.type),
-                fence=TokenOf(bindparam("_token", type_=self.fence.type), self.fence.type),
+                fence=TokenOf(token, self.fence.type, transaction=transaction),
             )
             found = self._cache[cache_key] = _counted(self._on_conflict(ins))
         return found  # type: ignore[no-any-return]

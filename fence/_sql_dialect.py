@@ -598,8 +598,7 @@ class MySQLDialect(SQLDialect):
     guards: ``INSERT ... ON DUPLICATE KEY UPDATE`` for upserts and claims, no
     ``RETURNING`` (MariaDB has it on ``INSERT`` and ``DELETE`` only, MySQL nowhere), row
     counts of rows found (``CLIENT_FOUND_ROWS``, which SQLAlchemy's MySQL dialects ask
-    for), errors by number. The SQL lock manager and the session hook do not run on it
-    yet.
+    for), errors by number. The SQL lock manager does not run on it yet.
 
     Only MariaDB is tested; see the docs (``docs/mariadb.md``) for what differs on MySQL.
     """
@@ -608,7 +607,6 @@ class MySQLDialect(SQLDialect):
     label = "MySQL"
     poll_interval = 0.5
     lock_manager = False
-    session_hook = False
     timestamp_type = "DATETIME(6)"
     clock_sql = "SYSDATE(6)"
     returning = False

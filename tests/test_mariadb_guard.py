@@ -33,17 +33,14 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.orm import Session
 
 from fence import (
     ConfigurationError,
-    MemoryLockManager,
     Reason,
     RetryableError,
     SQLLockManager,
     StaleTokenError,
 )
-from fence.adapters.orm import bind
 from fence.adapters.sql import (
     WITHOUT_JUDGE,
     AsyncFenceRegister,
@@ -448,14 +445,6 @@ def test_a_guard_refuses_a_mariadb_table_without_its_triggers_unless_told(
             RowGuard(conn, table).upsert(5, {"k": "a", "v": 1})
     with engine.begin() as conn:
         assert conn.execute(select(table.c.fence)).scalar() == 5
-
-
-def test_the_session_hook_refuses_mariadb(engine: Engine, table: Table) -> None:
-    lease = MemoryLockManager().acquire("r")
-    with Session(engine) as session:
-        bind(session, lease)
-        with pytest.raises(ConfigurationError, match="session hook does not run on MariaDB"):
-            session.execute(select(table.c.k))
 
 
 def test_the_lock_manager_refuses_mariadb(engine: Engine) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,15 @@ from sqlalchemy import Engine, Integer, create_engine, event, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from fence import EventBus, EventKind, Reason, TokenRequiredError, TransactionRefusedError
+from fence import (
+    EventBus,
+    EventKind,
+    Reason,
+    RetryableError,
+    TokenRequiredError,
+    TransactionRefusedError,
+    UnfencedWriteError,
+)
 from fence.adapters._orm.claim import _STATE_KEY, _UNREAD
 from fence.adapters._pg_statements import PgRegisterStatements
 from fence.adapters._sql_statements import register_statements
@@ -36,6 +45,7 @@ from fence.testing import EventRecorder
 DIALECTS = [
     pytest.param("sqlite", id="sqlite"),
     pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
+    pytest.param("mariadb", id="mariadb", marks=pytest.mark.mariadb),
 ]
 
 
@@ -44,7 +54,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'orm.db'}"
     else:
-        url = request.getfixturevalue("postgres_url")
+        url = request.getfixturevalue(f"{request.param}_url")
     eng = create_engine(url)
     yield eng
     eng.dispose()
@@ -777,3 +787,213 @@ def test_a_claim_in_flight_on_an_invalidated_connection_goes_with_it(claimed: Cl
     assert ref() is None
     assert ref not in _UNREAD
     assert (_fence(engine, env), _value(engine, env)) == (8, 80)
+
+
+# -- MariaDB: what the claim costs, rows found, the token's end ------------------------------
+
+
+@pytest.mark.mariadb
+def test_the_claim_on_mariadb_costs_one_statement_at_each_end(mariadb_url: str) -> None:
+    """The claim sets the transaction's token in its own fence value (``@iofence_token :=``):
+    no round trip of its own at the start; the token, a session variable, is cleared as
+    the transaction ends: one ``SET`` before the ``COMMIT``. PyMySQL would carry the ``SET``
+    with another statement only as a multi-statement (``CLIENT.MULTI_STATEMENTS``), which
+    the library does not ask of the application's engine."""
+    engine = create_engine(mariadb_url, pool_size=1, max_overflow=0)
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(statement)
+
+    try:
+        env = Env(engine)
+        _unit(engine, env, 5, 50)  # the register's triggers are checked on the connection
+        event.listen(engine, "before_cursor_execute", record)
+        _unit(engine, env, 6, 60)
+        claim = register_statements(env.register).claim_row("mariadb", transaction=True)
+        assert seen[0] == str(claim.compile(dialect=engine.dialect))
+        assert "(@iofence_row_token := (@iofence_token := " in seen[0]
+        assert seen[1].startswith("SELECT")  # the ORM's read
+        assert seen[2].startswith("UPDATE")  # the flush
+        assert len(seen) == 3
+        # Counted by the server, on the one session: the three statements above, the SET
+        # that clears the token (sent on the DBAPI connection, below SQLAlchemy's events),
+        # the COMMIT, and the pool's ROLLBACK as it takes the connection back.
+        first = _questions(engine)
+        before = _questions(engine)
+        reading = before - first  # what reading the counter costs
+        _unit(engine, env, 7, 70)
+        assert _questions(engine) - before - reading == 3 + 1 + 2
+        with engine.connect() as conn:
+            variables = conn.exec_driver_sql("SELECT @iofence_token, @iofence_row_token").one()
+        assert tuple(variables) == (None, None)
+        assert _value(engine, env) == 70
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+        engine.dispose()
+
+
+def _questions(engine: Engine) -> int:
+    """The statements the server has received on the session (MariaDB's ``Questions``)."""
+    with engine.connect() as conn:
+        found = conn.exec_driver_sql("SHOW SESSION STATUS LIKE 'Questions'").one()
+        conn.rollback()
+    return int(found[1])
+
+
+@pytest.mark.mariadb
+def test_an_accepted_flush_that_changes_nothing_is_not_stale_on_mariadb(mariadb_url: str) -> None:
+    """MySQL's trap: without ``CLIENT_FOUND_ROWS`` an UPDATE that changes nothing counts 0,
+    so an accepted write would look refused. Each path writes the same values again at the
+    same token: the update, the upsert (a new object over a row at the token), the
+    drop-in; and the claim at its own token (count 1, a row left as it was)."""
+    engine = create_engine(mariadb_url)
+    try:
+        env = Env(engine)
+        for _ in range(2):  # the second changes nothing at all
+            _unit(engine, env, 5, 50)
+        for _ in range(2):
+            with Session(engine) as s:
+                bind(s, token=5, scope="item:1", register=env.register)
+                s.merge(env.Item(id=2, v=7))
+                s.commit()
+            with Session(engine) as s:
+                bind(s, token=5, claim=False)
+                s.add(env.Dropin(id=3, v=3)) if s.get(env.Dropin, 3) is None else None
+                s.commit()
+            with Session(engine) as s:
+                bind(s, token=5, claim=False)
+                s.get(env.Dropin, 3).v = 3
+                s.flush()
+                s.execute(text("SELECT 1"))  # the flush was judged: nothing raised
+                s.commit()
+        assert _value(engine, env) == 50
+        with Session(engine) as s:
+            bind(s, token=4, scope="item:1", register=env.register)
+            with pytest.raises(StaleTokenError):
+                s.get(env.Item, 1)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.mariadb
+@pytest.mark.parametrize("end", ["commit", "rollback", "failed flush", "refused claim"])
+def test_no_token_outlives_a_bound_transaction_on_mariadb(mariadb_url: str, end: str) -> None:
+    """After a bound session's transaction ends, however it ends, an unbound raw write on
+    the same pooled connection (one server session) is refused by the judge."""
+    engine = create_engine(mariadb_url, pool_size=1, max_overflow=0)
+    try:
+        env = Env(engine)
+        _unit(engine, env, 9, 90)
+        with Session(engine) as s:
+            bind(
+                s, token=10 if end != "refused claim" else 8, scope="item:1", register=env.register
+            )
+            if end == "refused claim":
+                with pytest.raises(StaleTokenError):
+                    s.get(env.Item, 1)
+            else:
+                s.get(env.Item, 1).v = 100
+                if end == "failed flush":
+                    s.add(env.Item(id=1, v=1))  # the same key twice in one session
+                    with pytest.raises(Exception):  # noqa: B017, PT011 - the ORM's own
+                        s.flush()
+                    s.rollback()
+                elif end == "commit":
+                    s.commit()
+                else:
+                    s.flush()
+                    s.rollback()
+            s.rollback()
+        table = env.Item.__table__.name
+        with engine.connect() as conn:
+            variables = conn.exec_driver_sql("SELECT @iofence_token, @iofence_row_token").one()
+            assert tuple(variables) == (None, None)
+            with pytest.raises(TokenRequiredError):
+                conn.exec_driver_sql(
+                    f"UPDATE {table} SET v = 7 WHERE id = 1",
+                    execution_options={"unfenced": False},
+                )
+        with engine.connect() as conn, pytest.raises(UnfencedWriteError):
+            # Past the gate (an opt-out it trusts, the judge's variable set back by hand):
+            # the judge alone refuses a write without a token.
+            conn.exec_driver_sql(
+                f"UPDATE {table} SET v = 7 WHERE id = 1", execution_options={"iofence": True}
+            )
+        assert _value(engine, env) == (100 if end == "commit" else 90)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.mariadb
+def test_a_deadlock_inside_a_flush_is_retryable_on_mariadb(mariadb_url: str) -> None:
+    """Two bound sessions (claim=False) update two rows in opposite orders: InnoDB picks a
+    victim (error 1213), whose flush raises RetryableError."""
+    engine = create_engine(mariadb_url)
+    try:
+        env = Env(engine)
+        with Session(engine) as a, Session(engine) as b:
+            bind(a, token=20, claim=False)
+            bind(b, token=21, claim=False)
+            a.get(env.Item, 1).v = 11
+            a.flush()
+            b.get(env.Item, 2).v = 22
+            b.flush()
+            errors: list[BaseException] = []
+
+            def second() -> None:
+                try:
+                    b.get(env.Item, 1).v = 21
+                    b.flush()
+                except BaseException as exc:
+                    errors.append(exc)
+                    b.rollback()
+
+            thread = threading.Thread(target=second)
+            thread.start()
+            time.sleep(0.5)  # b waits for a's row
+            try:
+                a.get(env.Item, 2).v = 12
+                a.flush()
+            except BaseException as exc:
+                errors.append(exc)
+                a.rollback()
+            thread.join(30)
+            assert len(errors) == 1, errors
+            assert isinstance(errors[0], RetryableError), repr(errors[0])
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.mariadb
+async def test_no_token_outlives_a_bound_async_transaction_on_mariadb(mariadb_url: str) -> None:
+    """The same through aiomysql: after a commit and after a refused claim, the one pooled
+    connection carries no token, and an unbound write through it is refused by the judge."""
+    sync = create_engine(mariadb_url)
+    env = Env(sync)
+    sync.dispose()
+    engine = create_async_engine(
+        mariadb_url.replace("+pymysql", "+aiomysql"), pool_size=1, max_overflow=0
+    )
+    table = env.Item.__table__.name
+    try:
+        for token in (10, 8):  # accepted and committed; refused (the fence is 10)
+            async with AsyncSession(engine) as s:
+                bind(s, token=token, scope="item:1", register=env.register)
+                if token == 10:
+                    (await s.get(env.Item, 1)).v = 100
+                    await s.commit()
+                else:
+                    with pytest.raises(StaleTokenError):
+                        await s.get(env.Item, 1)
+                    await s.rollback()
+            async with engine.connect() as conn:
+                found = await conn.exec_driver_sql("SELECT @iofence_token, @iofence_row_token")
+                assert tuple(found.one()) == (None, None)
+                with pytest.raises(UnfencedWriteError):
+                    await conn.exec_driver_sql(
+                        f"UPDATE {table} SET v = 7 WHERE id = 1",
+                        execution_options={"iofence": True},
+                    )
+    finally:
+        await engine.dispose()

@@ -108,12 +108,18 @@ class Env:
             return tuple(row)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("mariadb", marks=pytest.mark.mariadb),
+    ]
+)
 def env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'fc.db'}"
     else:
-        url = request.getfixturevalue("postgres_url")
+        url = request.getfixturevalue(f"{request.param}_url")
     engine = create_engine(url)
     yield Env(engine)
     engine.dispose()

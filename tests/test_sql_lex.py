@@ -45,6 +45,11 @@ CASES: list[tuple[str, set[Target], bool]] = [
         {T(None, "a")},
         False,
     ),
+    (
+        "INSERT INTO a (id) VALUES (1) ON DUPLICATE KEY UPDATE x = VALUES(x)",
+        {T(None, "a")},
+        False,
+    ),
     ("DELETE FROM accounts WHERE id = ?", {T(None, "accounts")}, False),
     (
         "MERGE INTO accounts a USING src s ON a.id = s.id WHEN MATCHED THEN UPDATE SET x = 1",

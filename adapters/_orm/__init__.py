@@ -82,6 +82,8 @@ from .verdicts import (
     _restore,  # noqa: F401 - pickled errors name it here
     after_cursor_execute,
     after_execute,
+    flush_retryable,
+    judge_refused,
 )
 
 __all__ = [
@@ -121,6 +123,7 @@ def install() -> None:
     gate.install()
     judge.install()
     gate.set_hooks(session_statement, allows_of, refused_of)
+    judge.REFUSAL_HOOKS.append(judge_refused)
     event.listen(Session, "before_flush", before_flush)
     event.listen(Session, "after_transaction_create", after_transaction_create)
     event.listen(Session, "after_transaction_end", after_transaction_end)
@@ -134,6 +137,7 @@ def install() -> None:
     event.listen(Mapper, "after_mapper_constructed", mapper_constructed)
     event.listen(Engine, "after_cursor_execute", after_cursor_execute)
     event.listen(Engine, "after_execute", after_execute)
+    event.listen(Engine, "handle_error", flush_retryable)
     event.listen(Engine, "before_execute", token_before_write)  # after the gate's rewrite
     event.listen(Engine, "before_cursor_execute", claim_before_statement)
     event.listen(Engine, "commit", claim_before_commit)

@@ -42,10 +42,13 @@ from fence._sql_dialect import DIALECTS
 from .. import _sql_gate as gate
 from .._judge import (
     CHECKED_KEY,
+    SESSION_DIALECTS,
     TOKEN_KEY,
     clear_token,
     ensure_judged,
+    hold_token,
     judged_on,
+    judged_without_triggers,
     record_verdict,
     set_token,
 )
@@ -90,12 +93,15 @@ _CLAIMS: weakref.WeakKeyDictionary[Table, dict[str, Any]] = weakref.WeakKeyDicti
 def _claim_statement(register: Table, dialect: str) -> Any:
     """The register claim of one scope with bind parameters, derived once per register and
     dialect (hot path) from the register guard's own (:meth:`RegisterStatements.claim_row`):
-    ``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = :t WHERE fence <= :t``.
+    ``INSERT ... ON CONFLICT (scope) DO UPDATE SET fence = :t WHERE fence <= :t``. On
+    MariaDB and MySQL its fence value also makes the token the transaction's
+    (``@iofence_token``), in the same statement.
     """
     per_table = _CLAIMS.setdefault(register, {})
     found = per_table.get(dialect)
     if found is None:
-        row = register_statements(register).claim_row(dialect)
+        transaction = dialect in SESSION_DIALECTS
+        row = register_statements(register).claim_row(dialect, transaction=transaction)
         found = per_table[dialect] = row.execution_options(**OWN_OPTIONS)
     return found
 
@@ -107,7 +113,6 @@ def after_begin(session: Session, transaction: SessionTransaction, connection: C
         return
     dialect = DIALECTS.get(connection.dialect.name)
     if dialect is not None and not dialect.session_hook:
-        # Its claim and flush verdicts read row counts that MariaDB counts otherwise.
         raise ConfigurationError(
             f"the session hook does not run on {dialect.label} yet: write its fenced "
             "tables with RowGuard and FenceRegister (fence.adapters.sql)"
@@ -146,13 +151,40 @@ def _begin(session: Session, connection: Connection, found: SessionBinding) -> N
     ensure_judged(connection, register_statements(found.register).judged)
     stmt = _claim_statement(found.register, connection.dialect.name)
     connection.info[TOKEN_KEY] = found.token  # the claim makes it the transaction's
+    hold_token(connection)  # MariaDB: in a session variable, cleared as the transaction ends
     try:
         result = connection.execute(stmt, {"_scope": found.scope, "_token": found.token})
+    except _FenceStale:
+        # MariaDB's judge refused it (its row count cannot): the register guard runs it
+        # again and reports the refusal as it does everywhere else.
+        _judge_claim(connection, found, 0)
+        return
     except SQLAlchemyError as exc:
         if missing_table(exc):
             raise missing_register_error(found.register.name) from exc
         raise translate_error(exc, "fence claim", found.scope) from exc
-    _judge_claim(connection, found, result.rowcount)
+    _judge_claim(connection, found, _claimed(connection, result.rowcount))
+
+
+def _claimed(connection: Connection, count: int) -> int:
+    """The claim's row count as the verdict reads it: 1 if the fence was raised (or the
+    row inserted), anything else if the register guard must judge it.
+
+    MariaDB and MySQL count the rows an upsert found (``CLIENT_FOUND_ROWS``, which
+    SQLAlchemy asks for): 2 for a fence raised, 1 for a row inserted or one left as it was,
+    which is a claim at the fence's own token, or a refused one. A refused claim never
+    gets that far where the register's triggers are in place (checked before the claim,
+    :func:`ensure_judged`): the judge refuses it with an error. Under
+    :data:`WITHOUT_JUDGE` the 1 is left to the register guard, which reads the fence.
+    """
+    dialect = DIALECTS.get(connection.dialect.name)
+    if dialect is None or not dialect.upsert_counts_found:
+        return count
+    if count == 2:
+        return 1
+    if count == 1 and not judged_without_triggers(connection):
+        return 1
+    return 0
 
 
 def _judge_claim(connection: Connection, found: SessionBinding, claimed: int) -> None:
@@ -518,14 +550,36 @@ def token_before_write(
         current.rowcount = counted
 
 
-def _check_read(connection: Connection, found: SessionBinding) -> None:
+def _check_read(connection: Connection, found: SessionBinding, *, again: bool = False) -> None:
     """A read binding's check (C13): refused if a writer newer than the lease has claimed
-    the scope. It reads the register row and never raises the fence."""
-    fence = FenceRegister(connection, found.register, events=found.events).fence(found.scope)
+    the scope. It reads the register row and never raises the fence.
+
+    ``again``: the check at commit. On MariaDB it reads the row with a shared lock (a
+    plain read there sees the snapshot the first check took); the first check, which
+    takes that snapshot, locks nothing, so that a writer may overtake the reader."""
+    if again and connection.dialect.name in SESSION_DIALECTS:
+        fence = _locked_fence(connection, found)
+    else:
+        fence = FenceRegister(connection, found.register, events=found.events).fence(found.scope)
     try:
         check_read(found.scope, found.token, fence)
     except _FenceStale as err:
         raise StaleTokenError.from_guard(err, None, None) from None
+
+
+def _locked_fence(connection: Connection, found: SessionBinding) -> int | None:
+    """The register's fence of the binding's scope as last committed, on MariaDB and MySQL:
+    a plain read in ``REPEATABLE READ`` sees the transaction's snapshot, which at commit
+    may predate a newer writer's claim. A shared lock reads the latest row (and waits for
+    a writer whose claim is not committed yet)."""
+    query = register_statements(found.register).probe(found.scope).with_for_update(read=True)
+    try:
+        row = connection.execute(query, execution_options=OWN_OPTIONS).first()
+    except SQLAlchemyError as exc:
+        if missing_table(exc):
+            raise missing_register_error(found.register.name) from exc
+        raise translate_error(exc, "fence read", found.scope) from exc
+    return None if row is None else int(row[1])
 
 
 def before_commit(session: Session) -> None:
@@ -556,7 +610,7 @@ def _check_before_commit(session: Session, found: SessionBinding) -> None:
         # newer than the lease (a newer writer's claim commits with its writes).
         connection = session.info.pop(READ_CHECK_KEY, None)
         if connection is not None:
-            _check_read(connection, found)
+            _check_read(connection, found, again=True)
     if not found.check_lease or found.lease is None:
         return
     check_lease(found.lease)

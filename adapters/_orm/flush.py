@@ -3,7 +3,8 @@
 Inside a flush the gate's engine hook hands this module every insert, update and delete
 of the session: for a fenced table it becomes ``fence <= :token`` on UPDATE, a soft delete
 (or a fenced hard delete) for DELETE, ``ON CONFLICT ... WHERE fence <= excluded.fence`` for
-INSERT; for the other tables of a fenced class, an ``EXISTS`` on the fence row. Each
+INSERT (MariaDB, MySQL: ``ON DUPLICATE KEY UPDATE`` with each column set only where the
+fence passes); for the other tables of a fenced class, an ``EXISTS`` on the fence row. Each
 rewrite is built once per statement the ORM caches, and recorded with how it is judged
 (``verdicts``). A statement shape the hook does not know is refused.
 """
@@ -33,7 +34,7 @@ from fence._sql_dialect import DIALECTS
 
 from .. import _sql_gate as gate
 from .._sql_gate import Kind
-from .._sql_statements import FENCE_INFO, OPTIONAL_INFO
+from .._sql_statements import FENCE_INFO, OPTIONAL_INFO, fenced_upsert
 from .fenced import Dependent, TableInfo, owner_of, table_info
 from .span import CURRENT, Flush
 from .verdicts import DONE, JUDGE, Rewrite, bulk_refusal, unknown_shape
@@ -144,6 +145,9 @@ def _rewrite_insert(stmt: Insert, info: TableInfo, dialect: str) -> Executable:
     """The ORM's INSERT as a fenced upsert."""
     base = _as_upsert(stmt, dialect)
     s = info.statements
+    if not hasattr(base, "on_conflict_do_update"):  # MariaDB, MySQL: ON DUPLICATE KEY UPDATE
+        names = [c.key for c in s.table.columns if c.key not in s.key_set]
+        return fenced_upsert(base, list(s.key), names, info.fence)  # type: ignore[no-any-return]
     excluded = base.excluded
     return base.on_conflict_do_update(  # type: ignore[no-any-return]
         index_elements=list(s.key),
@@ -164,6 +168,10 @@ def _rewrite_dependent(stmt: Any, dep: Dependent, info: TableInfo, dialect: str)
         base = _as_upsert(stmt, dialect)
         keys = list(dep.table.primary_key.columns)
         others = [c for c in dep.table.columns if c not in keys]
+        if not hasattr(base, "on_conflict_do_update"):  # MariaDB, MySQL
+            # Without other columns the key is set to itself: a conflict changes nothing.
+            sets = [(c.key, base.inserted[c.key]) for c in others or keys]
+            return base.on_duplicate_key_update(sets)
         if not others:
             return base.on_conflict_do_nothing(index_elements=keys)
         return base.on_conflict_do_update(

@@ -19,13 +19,21 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Mapper, ORMExecuteState
 from sqlalchemy.orm import exc as orm_exc
 
-from fence._errors import ReadLeaseError, Reason, UnfencedWriteError
+from fence._errors import FenceError, ReadLeaseError, Reason, UnfencedWriteError
 from fence._errors import StaleTokenError as _FenceStale
 from fence._events import EventBus, EventKind
-from fence._sql_dialect import DIALECTS
+from fence._sql_dialect import DIALECTS, fault_of
 
 from .. import _sql_gate as gate
-from .._sql_common import ABSENT, Probe, batch_rejection, probe_passes, probe_rejection
+from .._judge import SESSION_DIALECTS, judged_without_triggers
+from .._sql_common import (
+    ABSENT,
+    Probe,
+    batch_rejection,
+    probe_passes,
+    probe_rejection,
+    translate_error,
+)
 from .._sql_statements import RowStatements
 from . import refusal
 from .binding import SessionBinding, bound
@@ -42,8 +50,10 @@ __all__ = [
     "after_execute",
     "bulk_refusal",
     "find_blockers",
+    "flush_retryable",
     "judge_criteria",
     "judge_orm",
+    "judge_refused",
     "read_refusal",
     "reject",
     "unknown_shape",
@@ -201,6 +211,54 @@ def after_execute(
         raise
 
 
+def judge_refused(context: Any, refused: FenceError) -> None:
+    """A fenced flush statement that MariaDB's judge refused, judged as the hook judges a
+    statement that wrote nothing (``_judge.REFUSAL_HOOKS``).
+
+    On MariaDB and MySQL an upsert has no ``WHERE``: a row whose fence is above the token
+    reaches its ``BEFORE UPDATE`` trigger, which refuses the whole statement (InnoDB undoes
+    the rows it wrote before). The rows are read again, with a lock, so that the
+    :class:`StaleTokenError` names each row that refused it, with its mapper, as the row
+    count's verdict does elsewhere.
+    """
+    conn = context.connection
+    executed = context.execution_context
+    compiled = executed.compiled if executed is not None else None
+    if conn is None or compiled is None or conn.dialect.name not in SESSION_DIALECTS:
+        return
+    judge = JUDGE.get(compiled.statement)
+    current = CURRENT.get()
+    if judge is None or judge.kind == "criteria" or current is None or current.binding is None:
+        return
+    if not isinstance(refused, _FenceStale):
+        return
+    current.rowcount = 0
+    try:
+        _judge_flush(conn, judge, list(executed.compiled_parameters), {}, None)
+    except _FenceStale as err:
+        refusal.refuse_on(conn, err)
+        raise err from context.sqlalchemy_exception or context.original_exception
+
+
+def flush_retryable(context: Any) -> None:
+    """A deadlock (MariaDB error 1213), a lock wait timeout (1205) or another failure that
+    leaves nothing changed, inside a bound session's flush on MariaDB or MySQL, as
+    :class:`fence.RetryableError` (an engine ``handle_error`` listener): never a verdict
+    on the token (C5); roll back and run the unit of work again. No I/O."""
+    current = CURRENT.get()
+    conn = context.connection
+    if current is None or current.binding is None or conn is None:
+        return
+    if conn.dialect.name not in SESSION_DIALECTS:
+        return
+    fault = fault_of(context.original_exception)
+    if fault is None or not fault.retryable:
+        return
+    raise translate_error(context.original_exception, "fenced flush", current.binding.scope) from (
+        context.sqlalchemy_exception or context.original_exception
+    )
+
+
 def _judge_flush(
     conn: Connection,
     judge: Rewrite,
@@ -224,6 +282,8 @@ def _judge_flush(
     keys = [tuple(p.get(name) for name in judge.key_params) for p in rows]
     if late and count != len(rows) and _wrote_all(conn, s, judge, keys, token):
         count = len(rows)
+    if judge.kind == "insert" and count > 0 and _counts_found(conn):
+        count = _upserted(conn, judge.info, keys, count, token)
     if count == len(rows):
         if events.active:
             for keyvals in keys:
@@ -283,8 +343,49 @@ def _wrote_all(
     return True
 
 
+def _counts_found(conn: Connection) -> bool:
+    found = DIALECTS.get(conn.dialect.name)
+    return found is not None and found.upsert_counts_found
+
+
+def _upserted(
+    conn: Connection, info: TableInfo, keys: Sequence[tuple[Any, ...]], count: int, token: int
+) -> int:
+    """The count of a flush's upsert on MariaDB or MySQL, as rows written (0 if one was not).
+
+    They count the rows an upsert found (``CLIENT_FOUND_ROWS``): 1 for a row inserted,
+    2 for a row changed, 1 for a row left as it was, which is a row at the token already
+    (accepted: ``fence <= token``) or a refused one. Where the table's triggers are in
+    place (checked before the first write) the judge refuses a stale upsert with an error,
+    so a count between one and two per row is every row written. Under
+    :data:`~fence.adapters._judge.WITHOUT_JUDGE` a row left as it was is proven by its
+    fence, read with a lock (the transaction's snapshot may predate a newer holder's
+    write): the token if the upsert passed.
+    """
+    n = len(keys)
+    if count == 2 * n or (n <= count < 2 * n and not judged_without_triggers(conn)):
+        return n
+    if count < n or count > 2 * n:
+        return 0
+    s = info.statements
+    query = select(*s.key, info.fence).where(info.keys_in(keys)).with_for_update()
+    fences = {tuple(row[:-1]): row[-1] for row in conn.execute(query)}
+    return n if all(fences.get(tuple(k)) == token for k in keys) else 0
+
+
+def _snapshot_reads(conn: Connection) -> bool:
+    """Whether a plain read in ``conn``'s transaction may see an older row than its writes
+    do: InnoDB's ``REPEATABLE READ`` reads a snapshot, and writes the latest row. A verdict
+    read there locks the row (``FOR SHARE``), which reads the latest; PostgreSQL refuses
+    such a write instead (a serialization failure), SQLite has one writer."""
+    return conn.dialect.name in SESSION_DIALECTS
+
+
 def _probe(conn: Connection, s: RowStatements, keyvals: Sequence[Any]) -> Probe:
-    row = conn.execute(s.probe(), s.key_params(keyvals)).first()
+    query = s.probe()
+    if _snapshot_reads(conn):
+        query = query.with_for_update(read=True)
+    row = conn.execute(query, s.key_params(keyvals)).first()
     if row is None:
         return ABSENT
     fence, dead = tuple(row)
@@ -402,6 +503,8 @@ def find_blockers(
     s = info.statements
     live = info.tombstone if info.tombstone is not None else false()
     query = select(*s.key, info.fence, live).where(info.fence > token)
+    if _snapshot_reads(conn):
+        query = query.with_for_update(read=True)
     if keys is not None:
         query = query.where(info.keys_in(keys))
     if criteria is not None:

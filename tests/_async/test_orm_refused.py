@@ -1,5 +1,5 @@
 """A refused transaction stays refused, with ``AsyncSession`` (this source) and ``Session``
-(the generated twin), on SQLite and PostgreSQL.
+(the generated twin), on SQLite, PostgreSQL and MariaDB.
 
 Once the claim refuses a stale holder, a fenced write of a bound session is refused, or
 the lease is found lost at commit, every later statement of the transaction (through the
