@@ -6,6 +6,8 @@ only where ``fence <= :token`` holds, and sets ``fence = :token`` in the same st
 
 from __future__ import annotations
 
+import json
+import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -35,6 +37,7 @@ from sqlalchemy import (
     false,
     func,
     literal,
+    literal_column,
     or_,
     select,
     text,
@@ -276,6 +279,10 @@ def fence_register_table(
 
 #: A checked update: the statement and the names of its value parameters.
 _Checked = tuple[Update, tuple[str, ...]]
+
+
+#: The integers SQLite stores as integers; JSON would carry a larger one as a float.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _counted(stmt: _DML) -> _DML:
@@ -572,9 +579,14 @@ class _OnDialect:
     insert_of: Callable[[Table], Any] | None
     #: See ``RowStatementSet.found_rows``: MariaDB and MySQL.
     found_rows: bool
+    #: A batch's rows travel as one JSON text (``json_each``) in one ``UPDATE ... FROM``:
+    #: SQLite 3.38 or later (``UPDATE ... FROM`` since 3.33, JSON built in since 3.38).
+    json_rows: bool
 
     def _learn(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        version = getattr(dialect, "server_version_info", None) or ()
+        self.json_rows = dialect.name == "sqlite" and tuple(version) >= (3, 38)
         found = DIALECTS.get(dialect.name)
         if found is None:
             self.arrays, self.locks_rows, self.begins_on_write = False, True, False
@@ -884,12 +896,14 @@ class DialectRowStatements(_OnDialect, RowStatements):
     ) -> tuple[Update, dict[str, Any]] | None:
         """The set path's statement and parameters for ``update_many``, if it applies.
 
-        ``None`` (take the row path) off PostgreSQL, for a column an array cannot carry
-        (:meth:`item_sql`) and for a column whose values mix Python types. ``types`` is
+        On SQLite, :meth:`update_json`'s (``None`` for a value JSON cannot carry). ``None``
+        (take the row path) on a database with neither arrays nor JSON rows, and on
+        PostgreSQL for a column an array cannot carry (:meth:`item_sql`) and for a column
+        whose values mix Python types. ``types`` is
         not needed: the table knows its column types.
         """
         if not self.arrays:
-            return None
+            return self._update_json_call(token, items) if self.json_rows else None
         columns = tuple(sorted({name for _, values in items for name in values}))
         if any(self.item_sql(n) is None for n in (*self.key_names, *columns)):
             return None
@@ -915,6 +929,113 @@ class DialectRowStatements(_OnDialect, RowStatements):
             if flagged[-1]:
                 params[f"_s{i}"] = sets
         return self.update_set(columns, tuple(flagged)), params
+
+    def _update_json_call(
+        self, token: int, items: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]]
+    ) -> tuple[Update, dict[str, Any]] | None:
+        """:meth:`update_json` and its parameters (SQLite); ``None`` (take the row path) for
+        a value JSON cannot carry as the driver would bind it: anything but a string, a
+        64-bit integer, a finite float or ``NULL`` once the column type has processed it."""
+        columns = tuple(sorted({name for _, values in items for name in values}))
+        processors = [self.processor(name) for name in columns]
+        flagged = tuple(any(name not in values for _, values in items) for name in columns)
+        rows: list[list[Any]]
+        if not any(flagged) and not any(p is not None for p in processors):
+            rows = [[*keyvals, *(values[name] for name in columns)] for keyvals, values in items]
+        else:
+            rows = []
+            for keyvals, values in items:
+                row = [*keyvals]
+                for name, process, flag in zip(columns, processors, flagged, strict=True):
+                    if name in values:
+                        value = values[name]
+                        row.append(process(value) if process is not None else value)
+                        if flag:
+                            row.append(1)
+                    else:
+                        row += (None, 0)
+                rows.append(row)
+        # Inline, not a call per value: this loop is most of a large batch's Python time.
+        for row in rows:
+            for value in row:
+                kind = type(value)
+                if kind is int:
+                    if not _INT64_MIN <= value <= _INT64_MAX:
+                        return None
+                elif kind is float:
+                    if not math.isfinite(value):
+                        return None
+                elif kind is not str and value is not None:
+                    return None  # bool, bytes, Decimal, a subclass: the row path binds them
+        params = {"_rows": json.dumps(rows), "_token": token, "_count": len(items)}
+        return self.update_json(columns, flagged), params
+
+    def update_json(self, columns: tuple[str, ...], flagged: tuple[bool, ...]) -> Update:
+        """The set path of ``update_many`` on SQLite: one statement, every row or none (C6).
+
+        ``UPDATE t SET c = json_extract(r.value, '$[i]'), ..., fence = :_token FROM
+        json_each(:_rows) AS r WHERE t.key = json_extract(r.value, '$[0]') AND fence <=
+        :_token [AND NOT deleted] AND (<rows that pass>) = :_count``. Each row of the batch
+        is a JSON array: its key values, then per column its value (and, for a ``flagged``
+        column that only some rows set, ``1`` or ``0`` for whether it sets it). The count
+        is an uncorrelated sub-select, which SQLite runs once, before the first row is
+        written; the write lock the statement takes keeps every fence as it read it, and
+        the judge's triggers, as on every row write, refuse a row whose fence is above the
+        token: an abort undoes the whole statement. Parameters: ``_rows``, ``_token`` and
+        ``_count``. Proven by its row count.
+        """
+        cache_key = ("update_json", columns, flagged)
+        found = self._cache.get(cache_key)
+        if found is None:
+            token = bindparam("_token", type_=self.fence.type)
+            data = bindparam("_rows", type_=String())
+            rows = func.json_each(data).table_valued("value").alias("fence_rows")
+            each = func.json_each(data).table_valued("value").alias("fence_keys")
+
+            def item(of: Any, i: int) -> ColumnElement[Any]:
+                return func.json_extract(of.c.value, literal_column(f"'$[{i}]'"))
+
+            nkeys = len(self.key)
+            keys = [item(each, j) for j in range(nkeys)]
+            listed = (
+                self.key[0].in_(select(keys[0]))
+                if nkeys == 1
+                else tuple_(*self.key).in_(select(*keys))
+            )
+            current = (
+                select(self.fence.label("f"), self._live().label("live"))
+                .where(listed)
+                .subquery("fence_current")
+            )
+            passing = (
+                select(func.count())
+                .select_from(current)
+                .where(current.c.f <= token, current.c.live)
+                .scalar_subquery()
+            )
+            sets: dict[str, Any] = {}
+            i = nkeys
+            for name, flag in zip(columns, flagged, strict=True):
+                value: ColumnElement[Any] = item(rows, i)
+                i += 1
+                if flag:
+                    value = case((item(rows, i) == 1, value), else_=self.table.c[name])
+                    i += 1
+                sets[name] = value
+            sets[self.fence.key] = TokenOf(token, self.fence.type)
+            matched = and_(*(c == item(rows, j) for j, c in enumerate(self.key)))
+            stmt = (
+                update(self.table)
+                .where(
+                    matched,
+                    self.fence <= token,
+                    self._live(),
+                    passing == bindparam("_count", type_=Integer()),
+                )
+                .values(sets)
+            )
+            found = self._cache[cache_key] = _counted(stmt)
+        return found
 
     def upsert_set_call(
         self,

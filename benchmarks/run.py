@@ -38,6 +38,7 @@ SECTIONS: dict[str, str] = {
     "redis-guard": "bench_redis_guard",
     "sql-guard": "bench_sql_guard",
     "sql-batch": "bench_sql_batch",
+    "sql-gate": "bench_sql_gate",
     "orm": "bench_orm",
     "managers": "bench_redis_manager",
     "waiters": "bench_waiters",
@@ -56,6 +57,8 @@ TITLES = {
     "redis-guard": "1. Fenced Redis writes vs SET and a raw EVALSHA (writes/s)",
     "sql-guard": "2. Fenced SQL UPDATE vs the plain UPDATE (updates/s)",
     "sql-batch": "2a. Fenced SQL batches vs the same plain batch (rows/s)",
+    "sql-gate": "2c. Plain statements on a table without a fence, with the adapters' listeners "
+    "vs without (statements/s)",
     "orm": "2b. ORM flush with the fence hook vs a version_id_col flush (flushes/s)",
     "managers": "3. Acquire+release pairs per second vs redis-py Lock (one process, uncontended)",
     "waiters": "3a. Many waiters on one Redis lock in one process (one manager, <= 4 connections)",

@@ -49,6 +49,7 @@ from sqlalchemy import (
     func,
     select,
 )
+from sqlalchemy import event as sqlalchemy_event
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -773,5 +774,83 @@ def test_sqlite_autocommit_batch_is_a_transaction_of_its_own(tmp_path: Path) -> 
             target.update_many(9, {0: {"c_int": 1}, 600: {"c_int": 1}})
         assert target.fence_counts() == {5: 599, 9: 1}
         assert target.rows() == [as_tuple(row(i, 0), 9 if i == 599 else 5) for i in range(600)]
+    finally:
+        engine.dispose()
+
+
+# -- SQLite: update_many in one statement -------------------------------------------------
+
+
+def _sqlite_pair(tmp_path: Path) -> tuple[Engine, Table]:
+    table = Table(
+        "pairs",
+        MetaData(),
+        Column("a", Integer, primary_key=True, autoincrement=False),
+        Column("b", String(8), primary_key=True),
+        Column("n", Integer),
+        Column("s", String(20)),
+        Column("raw", LargeBinary),
+        core_guard.fence_column(),
+        core_guard.tombstone_column(),
+    )
+    engine = create_engine(f"sqlite:///{tmp_path / 'pairs.db'}")
+    table.metadata.create_all(engine)
+    return engine, table
+
+
+def test_sqlite_update_many_is_one_statement_all_or_nothing(tmp_path: Path) -> None:
+    """On SQLite ``update_many`` sends one ``UPDATE ... FROM json_each(...)``: a composite
+    key, a column only some rows set, a stale, a missing and a deleted row refuse the whole
+    batch, and an accepted batch writes every row as the row path would."""
+    engine, table = _sqlite_pair(tmp_path)
+    sent: list[str] = []
+    try:
+        with engine.connect() as conn:
+            guard = core_guard.RowGuard(conn, table)
+            guard.upsert_many(5, [{"a": i, "b": "x", "n": i, "s": "s"} for i in range(6)])
+            guard.claim((5, "x"), 9)
+            guard.delete((4, "x"), 5)
+            conn.commit()
+
+            def record(*args: Any) -> None:
+                sent.append(args[2])
+
+            sqlalchemy_event.listen(conn, "before_cursor_execute", record)
+            guard.update_many(
+                6, {(i, "x"): {"n": 10 + i} if i % 2 else {"s": "t"} for i in range(4)}
+            )
+            assert len(sent) == 1
+            assert "json_each" in sent[0]
+            conn.commit()
+            got = conn.execute(select(table.c.a, table.c.n, table.c.s, table.c.fence)).all()
+            assert got[:4] == [(0, 0, "t", 6), (1, 11, "s", 6), (2, 2, "t", 6), (3, 13, "s", 6)]
+            for bad, reason in (((5, "x"), Reason.STALE), ((9, "x"), Reason.MISSING)):
+                with pytest.raises(StaleTokenError) as caught:
+                    guard.update_many(7, {(0, "x"): {"n": 99}, bad: {"n": 99}})
+                assert [e.reason for e in caught.value.rejected] == [reason]
+            with pytest.raises(StaleTokenError):
+                guard.update_many(7, {(0, "x"): {"n": 99}, (4, "x"): {"n": 99}})
+            assert conn.execute(select(table.c.n).where(table.c.a == 0)).scalar() == 0
+            assert sorted(f for (f,) in conn.execute(select(table.c.fence))) == [5, 6, 6, 6, 6, 9]
+    finally:
+        engine.dispose()
+
+
+def test_sqlite_update_many_takes_the_row_path_for_what_json_cannot_carry(
+    tmp_path: Path,
+) -> None:
+    """Bytes, a ``bool`` or an integer past 64 bits do not travel in JSON as the driver
+    binds them: such a batch goes row by row, and is written the same."""
+    engine, table = _sqlite_pair(tmp_path)
+    try:
+        with engine.connect() as conn:
+            guard = core_guard.RowGuard(conn, table)
+            guard.upsert_many(5, [{"a": i, "b": "x", "n": i} for i in range(3)])
+            guard.update_many(6, {(i, "x"): {"raw": bytes([i]), "n": True} for i in range(3)})
+            got = conn.execute(select(table.c.raw, table.c.n, table.c.fence)).all()
+            assert got == [(bytes([i]), 1, 6) for i in range(3)]
+            with pytest.raises(OverflowError):  # as the row path has always refused it
+                guard.update_many(7, {(0, "x"): {"n": 2**64}, (1, "x"): {"n": 1}})
+            conn.rollback()
     finally:
         engine.dispose()
