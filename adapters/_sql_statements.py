@@ -934,8 +934,9 @@ class DialectRowStatements(_OnDialect, RowStatements):
         self, token: int, items: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]]
     ) -> tuple[Update, dict[str, Any]] | None:
         """:meth:`update_json` and its parameters (SQLite); ``None`` (take the row path) for
-        a value JSON cannot carry as the driver would bind it: anything but a string, a
-        64-bit integer, a finite float or ``NULL`` once the column type has processed it."""
+        a value JSON cannot carry as the driver would bind it: anything but a string without a
+        NUL, a 64-bit integer, a finite float or ``NULL`` once the column type has processed
+        it."""
         columns = tuple(sorted({name for _, values in items for name in values}))
         processors = [self.processor(name) for name in columns]
         flagged = tuple(any(name not in values for _, values in items) for name in columns)
@@ -965,9 +966,18 @@ class DialectRowStatements(_OnDialect, RowStatements):
                 elif kind is float:
                     if not math.isfinite(value):
                         return None
-                elif kind is not str and value is not None:
+                elif kind is str:
+                    if "\x00" in value:
+                        return None  # json_extract ends the text at a NUL; a bound value keeps it
+                elif value is not None:
                     return None  # bool, bytes, Decimal, a subclass: the row path binds them
-        params = {"_rows": json.dumps(rows), "_token": token, "_count": len(items)}
+        # Not ASCII-escaped: SQLite would store an escaped lone surrogate as bytes that no
+        # decoder reads back; as UTF-8 the driver refuses it, as it refuses it on a row.
+        params = {
+            "_rows": json.dumps(rows, ensure_ascii=False),
+            "_token": token,
+            "_count": len(items),
+        }
         return self.update_json(columns, flagged), params
 
     def update_json(self, columns: tuple[str, ...], flagged: tuple[bool, ...]) -> Update:

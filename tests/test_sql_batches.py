@@ -854,3 +854,27 @@ def test_sqlite_update_many_takes_the_row_path_for_what_json_cannot_carry(
             conn.rollback()
     finally:
         engine.dispose()
+
+
+def test_sqlite_update_many_writes_every_text_as_the_row_path_does(tmp_path: Path) -> None:
+    """Text that SQLite's JSON functions would read differently from a bound value (a NUL,
+    which ``json_extract`` cuts the text at; a lone surrogate, which it would store as bytes
+    no decoder reads back) is written as the row path writes it, or refused as the row path
+    refuses it, with nothing written; other text goes by the JSON path unchanged."""
+    engine, table = _sqlite_pair(tmp_path)
+    texts = ["a\x00b", "\x00", "😀 é \u2028", 'quote " back \\ slash']
+    try:
+        with engine.connect() as conn:
+            guard = core_guard.RowGuard(conn, table)
+            guard.upsert_many(5, [{"a": i, "b": "x\x00y", "n": i} for i in range(len(texts))])
+            guard.update_many(6, {(i, "x\x00y"): {"s": s} for i, s in enumerate(texts)})
+            conn.commit()
+            got = conn.execute(select(table.c.s, table.c.fence).order_by(table.c.a)).all()
+            assert got == [(s, 6) for s in texts]
+            with pytest.raises(UnicodeEncodeError):  # as the driver refuses it on a row
+                guard.update_many(7, {(0, "x\x00y"): {"s": "\ud800"}, (1, "x\x00y"): {"s": "t"}})
+            conn.rollback()
+            got = conn.execute(select(table.c.s, table.c.fence).order_by(table.c.a)).all()
+            assert got == [(s, 6) for s in texts]
+    finally:
+        engine.dispose()
