@@ -745,29 +745,36 @@ class MariaDBServer:
         ``iofence``.
 
         Raises:
-            subprocess.CalledProcessError: ``mariadb-install-db`` failed.
-            RuntimeError: the server exited; the end of its log says why.
+            RuntimeError: ``mariadb-install-db`` failed (with what it said), or the server
+                exited (with the end of its log).
             TimeoutError: it did not listen within a minute.
         """
         claim_dir(self.dir)
         first = not self.data.exists()
         if first:
-            subprocess.run(  # noqa: S603 - MariaDB's own program, fixed arguments
+            made = subprocess.run(  # noqa: S603 - MariaDB's own program, fixed arguments
                 [
                     *self._as_user,
                     self.install_db,
                     "--no-defaults",
                     f"--datadir={self.data}",
+                    # The bootstrap server's temporary files too: not the machine's /tmp.
+                    f"--tmpdir={self.tmp}",
                     "--auth-root-authentication-method=normal",
                     "--skip-test-db",
                     "--skip-name-resolve",
                     *self._settings(),
                 ],
-                check=True,
+                check=False,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 cwd=self.dir,
             )
+            if made.returncode != 0:
+                tail = made.stderr.decode(errors="replace")[-2000:]
+                raise RuntimeError(
+                    f"mariadb-install-db failed (exit {made.returncode}); it said:\n{tail}"
+                )
         log = self.dir / "mariadb.log"
         self.proc = subprocess.Popen(  # noqa: S603 - MariaDB's own program, fixed arguments
             [
