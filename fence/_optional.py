@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EXTRAS",
     "bind_session",
+    "django_app",
     "etcd_guard",
     "fence_column",
     "fence_register_table",
@@ -84,6 +85,23 @@ def _naming_the_extra() -> Iterator[None]:
             raise
         top = (exc.name or "").split(".")[0]
         raise ModuleNotFoundError(f"{top} is not installed: {hint}", name=exc.name) from exc
+
+
+def django_app() -> tuple[Any, Any, Any]:
+    """The Django app's modules (``fence.adapters.django``): the blocks (``fenced``,
+    ``unfenced``), the models (``FencedModel``, ``FenceRegister``) and the operations
+    (``install_fence``). Django must be configured (``django.setup()``) first.
+
+    Raises:
+        ModuleNotFoundError: Django is not installed.
+    """
+    with _naming_the_extra():
+        from fence.adapters import django as app  # type: ignore[import-not-found, unused-ignore]
+        from fence.adapters.django import (  # type: ignore[import-not-found, unused-ignore]
+            models,
+            operations,
+        )
+    return app, models, operations
 
 
 def sql_ddl() -> tuple[str, str, str]:

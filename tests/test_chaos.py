@@ -21,12 +21,19 @@ import pytest
 
 from fence._chaos.pairings import PAIRINGS
 
-# The pairings on the consensus clusters run in tests/test_chaos_consensus.py.
+# The pairings on the consensus clusters run in tests/test_chaos_consensus.py; the Django
+# pairings in a run of their own below (one run of them all would outlast a test's budget).
 CORE = {"redis", "postgres"}
+DJANGO = [name for name, pairing in PAIRINGS.items() if pairing.store.startswith("django")]
 FENCED = [
-    name for name, pairing in PAIRINGS.items() if pairing.fenced and set(pairing.servers) <= CORE
+    name
+    for name, pairing in PAIRINGS.items()
+    if pairing.fenced and set(pairing.servers) <= CORE and name not in DJANGO
 ]
-RUN = [*FENCED, *(name for name, pairing in PAIRINGS.items() if not pairing.fenced)]
+RUN = [
+    *FENCED,
+    *(name for name, pairing in PAIRINGS.items() if not pairing.fenced and name not in DJANGO),
+]
 PAUSES_PER_PAIRING = math.ceil(200 / len(FENCED)) + 5
 
 pytestmark = [pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
@@ -159,6 +166,68 @@ def test_missing_pairings_are_reported(chaos_run: tuple[dict[str, Any], Path]) -
     ran = {result["pairing"] for result in summary["pairings"]}
     assert ran == set(RUN)
     assert not ran & set(summary["not_covered"])
+
+
+# -- the Django pairings -----------------------------------------------------------------
+
+DJANGO_PAUSES = 20
+
+
+@pytest.fixture(scope="module")
+def django_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The Django pairings (Django worker processes) and their opt-out, in one short run."""
+    out = tmp_path_factory.mktemp("chaos-django")
+    done = run_chaos(
+        *(arg for name in DJANGO for arg in ("--pairing", name)),
+        "--workers", "5",
+        "--records", "3",
+        "--ttl", "0.4",
+        "--pauses", str(DJANGO_PAUSES),
+        "--duration", "30",
+        "--summary", str(out / "summary.json"),
+        timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return by_name(json.loads((out / "summary.json").read_text()))
+
+
+@pytest.mark.parametrize("name", ["redis+django", "sql+django"])
+def test_django_workers_keep_every_update(django_run: dict[str, dict[str, Any]], name: str) -> None:
+    """Django processes saving a fenced model inside ``fenced(lease)``, frozen past their
+    leases and under server faults: no stale save accepted, no update lost, and the judge
+    refused the stale ones."""
+    result = django_run[name]
+    verdict = result["verdict"]
+    assert result["fenced"]
+    assert result["ok"], result
+    assert result["stale_accepted"] == 0
+    assert result["lost_updates"] == 0
+    assert verdict["duplicate_tokens"] == []
+    assert verdict["duplicate_values"] == []
+    assert not any(verdict["unexplained"].values())
+    assert result["orphan_locks"] == []
+    assert result["pauses_injected"] >= DJANGO_PAUSES
+    assert result["accepted"] > 0
+    assert result["rejected"] + result["reads_rejected"] > 0
+    assert result["worker_failures"] == []
+    assert result["fault_errors"] == []
+    done = {(fault["kind"], fault["server"]) for fault in result["faults"]}
+    for server in PAIRINGS[name].servers:
+        assert ("kill", server) in done
+        assert ("drop-connections", server) in done
+
+
+def test_django_opt_out_lets_stale_saves_through(django_run: dict[str, dict[str, Any]]) -> None:
+    """The same Django workers saving inside ``unfenced()``: the checker finds the frozen
+    holders' saves accepted after a newer holder's, and the updates they overwrote."""
+    result = django_run["redis+django-unfenced"]
+    assert not result["fenced"]
+    assert not result["ok"]
+    assert result["pauses_injected"] >= DJANGO_PAUSES
+    assert result["rejected"] == 0
+    assert result["stale_accepted"] > 0
+    assert result["verdict"]["stale_accepted"]
+    assert result["lost_updates"] > 0
 
 
 # -- the soak -----------------------------------------------------------------------------
