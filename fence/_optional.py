@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EXTRAS",
     "bind_session",
+    "celery_task",
     "django_app",
     "etcd_guard",
     "fence_column",
@@ -102,6 +103,19 @@ def django_app() -> tuple[Any, Any, Any]:
             operations,
         )
     return app, models, operations
+
+
+def celery_task() -> Any:
+    """``fence.adapters.celery.FencedTask``, the base class of a task under a lease.
+
+    Raises:
+        ModuleNotFoundError: Celery is not installed.
+    """
+    with _naming_the_extra():
+        from fence.adapters.celery import (  # type: ignore[import-not-found, unused-ignore]
+            FencedTask,
+        )
+    return FencedTask
 
 
 def sql_ddl() -> tuple[str, str, str]:
@@ -194,11 +208,12 @@ def row_guard(conn: sa.Connection, table: sa.Table) -> RowGuard:
     return guard(conn, table)
 
 
-def redis_guard(client: redis.Redis) -> RedisGuard:
+def redis_guard(client: redis.Redis, **options: Any) -> RedisGuard:
     """A ``fence.adapters.redis.RedisGuard`` on ``client``.
 
     Args:
         client: a redis-py client.
+        options: the guard's keyword arguments (``scope="resource"``...).
 
     Raises:
         ModuleNotFoundError: redis-py is not installed.
@@ -207,7 +222,7 @@ def redis_guard(client: redis.Redis) -> RedisGuard:
         from fence.adapters.redis import (  # type: ignore[import-not-found, unused-ignore]
             RedisGuard as guard,
         )
-    return guard(client)
+    return guard(client, **options)
 
 
 def etcd_guard(url: str, *, request_timeout: float = 5.0) -> EtcdGuard:

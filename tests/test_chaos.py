@@ -285,3 +285,45 @@ def test_the_orphan_check_finds_a_lock_left_held(redis_url: str) -> None:
         assert orphans(pairing, Endpoints(redis=redis_url), records, ttl=0.2, slack=0.3) == []
     finally:
         holder.close()
+
+
+# -- the Celery scenario ------------------------------------------------------------------
+
+
+def test_celery_workers_frozen_past_their_lease_are_refused_and_each_job_happens_once(
+    tmp_path: Path,
+) -> None:
+    """``--celery``: two real celery workers; in each job one is frozen (SIGSTOP) between
+    its read and its write, past its lease, while the other does the job. The frozen
+    worker's write is refused, its retry finds the job done, and the job's effect is in the
+    storage once."""
+    done = run_chaos(
+        "--celery", "--pauses", "3", "--summary", str(tmp_path / "celery.json"), timeout=280
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = json.loads((tmp_path / "celery.json").read_text())
+    assert summary["ok"], summary
+    assert summary["pauses_injected"] == summary["jobs"] == 3
+    assert all(pause["stopped_s"] > summary["ttl_s"] for pause in summary["pauses"])
+    assert summary["effects"] == {"1": 1, "2": 1, "3": 1}
+    assert summary["stale_refused"] == 3
+    assert summary["stale_accepted"] == summary["lost_jobs"] == 0
+    assert summary["tokens_grow"]
+    for job in summary["results"].values():
+        frozen, rescuer = job
+        assert (frozen["outcome"], frozen["retries"]) == ("already done", 1)
+        assert rescuer["outcome"] == "done"
+        assert rescuer["token"] < frozen["token"]
+
+
+def test_the_celery_check_catches_unguarded_writes(redis_url: str, tmp_path: Path) -> None:
+    """The same scenario with jobs writing plain ``INCR`` (no guard, no token): the frozen
+    workers' writes land after the rescuers', and the check counts them."""
+    from fence._chaos.celery_scenario import run_celery
+
+    summary = run_celery(redis_url, jobs=2, ttl=1.0, seed=0, logs=tmp_path, guarded=False)
+    assert not summary["ok"]
+    assert summary["pauses_injected"] == 2
+    assert summary["effects"] == {"1": 2, "2": 2}
+    assert summary["stale_accepted"] == 2
+    assert summary["stale_refused"] == 0
