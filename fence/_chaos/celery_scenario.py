@@ -47,6 +47,10 @@ def _queue(worker: str) -> str:
     return f"fence-chaos-{worker}"
 
 
+def _hostname(worker: str) -> str:
+    return f"{worker}@fence-chaos"
+
+
 def resource(job_id: int) -> str:
     """The lock (and the claim's scope) of job ``job_id``."""
     return f"chaos-job:{job_id}"
@@ -81,7 +85,7 @@ def _start(name: str, url: str, ttl: float, logs: Path) -> subprocess.Popen[byte
     }
     command = [
         sys.executable, "-m", "celery", "-A", "fence._chaos.celery_jobs", "worker",
-        "--pool=solo", "--queues", _queue(name), "--hostname", f"{name}@fence-chaos",
+        "--pool=solo", "--queues", _queue(name), "--hostname", _hostname(name),
         "--loglevel", "info", "--without-gossip", "--without-mingle", "--without-heartbeat",
     ]  # fmt: skip
     with (logs / f"celery-{name}.log").open("wb") as log:
@@ -134,9 +138,10 @@ def run_celery(
     try:
         for name in _WORKERS:
             procs[name] = _start(name, url, ttl, logs)
-        # Both workers answer a ping: they consume their queues.
+        # Both workers answer a ping (theirs by name: a shared broker may have others).
+        names = [_hostname(name) for name in _WORKERS]
         _wait(
-            lambda: len(sender.control.ping(timeout=0.5) or []) >= len(_WORKERS),
+            lambda: len(sender.control.ping(destination=names, timeout=0.5) or []) >= len(names),
             "the celery workers to start",
             procs,
         )
