@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = [
     "EXTRAS",
     "bind_session",
+    "celery_task",
+    "django_app",
     "etcd_guard",
     "fence_column",
     "fence_register_table",
@@ -84,6 +86,36 @@ def _naming_the_extra() -> Iterator[None]:
             raise
         top = (exc.name or "").split(".")[0]
         raise ModuleNotFoundError(f"{top} is not installed: {hint}", name=exc.name) from exc
+
+
+def django_app() -> tuple[Any, Any, Any]:
+    """The Django app's modules (``fence.adapters.django``): the blocks (``fenced``,
+    ``unfenced``), the models (``FencedModel``, ``FenceRegister``) and the operations
+    (``install_fence``). Django must be configured (``django.setup()``) first.
+
+    Raises:
+        ModuleNotFoundError: Django is not installed.
+    """
+    with _naming_the_extra():
+        from fence.adapters import django as app  # type: ignore[import-not-found, unused-ignore]
+        from fence.adapters.django import (  # type: ignore[import-not-found, unused-ignore]
+            models,
+            operations,
+        )
+    return app, models, operations
+
+
+def celery_task() -> Any:
+    """``fence.adapters.celery.FencedTask``, the base class of a task under a lease.
+
+    Raises:
+        ModuleNotFoundError: Celery is not installed.
+    """
+    with _naming_the_extra():
+        from fence.adapters.celery import (  # type: ignore[import-not-found, unused-ignore]
+            FencedTask,
+        )
+    return FencedTask
 
 
 def sql_ddl() -> tuple[str, str, str]:
@@ -176,11 +208,12 @@ def row_guard(conn: sa.Connection, table: sa.Table) -> RowGuard:
     return guard(conn, table)
 
 
-def redis_guard(client: redis.Redis) -> RedisGuard:
+def redis_guard(client: redis.Redis, **options: Any) -> RedisGuard:
     """A ``fence.adapters.redis.RedisGuard`` on ``client``.
 
     Args:
         client: a redis-py client.
+        options: the guard's keyword arguments (``scope="resource"``...).
 
     Raises:
         ModuleNotFoundError: redis-py is not installed.
@@ -189,7 +222,7 @@ def redis_guard(client: redis.Redis) -> RedisGuard:
         from fence.adapters.redis import (  # type: ignore[import-not-found, unused-ignore]
             RedisGuard as guard,
         )
-    return guard(client)
+    return guard(client, **options)
 
 
 def etcd_guard(url: str, *, request_timeout: float = 5.0) -> EtcdGuard:

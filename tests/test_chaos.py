@@ -21,12 +21,19 @@ import pytest
 
 from fence._chaos.pairings import PAIRINGS
 
-# The pairings on the consensus clusters run in tests/test_chaos_consensus.py.
+# The pairings on the consensus clusters run in tests/test_chaos_consensus.py; the Django
+# pairings in a run of their own below (one run of them all would outlast a test's budget).
 CORE = {"redis", "postgres"}
+DJANGO = [name for name, pairing in PAIRINGS.items() if pairing.store.startswith("django")]
 FENCED = [
-    name for name, pairing in PAIRINGS.items() if pairing.fenced and set(pairing.servers) <= CORE
+    name
+    for name, pairing in PAIRINGS.items()
+    if pairing.fenced and set(pairing.servers) <= CORE and name not in DJANGO
 ]
-RUN = [*FENCED, *(name for name, pairing in PAIRINGS.items() if not pairing.fenced)]
+RUN = [
+    *FENCED,
+    *(name for name, pairing in PAIRINGS.items() if not pairing.fenced and name not in DJANGO),
+]
 PAUSES_PER_PAIRING = math.ceil(200 / len(FENCED)) + 5
 
 pytestmark = [pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
@@ -161,6 +168,68 @@ def test_missing_pairings_are_reported(chaos_run: tuple[dict[str, Any], Path]) -
     assert not ran & set(summary["not_covered"])
 
 
+# -- the Django pairings -----------------------------------------------------------------
+
+DJANGO_PAUSES = 20
+
+
+@pytest.fixture(scope="module")
+def django_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The Django pairings (Django worker processes) and their opt-out, in one short run."""
+    out = tmp_path_factory.mktemp("chaos-django")
+    done = run_chaos(
+        *(arg for name in DJANGO for arg in ("--pairing", name)),
+        "--workers", "5",
+        "--records", "3",
+        "--ttl", "0.4",
+        "--pauses", str(DJANGO_PAUSES),
+        "--duration", "30",
+        "--summary", str(out / "summary.json"),
+        timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return by_name(json.loads((out / "summary.json").read_text()))
+
+
+@pytest.mark.parametrize("name", ["redis+django", "sql+django"])
+def test_django_workers_keep_every_update(django_run: dict[str, dict[str, Any]], name: str) -> None:
+    """Django processes saving a fenced model inside ``fenced(lease)``, frozen past their
+    leases and under server faults: no stale save accepted, no update lost, and the judge
+    refused the stale ones."""
+    result = django_run[name]
+    verdict = result["verdict"]
+    assert result["fenced"]
+    assert result["ok"], result
+    assert result["stale_accepted"] == 0
+    assert result["lost_updates"] == 0
+    assert verdict["duplicate_tokens"] == []
+    assert verdict["duplicate_values"] == []
+    assert not any(verdict["unexplained"].values())
+    assert result["orphan_locks"] == []
+    assert result["pauses_injected"] >= DJANGO_PAUSES
+    assert result["accepted"] > 0
+    assert result["rejected"] + result["reads_rejected"] > 0
+    assert result["worker_failures"] == []
+    assert result["fault_errors"] == []
+    done = {(fault["kind"], fault["server"]) for fault in result["faults"]}
+    for server in PAIRINGS[name].servers:
+        assert ("kill", server) in done
+        assert ("drop-connections", server) in done
+
+
+def test_django_opt_out_lets_stale_saves_through(django_run: dict[str, dict[str, Any]]) -> None:
+    """The same Django workers saving inside ``unfenced()``: the checker finds the frozen
+    holders' saves accepted after a newer holder's, and the updates they overwrote."""
+    result = django_run["redis+django-unfenced"]
+    assert not result["fenced"]
+    assert not result["ok"]
+    assert result["pauses_injected"] >= DJANGO_PAUSES
+    assert result["rejected"] == 0
+    assert result["stale_accepted"] > 0
+    assert result["verdict"]["stale_accepted"]
+    assert result["lost_updates"] > 0
+
+
 # -- the soak -----------------------------------------------------------------------------
 
 
@@ -216,3 +285,45 @@ def test_the_orphan_check_finds_a_lock_left_held(redis_url: str) -> None:
         assert orphans(pairing, Endpoints(redis=redis_url), records, ttl=0.2, slack=0.3) == []
     finally:
         holder.close()
+
+
+# -- the Celery scenario ------------------------------------------------------------------
+
+
+def test_celery_workers_frozen_past_their_lease_are_refused_and_each_job_happens_once(
+    tmp_path: Path,
+) -> None:
+    """``--celery``: two real celery workers; in each job one is frozen (SIGSTOP) between
+    its read and its write, past its lease, while the other does the job. The frozen
+    worker's write is refused, its retry finds the job done, and the job's effect is in the
+    storage once."""
+    done = run_chaos(
+        "--celery", "--pauses", "3", "--summary", str(tmp_path / "celery.json"), timeout=280
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = json.loads((tmp_path / "celery.json").read_text())
+    assert summary["ok"], summary
+    assert summary["pauses_injected"] == summary["jobs"] == 3
+    assert all(pause["stopped_s"] > summary["ttl_s"] for pause in summary["pauses"])
+    assert summary["effects"] == {"1": 1, "2": 1, "3": 1}
+    assert summary["stale_refused"] == 3
+    assert summary["stale_accepted"] == summary["lost_jobs"] == 0
+    assert summary["tokens_grow"]
+    for job in summary["results"].values():
+        frozen, rescuer = job
+        assert (frozen["outcome"], frozen["retries"]) == ("already done", 1)
+        assert rescuer["outcome"] == "done"
+        assert rescuer["token"] < frozen["token"]
+
+
+def test_the_celery_check_catches_unguarded_writes(redis_url: str, tmp_path: Path) -> None:
+    """The same scenario with jobs writing plain ``INCR`` (no guard, no token): the frozen
+    workers' writes land after the rescuers', and the check counts them."""
+    from fence._chaos.celery_scenario import run_celery
+
+    summary = run_celery(redis_url, jobs=2, ttl=1.0, seed=0, logs=tmp_path, guarded=False)
+    assert not summary["ok"]
+    assert summary["pauses_injected"] == 2
+    assert summary["effects"] == {"1": 2, "2": 2}
+    assert summary["stale_accepted"] == 2
+    assert summary["stale_refused"] == 0

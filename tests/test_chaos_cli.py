@@ -123,3 +123,23 @@ def test_soak_usage_errors(
     assert done.returncode == 2
     assert says in done.stderr
     assert list(tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--celery", "--pairing", "redis+redis"], "--pairing does not go with --celery"),
+        (["--celery", "--soak", "1"], "--soak does not go with --celery"),
+        (["--celery", "--timeline", "x.svg"], "--timeline does not go with --celery"),
+    ],
+)
+def test_celery_usage_errors(
+    private_tmp: tuple[Path, dict[str, str]], args: list[str], says: str
+) -> None:
+    """The Celery scenario asked for with a pairing's options is refused before any server
+    or worker starts: exit status 2."""
+    tmp, env = private_tmp
+    done = run("chaos", *args, env=env)
+    assert done.returncode == 2
+    assert says in done.stderr
+    assert list(tmp.iterdir()) == []

@@ -17,7 +17,8 @@ cycles: a reader takes a read lease and makes checked reads
 under, and the fence, in one atomic step), accepted iff the fence is not above its token.
 
 The Redis stores are here; the SQL row guard's store is in :mod:`fence._chaos.sql`, the ORM
-session hook's in :mod:`fence._chaos.orm`. The guards themselves come from
+session hook's in :mod:`fence._chaos.orm`, the Django app's (workers that are Django
+processes) in :mod:`fence._chaos.django_store`. The guards themselves come from
 ``fence.adapters`` through :mod:`fence._optional`. A pairing whose server or client this
 machine lacks is left out, and :data:`PLANNED` says what is missing; the summary of every
 run repeats it.
@@ -30,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fence._chaos import orm, plain_sql, sql
+from fence._chaos import django_store, orm, plain_sql, sql
 from fence._chaos.base import (
     SOCKET_TIMEOUT,
     CheckedRead,
@@ -601,6 +602,20 @@ STORES: dict[str, StoreKind] = {
         plain_sql.setup,
         plain_sql.final,
     ),
+    "django": StoreKind(
+        "fence.adapters.django: a fenced model saved inside fenced(lease) (PostgreSQL)",
+        "postgres",
+        django_store.DjangoStore,
+        django_store.setup,
+        django_store.final,
+    ),
+    "django-unfenced": StoreKind(
+        "fence.adapters.django: the same model saved inside unfenced(), the opt-out",
+        "postgres",
+        django_store.open_unfenced,
+        django_store.setup,
+        django_store.final,
+    ),
 }
 
 _FENCED = [
@@ -654,6 +669,25 @@ _FENCED = [
         True,
         "SQL lock manager; workers write plain SQL on their own connections, no guard: "
         "the database's triggers judge every write (C14)",
+    ),
+    # The Django pairings (dropped below where Django is not installed).
+    Pairing(
+        "redis+django",
+        "dj",
+        "redis-manager",
+        "django",
+        True,
+        "Redis lock manager; Django worker processes read and save a fenced model inside "
+        "fenced(lease), judged by the model's triggers (C14)",
+    ),
+    Pairing(
+        "sql+django",
+        "sj",
+        "sql-manager",
+        "django",
+        True,
+        "SQL lock manager; Django worker processes read and save a fenced model inside "
+        "fenced(lease), both on PostgreSQL",
     ),
 ]
 
@@ -713,21 +747,37 @@ for _server, _short in (("etcd", "e"), ("zookeeper", "z")):
         )
 
 
-#: Every pairing, by name; the fenced ones first, the unfenced baseline last.
-PAIRINGS: dict[str, Pairing] = {
-    pairing.name: pairing
-    for pairing in (
-        *_FENCED,
-        Pairing(
-            "baseline",
-            "base",
-            "redis-py-lock",
-            "redis-plain",
-            False,
-            "unfenced: redis-py Lock with plain GET/SET",
-        ),
-    )
-}
+_BASELINES = [
+    Pairing(
+        "baseline",
+        "base",
+        "redis-py-lock",
+        "redis-plain",
+        False,
+        "unfenced: redis-py Lock with plain GET/SET",
+    ),
+    Pairing(
+        "redis+django-unfenced",
+        "du",
+        "redis-manager",
+        "django-unfenced",
+        False,
+        "the opt-out: the Django pairing's workers save inside unfenced(), so the judge "
+        "lets a stale holder's save through",
+    ),
+]
+
+if importlib.util.find_spec("django") is None:
+    for _pairing in [*_FENCED, *_BASELINES]:
+        if _pairing.store.startswith("django"):
+            PLANNED[_pairing.name] = (
+                "Django is not installed (pip install iofence[django]); the pairing runs once it is"
+            )
+    _FENCED = [p for p in _FENCED if p.name not in PLANNED]
+    _BASELINES = [p for p in _BASELINES if p.name not in PLANNED]
+
+#: Every pairing, by name; the fenced ones first, the unfenced baselines last.
+PAIRINGS: dict[str, Pairing] = {pairing.name: pairing for pairing in (*_FENCED, *_BASELINES)}
 
 
 def open_locker(pairing: Pairing, endpoints: Endpoints, ttl: float) -> Locker:

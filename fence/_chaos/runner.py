@@ -591,6 +591,13 @@ def _parser() -> argparse.ArgumentParser:
         "60), round after round for MINUTES; the report adds up pauses, kills, writes "
         "accepted, stale refused, lost, tokens issued twice and orphan locks",
     )
+    parser.add_argument(
+        "--celery",
+        action="store_true",
+        help="the Celery scenario instead of the pairings: two real celery workers on the "
+        "run's Redis, one frozen past its lease in each job while the other runs the same "
+        "job (--pauses jobs, default 10; the lease is --ttl, at least 1 s)",
+    )
     parser.add_argument("--no-faults", action="store_true", help="pauses only, no server faults")
     parser.add_argument(
         "--fault-every", type=float, default=1.5, help="seconds between server faults (1.5)"
@@ -604,6 +611,65 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--keep", metavar="DIR", help="keep the worker logs in DIR")
     return parser
+
+
+#: The shortest lease of the Celery scenario: a worker process answers slower than the
+#: runner's own workers, and a lease that ends before the pause would prove nothing.
+_CELERY_TTL = 1.0
+
+
+def _celery(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``fence chaos --celery``: the Celery scenario on a redis-server of its own."""
+    import importlib.util
+
+    for flag, given in (
+        ("--pairing", args.pairing),
+        ("--soak", args.soak),
+        ("--long", args.long or None),
+        ("--timeline", args.timeline),
+    ):
+        if given is not None:
+            parser.error(f"{flag} does not go with --celery")
+    if importlib.util.find_spec("celery") is None:
+        raise RuntimeError("Celery is not installed (pip install iofence[celery])")
+    from fence._chaos.celery_scenario import run_celery
+
+    ttl = max(args.ttl, _CELERY_TTL)
+    server = RedisServer(*REDIS_AOF)
+
+    def go(workdir: Path) -> dict[str, Any]:
+        _say(f"fence chaos --celery: {args.pauses or 10} jobs, lease {ttl} s ...")
+        try:
+            server.start()
+            result = run_celery(server.url, args.pauses or 10, ttl, args.seed, workdir)
+        finally:
+            server.stop()
+        _say(
+            f"  {result['elapsed_s']:.1f} s, {result['pauses_injected']} pauses, "
+            f"{result['stale_refused']} stale writes refused, {result['stale_accepted']} "
+            f"stale accepted, {result['lost_jobs']} jobs lost -> "
+            f"{'ok' if result['ok'] else 'FAILED'}"
+        )
+        return result
+
+    return _finish(args, go)
+
+
+def _finish(args: argparse.Namespace, go: Callable[[Path], dict[str, Any]]) -> int:
+    """Run ``go`` in the work folder (``--keep``'s, or a temporary one), print and write
+    the summary; the exit status."""
+    if args.keep:
+        workdir = Path(args.keep)
+        workdir.mkdir(parents=True, exist_ok=True)
+        result = go(workdir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="iofence-chaos-") as tmp:
+            result = go(Path(tmp))
+    text = json.dumps(result, indent=2)
+    if args.summary:
+        Path(args.summary).write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0 if result["ok"] else 1
 
 
 def _interrupted(signum: int, frame: Any) -> None:
@@ -657,6 +723,8 @@ def _main(argv: list[str] | None) -> int:
                 parser.error(f"{flag} does not go with --soak")
         if args.pairing and not any(PAIRINGS[name].fenced for name in args.pairing):
             parser.error("--soak runs fenced pairings only; the baseline is not one")
+    if args.celery:
+        return _celery(parser, args)
     preset = _SOAK if args.soak is not None else (_LONG if args.long else _DEFAULT)
     chosen = list(dict.fromkeys(args.pairing or [*PAIRINGS]))
     if args.no_baseline or args.soak is not None:
@@ -683,15 +751,4 @@ def _main(argv: list[str] | None) -> int:
             return soak(settings, args.soak, workdir, keep=bool(args.keep))
         return run(settings, workdir, timeline)
 
-    if args.keep:
-        workdir = Path(args.keep)
-        workdir.mkdir(parents=True, exist_ok=True)
-        result = go(workdir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="iofence-chaos-") as tmp:
-            result = go(Path(tmp))
-    text = json.dumps(result, indent=2)
-    if args.summary:
-        Path(args.summary).write_text(text + "\n", encoding="utf-8")
-    print(text)
-    return 0 if result["ok"] else 1
+    return _finish(args, go)
