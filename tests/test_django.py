@@ -12,6 +12,7 @@ Django's settings.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,30 @@ def _maria_database(server: MariaDBServer, name: str, *, drop: bool = False) -> 
 MARIA_DATABASE = "django_tests"
 
 
+def pymysql_as_mysqldb() -> None:
+    """PyMySQL under the name ``MySQLdb``, its modules included: Django's backend imports
+    ``MySQLdb.err`` and ``MySQLdb.converters``, which would otherwise load a second copy
+    of PyMySQL's modules and rebind ``pymysql.err`` to it, so that ``except
+    pymysql.err.OperationalError`` (in other tests of the same process) no longer catches
+    what the driver raises."""
+    import pymysql
+
+    pymysql.install_as_MySQLdb()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("pymysql."):
+            sys.modules["MySQLdb" + name.removeprefix("pymysql")] = module
+
+
+def test_django_leaves_pymysql_errors_as_the_driver_raises_them(django_dbs: None) -> None:
+    """After Django loaded its MySQL backend, ``pymysql.err`` is still the module whose
+    classes the driver raises."""
+    import pymysql
+
+    with connections["maria"].cursor() as cursor, pytest.raises(pymysql.err.ProgrammingError):
+        cursor.cursor.execute("SELECT * FROM no_such_table_here")
+    assert pymysql.err is sys.modules["pymysql.err"]
+
+
 @pytest.fixture(scope="module")
 def django_dbs(
     postgres_server: PostgresServer,
@@ -74,11 +99,9 @@ def django_dbs(
     """Django configured once, and the test app migrated on every database."""
     _maria_database(mariadb_server, MARIA_DATABASE)
     if not settings.configured:
-        import pymysql
-
         # Django's MySQL backend imports MySQLdb (mysqlclient, a C extension); PyMySQL,
         # pure Python and already the driver of the mysql extra, stands in for it.
-        pymysql.install_as_MySQLdb()
+        pymysql_as_mysqldb()
         where: Path = tmp_path_factory.mktemp("django")
         settings.configure(
             INSTALLED_APPS=["fence.adapters.django", "tests.djangoapp"],
