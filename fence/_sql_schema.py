@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from string import Template
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fence._core import MAX_TOKEN, TokenMode
 from fence._errors import ConfigurationError
@@ -296,6 +296,7 @@ def lease_table(
         PrimaryKeyConstraint("resource", "member"),
         CheckConstraint("kind IN ('r', 'R', 'W')", name=f"{name}_shared_kind"),
         schema=schema,
+        **_MYSQL_TABLE,
     )
     return Table(
         name,
@@ -311,7 +312,18 @@ def lease_table(
         Column("voids", JSON().with_variant(JSONB(), "postgresql"), nullable=True),
         CheckConstraint(f"token BETWEEN 1 AND {MAX_TOKEN}", name=f"{name}_token_range"),
         schema=schema,
+        **_MYSQL_TABLE,
     )
+
+
+# MariaDB's table options in lease_table(), as MySQLDialect.table_options: the kinds 'r'
+# (a reader) and 'R' (a queued reader) must differ, and keys compare as bytes. Other
+# dialects ignore them.
+_MYSQL_TABLE: dict[str, Any] = {
+    f"{prefix}_{option}": value
+    for prefix in ("mysql", "mariadb")
+    for option, value in (("engine", "InnoDB"), ("charset", "utf8mb4"), ("collate", "utf8mb4_bin"))
+}
 
 
 @dataclass(frozen=True, slots=True)

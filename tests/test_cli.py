@@ -792,6 +792,39 @@ def test_doctor_postgres_reads_durability_clock_and_tables(postgres_url: str) ->
     )
 
 
+def test_doctor_judges_mariadb_settings() -> None:
+    """The verdicts on MariaDB's settings, without a server: rows changed fail (a renewal
+    could read as a lost lease); SERIALIZABLE, a long lock wait, a lazy log flush and
+    statement-based binlogs warn."""
+    from fence._doctor import judge_mariadb
+
+    good = {
+        "isolation": "REPEATABLE-READ",
+        "found_rows": "on",
+        "innodb_lock_wait_timeout": "50",
+        "innodb_flush_log_at_trx_commit": "1",
+        "log_bin": "ON",
+        "binlog_format": "ROW",
+    }
+    assert {check.status for check in judge_mariadb(good)} == {"ok"}
+    bad = {
+        "isolation": "SERIALIZABLE",
+        "found_rows": "off",
+        "innodb_lock_wait_timeout": "600",
+        "innodb_flush_log_at_trx_commit": "2",
+        "log_bin": "ON",
+        "binlog_format": "STATEMENT",
+    }
+    verdicts = {check.name: check.status for check in judge_mariadb(bad)}
+    assert verdicts == {
+        "isolation": "warn",
+        "found_rows": "fail",
+        "innodb_lock_wait_timeout": "warn",
+        "innodb_flush_log_at_trx_commit": "warn",
+        "binlog_format": "warn",
+    }
+
+
 def test_doctor_etcd_and_zookeeper(etcd_url: str, zookeeper_url: str) -> None:
     for url, answered in (
         (etcd_url, "endpoints: all 3 answer"),

@@ -27,6 +27,7 @@ from fence import (
     EventBus,
     EventKind,
     LeaseLostError,
+    LeaseMode,
     NotOwnerError,
     TokenMode,
 )
@@ -584,6 +585,16 @@ async def test_table_from_metadata_is_the_same_table(
     info = await manager.inspect(resource)
     assert info is not None
     assert [r.token for r in info.readers] == [reader.token]
+    # A queued writer ('W') and reader ('R') are no readers ('r'), whatever the collation.
+    blocked = await manager.driver.acquire(resource, "w", 5.0, "writer")
+    assert blocked.queued
+    queued = await manager.driver.acquire(resource, "r2", 5.0, "reader", LeaseMode.READ)
+    assert queued.queued
+    info = await manager.inspect(resource)
+    assert info is not None
+    assert [r.token for r in info.readers] == [reader.token]
+    await manager.driver.abandon(resource, "w")
+    await manager.driver.abandon(resource, "r2")
     await reader.release()
     if url.startswith("postgresql"):
         run(f'DROP TABLE "{name}", "{name}_shared"')

@@ -28,6 +28,7 @@ from fence import (
     EventBus,
     EventKind,
     LeaseLostError,
+    LeaseMode,
     NotOwnerError,
     TokenMode,
 )
@@ -577,6 +578,16 @@ def test_table_from_metadata_is_the_same_table(
     info = manager.inspect(resource)
     assert info is not None
     assert [r.token for r in info.readers] == [reader.token]
+    # A queued writer ('W') and reader ('R') are no readers ('r'), whatever the collation.
+    blocked = manager.driver.acquire(resource, "w", 5.0, "writer")
+    assert blocked.queued
+    queued = manager.driver.acquire(resource, "r2", 5.0, "reader", LeaseMode.READ)
+    assert queued.queued
+    info = manager.inspect(resource)
+    assert info is not None
+    assert [r.token for r in info.readers] == [reader.token]
+    manager.driver.abandon(resource, "w")
+    manager.driver.abandon(resource, "r2")
     reader.release()
     if url.startswith("postgresql"):
         run(f'DROP TABLE "{name}", "{name}_shared"')
