@@ -622,7 +622,7 @@ async def test_upgrade_ddl_migrates_an_earlier_lease_table(
     """A lease table from before shared locks, with a lease row in it, migrated by
     ``lease_upgrade_ddl()``: the manager keeps its token sequence and has shared locks."""
     url, run = database
-    dialect = url.split(":", 1)[0] if url.startswith(("postgresql", "mariadb")) else "sqlite"
+    dialect = url.split(":", 1)[0].split("+")[0]
     name = f"old_{secrets.token_hex(3)}"
     run(_EARLIER_DDL[dialect].format(name=name))
     run(
