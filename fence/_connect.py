@@ -1,5 +1,6 @@
 """Pick a lock manager by URL: ``memory://``, ``redis://`` (``+cluster``, ``+sentinel``),
-``postgresql://``, ``sqlite://``, ``etcd://``, ``zookeeper://``."""
+``postgresql://``, ``sqlite://``, ``mariadb://``, ``mysql://``, ``etcd://``,
+``zookeeper://``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from fence._sync.manager import BaseLockManager
 __all__ = ["connect", "connect_async"]
 
 _REDIS = {"redis", "rediss", "unix"}
-_SQL = {"postgresql", "postgres", "sqlite"}
+_SQL = {"postgresql", "postgres", "sqlite", "mariadb", "mysql"}
+#: MariaDB's drivers, sync and asyncio: a URL that names one gets the other in the other
+#: kind of manager, so that one URL serves both (psycopg is both for PostgreSQL).
+_MYSQL_DRIVERS = ("pymysql", "aiomysql")
 _ETCD = {"etcd", "etcds"}
 _ZOOKEEPER = {"zookeeper", "zk"}
 _named: dict[str, MemoryBackend] = {}
@@ -60,9 +64,19 @@ def _kind(url: str | Sequence[str]) -> tuple[str, str | list[str]]:
         return "zookeeper", url
     raise ConfigurationError(
         f"no lock manager for {scheme!r}: use memory://, redis://, redis+cluster://, "
-        "redis+sentinel://, postgresql://, sqlite://, etcd://, zookeeper:// or a list of "
+        "redis+sentinel://, postgresql://, sqlite://, mariadb://, mysql://, etcd://, "
+        "zookeeper:// or a list of "
         "redis:// URLs for a quorum"
     )
+
+
+def _sql_url(url: str, *, asyncio: bool) -> str:
+    """``url`` with MariaDB's driver of the manager's kind in place of the other one."""
+    scheme, sep, rest = url.partition("://")
+    base, _, driver = scheme.partition("+")
+    if base.lower() not in ("mariadb", "mysql") or driver.lower() not in _MYSQL_DRIVERS:
+        return url
+    return f"{base}+{_MYSQL_DRIVERS[1 if asyncio else 0]}{sep}{rest}"
 
 
 def connect(url: str | Sequence[str], **options: Any) -> BaseLockManager:
@@ -74,8 +88,10 @@ def connect(url: str | Sequence[str], **options: Any) -> BaseLockManager:
             ``rediss://``, ``unix://`` (``RedisLockManager``); ``redis+cluster://``
             (a Redis Cluster); ``redis+sentinel://h1:26379,h2:26379/mymaster/0`` (the
             primary that Redis Sentinel names; ``?sentinel_password=`` for the Sentinels'
-            own password); ``postgresql://`` or ``sqlite://`` (``SQLLockManager``,
-            with any SQLAlchemy driver suffix such as ``postgresql+psycopg://``); or a
+            own password); ``postgresql://``, ``sqlite://``, ``mariadb://`` or
+            ``mysql://`` (``SQLLockManager``, with any SQLAlchemy driver suffix such as
+            ``postgresql+psycopg://``; ``+pymysql`` and ``+aiomysql`` each stand for the
+            other in the other kind of manager); or a
             list of 3 or more ``redis://`` URLs (``QuorumLockManager``);
             ``etcd://h1:2379,h2:2379,h3:2379`` (``EtcdLockManager``; ``etcds://`` for TLS,
             a path sets the key prefix); ``zookeeper://h1:2181,h2:2181,h3:2181/prefix``
@@ -104,7 +120,7 @@ def connect(url: str | Sequence[str], **options: Any) -> BaseLockManager:
         from fence._sync.sql import SQLLockManager
 
         assert isinstance(target, str)
-        return SQLLockManager(target, **options)
+        return SQLLockManager(_sql_url(target, asyncio=False), **options)
     if kind == "etcd":
         from fence._sync.etcd import EtcdLockManager
 
@@ -141,7 +157,7 @@ def connect_async(url: str | Sequence[str], **options: Any) -> AsyncBaseLockMana
         from fence._async.sql import AsyncSQLLockManager
 
         assert isinstance(target, str)
-        return AsyncSQLLockManager(target, **options)
+        return AsyncSQLLockManager(_sql_url(target, asyncio=True), **options)
     if kind == "etcd":
         from fence._async.etcd import AsyncEtcdLockManager
 

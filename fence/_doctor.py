@@ -40,6 +40,7 @@ from fence._sql_dialect import CHECK_LOGIN, DIALECTS, Fault, first_line
 __all__ = [
     "CLOCK_LIMIT",
     "FAIL",
+    "LOCK_WAIT_LIMIT",
     "OK",
     "WARN",
     "Check",
@@ -47,6 +48,7 @@ __all__ = [
     "judge_clock",
     "judge_etcd",
     "judge_fenced",
+    "judge_mariadb",
     "judge_postgres",
     "judge_redis",
     "judge_sqlite",
@@ -219,6 +221,113 @@ def _sqlite_journal_mode(path: str) -> str | None:
     except sqlite3.Error:
         return None
     return str(row[0]) if row else None
+
+
+#: Past this ``innodb_lock_wait_timeout`` (seconds) the doctor warns.
+LOCK_WAIT_LIMIT = 50
+
+
+def judge_mariadb(settings: Mapping[str, str]) -> list[Check]:
+    """Judge a MariaDB server's settings for the SQL lock manager and the guards.
+
+    Args:
+        settings: ``isolation`` (``@@tx_isolation``), ``found_rows`` (``"on"``
+            when the connection counts rows found), ``innodb_lock_wait_timeout``,
+            ``innodb_flush_log_at_trx_commit``, ``log_bin`` and ``binlog_format``.
+    """
+    checks = []
+    isolation = settings.get("isolation", "").upper().replace("_", "-")
+    if isolation in ("READ-UNCOMMITTED", "SERIALIZABLE"):
+        checks.append(
+            Check(
+                WARN,
+                "isolation",
+                f"transaction isolation {isolation}: the lock manager and the guards are "
+                "tested under REPEATABLE READ and READ COMMITTED; SERIALIZABLE turns plain "
+                "reads into shared locks (more deadlocks, error 1213, retryable)",
+                "keep the default, REPEATABLE READ (or READ COMMITTED)",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                OK,
+                "isolation",
+                f"transaction isolation {isolation or 'unknown'}: each of the manager's "
+                "transactions locks the lease row first; deadlocks (1213) and lock wait "
+                "timeouts (1205) are retryable errors",
+            )
+        )
+    if settings.get("found_rows") == "on":
+        checks.append(
+            Check(OK, "found_rows", "the connections count rows found (CLIENT_FOUND_ROWS)")
+        )
+    else:
+        checks.append(
+            Check(
+                FAIL,
+                "found_rows",
+                "the connections count rows changed, not found: a renewal that writes the "
+                "same expiry would read as a lost lease",
+                "connect with CLIENT_FOUND_ROWS (SQLAlchemy's pymysql and aiomysql dialects "
+                "do unless client_flag is overridden in connect_args)",
+            )
+        )
+    wait = settings.get("innodb_lock_wait_timeout", "")
+    if wait.isdigit() and int(wait) > LOCK_WAIT_LIMIT:
+        checks.append(
+            Check(
+                WARN,
+                "innodb_lock_wait_timeout",
+                f"innodb_lock_wait_timeout {wait} s: a statement stranded behind a long "
+                "transaction on a lease row keeps its server thread (and the row) that long, "
+                "after its caller gave up",
+                f"at most {LOCK_WAIT_LIMIT} s (the default); the manager's callers keep "
+                "their own deadlines",
+            )
+        )
+    else:
+        checks.append(
+            Check(OK, "innodb_lock_wait_timeout", f"innodb_lock_wait_timeout {wait or '?'} s")
+        )
+    flush = settings.get("innodb_flush_log_at_trx_commit", "")
+    if flush != "1":
+        checks.append(
+            Check(
+                WARN,
+                "innodb_flush_log_at_trx_commit",
+                f"innodb_flush_log_at_trx_commit {flush or 'unknown'}: a crash of the "
+                "machine loses up to a second of commits; fences raised by them go back, "
+                "counter tokens repeat; hybrid tokens survive as long as the clock does "
+                "not go back",
+                "set innodb_flush_log_at_trx_commit = 1",
+            )
+        )
+    else:
+        checks.append(
+            Check(OK, "innodb_flush_log_at_trx_commit", "1: a commit is durable when it returns")
+        )
+    binlog = settings.get("binlog_format", "").upper()
+    if settings.get("log_bin", "").upper() in ("ON", "1") and binlog == "STATEMENT":
+        checks.append(
+            Check(
+                WARN,
+                "binlog_format",
+                "binlog_format STATEMENT: the lock manager's upserts (INSERT ... ON "
+                "DUPLICATE KEY UPDATE) are unsafe for statement-based replication, and a "
+                "replica may apply them otherwise",
+                "binlog_format = ROW (or MIXED)",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                OK,
+                "binlog_format",
+                f"binlog {settings.get('log_bin', '?')}, format {binlog or '?'}",
+            )
+        )
+    return checks
 
 
 def judge_sqlite(journal_mode: str, busy_timeout_ms: int) -> list[Check]:
@@ -716,14 +825,14 @@ def _redis_node(client: Any, where: str, token_mode: TokenMode) -> list[Check]:
 def sql_checks(
     engine: Any, *, lease_table: str, schema: str | None, register: str, path: str | None
 ) -> list[Check]:
-    """Check a PostgreSQL or SQLite database through the lock manager's engine.
+    """Check a PostgreSQL, SQLite or MariaDB database through the lock manager's engine.
 
     Args:
         engine: the SQLAlchemy engine of a :class:`fence.SQLLockManager` built from the URL.
         lease_table: the lease table's name.
         schema: its schema, or ``None``.
         register: the fence register's name (same schema).
-        path: the SQLite file, or ``None`` on PostgreSQL.
+        path: the SQLite file, or ``None`` on a server.
     """
     import sqlalchemy as sa
 
@@ -746,13 +855,15 @@ def sql_checks(
                     mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
                 busy = conn.exec_driver_sql("PRAGMA busy_timeout").scalar()
                 checks += judge_sqlite(str(mode), int(busy or 0))
+            elif dialect in ("mariadb", "mysql"):
+                checks = _mariadb(conn, where)
             else:
                 return [
                     Check(
                         FAIL,
                         "dialect",
-                        f"{dialect}: the SQL lock manager supports PostgreSQL and SQLite",
-                        "use a postgresql:// or sqlite:// URL",
+                        f"{dialect}: the SQL lock manager supports PostgreSQL, SQLite and MariaDB",
+                        "use a postgresql://, sqlite:// or mariadb:// URL",
                     )
                 ]
             inspector = sa.inspect(conn)
@@ -773,7 +884,9 @@ def sql_checks(
                 has_shared=inspector.has_table(shared_table_name(lease_table), schema=schema),
                 lacking=[c for c in SHARED_COLUMNS if c not in columns],
             )
-            checks += _fenced(conn, dialect, register, schema)
+            if dialect in ("postgresql", "sqlite"):
+                # MariaDB's judge is read by its guards' checks, not here yet.
+                checks += _fenced(conn, dialect, register, schema)
             return checks
     except sa.exc.DBAPIError as exc:
         if dialect in DIALECTS and DIALECTS[dialect].classify(exc) in _LOGIN_FAULTS:
@@ -877,6 +990,44 @@ def _postgres(conn: Any, where: str) -> list[Check]:
         return float(conn.exec_driver_sql("SELECT extract(epoch FROM clock_timestamp())").scalar())
 
     checks.append(judge_clock(*_clock_offset(server_seconds), "clock_timestamp()"))
+    return checks
+
+
+def _mariadb(conn: Any, where: str) -> list[Check]:
+    version = str(conn.exec_driver_sql("SELECT VERSION()").scalar())
+    # MariaDB before 11.1 names it tx_isolation; MySQL 8 knows only transaction_isolation.
+    isolation_of = "tx_isolation" if "mariadb" in version.lower() else "transaction_isolation"
+    row = conn.exec_driver_sql(
+        f"SELECT @@{isolation_of}, @@innodb_lock_wait_timeout, "
+        "@@innodb_flush_log_at_trx_commit, @@log_bin, @@binlog_format"
+    ).one()
+    isolation, wait, flush, log_bin, binlog = row
+    checks = [Check(OK, "reachable", f"{where}: MariaDB {version}")]
+    try:
+        from pymysql.constants import CLIENT
+
+        flags = int(conn.connection.driver_connection.client_flag)
+        found_rows = "on" if flags & CLIENT.FOUND_ROWS else "off"
+    except Exception:  # another driver: nothing to read the flag from
+        found_rows = "unknown"
+    settings = {
+        "isolation": str(isolation),
+        "found_rows": found_rows,
+        "innodb_lock_wait_timeout": str(wait),
+        "innodb_flush_log_at_trx_commit": str(flush),
+        "log_bin": str(log_bin),
+        "binlog_format": str(binlog),
+    }
+    checks += judge_mariadb(settings)
+
+    def server_seconds() -> float:
+        return float(
+            conn.exec_driver_sql(
+                "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) * 0.000001"
+            ).scalar()
+        )
+
+    checks.append(judge_clock(*_clock_offset(server_seconds), "UTC_TIMESTAMP(6)"))
     return checks
 
 

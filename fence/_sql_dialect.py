@@ -12,8 +12,8 @@ looked up by SQLAlchemy's dialect name::
 
 A new database is a new subclass of :class:`SQLDialect`, registered in :data:`DIALECTS`,
 plus its set of lease statements in :mod:`fence._sql_schema`; the driver does not change.
-MariaDB (and MySQL) have a dialect for the row guards and no lease statements yet
-(:attr:`SQLDialect.lock_manager` is false): the lock manager refuses them.
+MariaDB (and MySQL's wire protocol and SQL) decide in process, like SQLite, in
+transactions that lock the resource's lease row; MySQL itself is not tested.
 
 The row guards (``fence.adapters``) can take from the same object what belongs to a
 database rather than to a guard:
@@ -289,6 +289,13 @@ class SQLDialect:
             sqlite3), so a savepoint sent first would be a transaction of its own.
         lock_manager: the SQL lock manager has statements for this database.
         session_hook: the SQLAlchemy session hook (``fence.adapters.orm``) runs on it.
+        key_type: the SQL type of the lease tables' key columns (a text type a primary
+            key can take).
+        table_options: what follows the lease tables' ``CREATE TABLE (...)``.
+        locks_first: a dialect that decides in process: a transaction of the driver
+            first locks the resource's lease row (the ``claim`` step), creating it if there
+            is none (a row that no lease has had yet is marked by ``expires_at < 0``);
+            false where :attr:`begin` locks enough (SQLite's database lock).
         upsert_counts_found: an upsert's row count cannot tell an inserted row from an
             existing row it left as it was (``INSERT ... ON DUPLICATE KEY UPDATE`` counts 1
             for both with ``CLIENT_FOUND_ROWS``, 2 for a changed row): a count of 1 is
@@ -318,6 +325,9 @@ class SQLDialect:
     lock_manager: ClassVar[bool] = True
     session_hook: ClassVar[bool] = True
     upsert_counts_found: ClassVar[bool] = False
+    key_type: ClassVar[str] = "TEXT"
+    table_options: ClassVar[str] = ""
+    locks_first: ClassVar[bool] = False
     #: SQLAlchemy's driver for an engine built from a URL that names none, sync and
     #: asyncio (``None``: SQLAlchemy's default).
     _drivers: ClassVar[tuple[str | None, str | None]] = (None, None)
@@ -594,26 +604,39 @@ class SQLiteDialect(SQLDialect):
 
 
 class MySQLDialect(SQLDialect):
-    """MySQL's wire protocol and SQL, as MariaDB 10.11 and MySQL 8 share them, for the row
-    guards: ``INSERT ... ON DUPLICATE KEY UPDATE`` for upserts and claims, no
-    ``RETURNING`` (MariaDB has it on ``INSERT`` and ``DELETE`` only, MySQL nowhere), row
+    """MySQL's wire protocol and SQL, as MariaDB 10.11 and MySQL 8 share them:
+    ``INSERT ... ON DUPLICATE KEY UPDATE`` for upserts and claims, no ``RETURNING`` on
+    ``UPDATE`` (MariaDB has it on ``INSERT`` and ``DELETE`` only, MySQL nowhere), row
     counts of rows found (``CLIENT_FOUND_ROWS``, which SQLAlchemy's MySQL dialects ask
-    for), errors by number. The SQL lock manager does not run on it yet.
+    for), errors by number. The SQL lock manager decides in process, as on SQLite, in
+    transactions that begin by locking the resource's lease row; releases are not
+    notified, waiters of other processes poll.
 
     Only MariaDB is tested; see the docs (``docs/mariadb.md``) for what differs on MySQL.
     """
 
     name = "mysql"
     label = "MySQL"
+    begin = "START TRANSACTION"
     poll_interval = 0.5
-    lock_manager = False
-    timestamp_type = "DATETIME(6)"
-    clock_sql = "SYSDATE(6)"
+    decides_in_process = True
+    # Unix seconds, as on SQLite: a DATETIME is read in the session's time zone, which
+    # clients need not share.
+    timestamp_type = "DOUBLE"
+    # The server's clock in Unix seconds, microseconds exact, read once per statement
+    # (UTC_TIMESTAMP is the statement's start, like NOW), independent of the session's
+    # time zone (UNIX_TIMESTAMP(NOW(6)) goes through it, and is ambiguous in a DST fold).
+    clock_sql = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) * 0.000001)"
     returning = False
     # PyMySQL and aiomysql send parameters inline: the limit is max_allowed_packet's, not
     # the protocol's 65,535 placeholders of a prepared statement.
     max_params = 10_000
     upsert_counts_found = True
+    # TEXT cannot be a key without a prefix length; a binary collation, so that keys (and
+    # the shared table's kinds 'r' and 'R') compare as bytes, as on the other databases.
+    key_type = "VARCHAR(255)"
+    table_options = " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+    locks_first = True
     _drivers = ("pymysql", "aiomysql")
 
     @functools.cached_property
@@ -624,8 +647,19 @@ class MySQLDialect(SQLDialect):
         return mysql.dialect()
 
     def token_floor(self, now: str) -> str:
-        """See :meth:`SQLDialect.token_floor`."""
-        return f"CAST(UNIX_TIMESTAMP({now}) * 1000000 AS SIGNED)"
+        """See :meth:`SQLDialect.token_floor`: ``now`` is :attr:`clock_sql`, in seconds."""
+        return f"CAST({now} * 1000000 AS SIGNED)"
+
+    def socket_of(self, connection: Any) -> int | None:
+        """See :meth:`SQLDialect.socket_of`: PyMySQL's or aiomysql's socket."""
+        try:
+            raw = connection.connection.driver_connection
+            sock = getattr(raw, "_sock", None)
+            if sock is None:  # aiomysql: the socket under its stream writer
+                sock = raw._writer.get_extra_info("socket")
+            return int(sock.fileno())
+        except Exception:  # another driver, or a broken connection
+            return None
 
     @property
     def insert_class(self) -> type[Any]:
@@ -747,8 +781,9 @@ def dialect_for(name: str | SQLDialect) -> SQLDialect:
         return name
     found = DIALECTS.get(name)
     if found is None:
-        labels = " and ".join(d.label for d in DIALECTS.values() if d.lock_manager)
-        raise ConfigurationError(f"the SQL lock manager supports {labels}, not {name!r}")
+        labels = [d.label for d in DIALECTS.values() if d.lock_manager]
+        listed = ", ".join(labels[:-1]) + f" and {labels[-1]}" if len(labels) > 1 else labels[0]
+        raise ConfigurationError(f"the SQL lock manager supports {listed}, not {name!r}")
     return found
 
 

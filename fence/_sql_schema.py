@@ -28,17 +28,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from string import Template
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fence._core import MAX_TOKEN, TokenMode
 from fence._errors import ConfigurationError
-from fence._sql_dialect import PostgreSQLDialect, SQLDialect, SQLiteDialect, dialect_for
+from fence._sql_dialect import (
+    MySQLDialect,
+    PostgreSQLDialect,
+    SQLDialect,
+    SQLiteDialect,
+    dialect_for,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy import MetaData, Table
 
 __all__ = [
     "DEFAULT_TABLE",
+    "MYSQL_STEPS",
     "SHARED_COLUMNS",
     "SQLITE_STEPS",
     "STATEMENT_SETS",
@@ -49,6 +56,7 @@ __all__ = [
     "lease_table",
     "lease_table_ddl",
     "lease_upgrade_ddl",
+    "mysql_statements",
     "notify_channel",
     "postgresql_statements",
     "shared_table_ddl",
@@ -132,10 +140,10 @@ def lease_table_ddl(
     manager's ``create_table()`` runs the same statements.
 
     Args:
-        dialect: ``"postgresql"`` or ``"sqlite"``.
+        dialect: ``"postgresql"``, ``"sqlite"``, ``"mariadb"`` or ``"mysql"``.
         table: the table name.
-        schema: the schema (PostgreSQL) or attached database (SQLite); ``None`` for the
-            default.
+        schema: the schema (PostgreSQL), attached database (SQLite) or database
+            (MariaDB); ``None`` for the default.
 
     Raises:
         ConfigurationError: an unsupported dialect or an empty name.
@@ -152,13 +160,13 @@ def lease_table_ddl(
     shared = ",\n".join(f"    {column:<10} {kind}" for column, kind in _added_columns(found))
     return (
         f"CREATE TABLE IF NOT EXISTS {name} (\n"
-        "    resource   TEXT PRIMARY KEY,\n"
+        f"    resource   {found.key_type} PRIMARY KEY,\n"
         f"    token      BIGINT NOT NULL CHECK (token BETWEEN 1 AND {MAX_TOKEN}),\n"
         "    owner      TEXT,\n"
         "    holder     TEXT,\n"
         f"    expires_at {expires},\n"
         f"{shared}\n"
-        ")"
+        f"){found.table_options}"
     )
 
 
@@ -169,7 +177,7 @@ def shared_table_ddl(
     lock and per queued waiter (C13).
 
     Args:
-        dialect: ``"postgresql"`` or ``"sqlite"``.
+        dialect: ``"postgresql"``, ``"sqlite"``, ``"mariadb"`` or ``"mysql"``.
         table: the lease table's name (the shared table is named after it).
         schema: the schema, or ``None``.
 
@@ -181,15 +189,15 @@ def shared_table_ddl(
     expires = f"{found.timestamp_type} NOT NULL"
     return (
         f"CREATE TABLE IF NOT EXISTS {name} (\n"
-        "    resource   TEXT NOT NULL,\n"
-        "    member     TEXT NOT NULL,\n"
+        f"    resource   {found.key_type} NOT NULL,\n"
+        f"    member     {found.key_type} NOT NULL,\n"
         "    kind       CHAR(1) NOT NULL CHECK (kind IN ('r', 'R', 'W')),\n"
         "    token      BIGINT,\n"
         "    holder     TEXT,\n"
         f"    expires_at {expires},\n"
         "    seq        BIGINT NOT NULL DEFAULT 0,\n"
         "    PRIMARY KEY (resource, member)\n"
-        ")"
+        f"){found.table_options}"
     )
 
 
@@ -257,6 +265,7 @@ def lease_table(
         CheckConstraint,
         Column,
         DateTime,
+        Double,
         Float,
         Integer,
         PrimaryKeyConstraint,
@@ -267,12 +276,18 @@ def lease_table(
     )
     from sqlalchemy.dialects.postgresql import JSONB
 
-    when = DateTime(timezone=True).with_variant(Float(), "sqlite")
+    when = (
+        DateTime(timezone=True)
+        .with_variant(Float(), "sqlite")
+        .with_variant(Double(), "mysql", "mariadb")
+    )
+    # MariaDB: a key cannot be TEXT, and compares as bytes (see MySQLDialect.key_type).
+    key = Text().with_variant(String(255, collation="utf8mb4_bin"), "mysql", "mariadb")
     Table(
         shared_table_name(name),
         metadata,
-        Column("resource", Text, nullable=False),
-        Column("member", Text, nullable=False),
+        Column("resource", key, nullable=False),
+        Column("member", key, nullable=False),
         Column("kind", String(1), nullable=False),
         Column("token", BigInteger, nullable=True),
         Column("holder", Text, nullable=True),
@@ -281,11 +296,12 @@ def lease_table(
         PrimaryKeyConstraint("resource", "member"),
         CheckConstraint("kind IN ('r', 'R', 'W')", name=f"{name}_shared_kind"),
         schema=schema,
+        **_MYSQL_TABLE,
     )
     return Table(
         name,
         metadata,
-        Column("resource", Text, primary_key=True),
+        Column("resource", key, primary_key=True),
         Column("token", BigInteger, nullable=False),
         Column("owner", Text, nullable=True),
         Column("holder", Text, nullable=True),
@@ -296,7 +312,18 @@ def lease_table(
         Column("voids", JSON().with_variant(JSONB(), "postgresql"), nullable=True),
         CheckConstraint(f"token BETWEEN 1 AND {MAX_TOKEN}", name=f"{name}_token_range"),
         schema=schema,
+        **_MYSQL_TABLE,
     )
+
+
+# MariaDB's table options in lease_table(), as MySQLDialect.table_options: the kinds 'r'
+# (a reader) and 'R' (a queued reader) must differ, and keys compare as bytes. Other
+# dialects ignore them.
+_MYSQL_TABLE: dict[str, Any] = {
+    f"{prefix}_{option}": value
+    for prefix in ("mysql", "mariadb")
+    for option, value in (("engine", "InnoDB"), ("charset", "utf8mb4"), ("collate", "utf8mb4_bin"))
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,14 +337,17 @@ class LeaseStatements:
     :attr:`fence._sql_dialect.SQLDialect.decides_in_process`).
 
     Attributes:
-        dialect: the dialect's name, ``"postgresql"`` or ``"sqlite"``.
+        dialect: the dialect's name, ``"postgresql"``, ``"sqlite"``, ``"mariadb"`` or
+            ``"mysql"``.
         create: the ``CREATE TABLE IF NOT EXISTS`` statements (:func:`lease_schema_ddl`).
-        acquire: a writer's attempt; returns one row ``(token, granted, remaining,
-            flag)``: ``token`` is the issued (or kept) token when granted; ``remaining``
-            the seconds until the lock may change otherwise (the holder's, the readers'),
-            if known; ``flag`` on PostgreSQL whether the caller has a place in the queue,
-            on SQLite whether the resource has readers or queued waiters (then the driver
-            decides in a transaction: this statement grants only the exclusive way).
+        acquire: a writer's attempt (MariaDB: the ``claim`` of the lease row that
+            begins the driver's transactions, which decide every attempt); returns one
+            row ``(token, granted, remaining, flag)``: ``token`` is the issued (or kept)
+            token when granted; ``remaining`` the seconds until the lock may change
+            otherwise (the holder's, the readers'), if known; ``flag`` on PostgreSQL
+            whether the caller has a place in the queue, on SQLite whether the resource
+            has readers or queued waiters (then the driver decides in a transaction:
+            this statement grants only the exclusive way).
         acquire_read: a reader's attempt, as ``acquire`` (PostgreSQL).
         renew: returns a row iff the secret holds a live write lease, which it extended.
         renew_read: the same for a read lease.
@@ -326,7 +356,8 @@ class LeaseStatements:
         abandon: takes a waiter out of the queue; returns a row iff it was queued.
         inspect: returns ``(kind, token, remaining, holder)`` rows of the live leases:
             ``"w"`` for the writer, ``"r"`` for each reader, or no row.
-        revoke: ends every lease and returns the new token.
+        revoke: ends every lease and returns the new token (MariaDB: ends the writer's
+            lease, in the driver's transaction, which reads the token back).
         wake: wakes listeners for ``:resource`` without changing anything (PostgreSQL).
         raise_fence: SQLite with a fence register: raises the register's row ``:resource``
             to ``:token`` (run right after ``revoke``); otherwise ``None``.
@@ -808,6 +839,103 @@ ON CONFLICT (resource, member) DO UPDATE SET kind = excluded.kind, token = exclu
 }
 
 
+# MariaDB (and MySQL): no RETURNING on UPDATE, no data-modifying CTE, no notifications. Every
+# acquire and revoke is a transaction of the driver (MySQLDialect.locks_first) that first
+# claims the resource's lease row (``claim``: an upsert, which locks the row whether it was
+# there or not; a SELECT ... FOR UPDATE of a missing row would take a gap lock, which two
+# transactions share and then deadlock on as both insert), then reads and decides in
+# process with the rule of fence._memory, as on SQLite. A row the claim creates has no
+# token yet: ``expires_at < 0`` marks it, and ``state`` reads its token as NULL. Every
+# transaction on a resource holds its lease row from its first statement to its commit,
+# so they run one at a time; ``state`` and ``entries`` are plain reads, whose snapshot
+# (REPEATABLE READ) is taken after the claim got the row. The single statements outside
+# transactions (renew, release, a reader's renewal and release, a waiter leaving) report
+# by their row count, of rows found (CLIENT_FOUND_ROWS), not changed. ``$now`` is the
+# server's clock in Unix seconds (MySQLDialect.clock_sql), fixed for a statement.
+_MY_CLAIM = """INSERT INTO $table (resource, token, owner, holder, expires_at)
+VALUES (:resource, 1, NULL, NULL, -1)
+ON DUPLICATE KEY UPDATE resource = resource"""
+
+_MY_RENEW = """UPDATE $table SET expires_at = $now + :ttl
+WHERE resource = :resource AND owner = :secret AND expires_at > $now"""
+
+_MY_RENEW_READ = """UPDATE $shared SET expires_at = $now + :ttl
+WHERE resource = :resource AND member = :secret AND kind = 'r' AND expires_at > $now"""
+
+_MY_RELEASE = """UPDATE $table SET owner = NULL, holder = NULL, expires_at = $now
+WHERE resource = :resource AND owner = :secret AND expires_at > $now"""
+
+_MY_RELEASE_READ = """DELETE FROM $shared
+WHERE resource = :resource AND member = :secret AND kind = 'r' AND expires_at > $now"""
+
+_MY_ABANDON = """DELETE FROM $shared
+WHERE resource = :resource AND member = :secret AND kind IN ('R', 'W')"""
+
+# MySQL evaluates SET from left to right, each assignment seeing the ones before it: the
+# token is computed while expires_at still holds the mark of a new row.
+_MY_REVOKE = """UPDATE $table SET
+    token = CASE WHEN expires_at < 0 THEN $first ELSE GREATEST(token + 1, $first) END,
+    owner = NULL, holder = NULL, expires_at = $now
+WHERE resource = :resource"""
+
+# A subquery with LIMIT cannot be the right side of IN (error 1235): the page is joined.
+_MY_LIST = """WITH n AS (SELECT $now AS now),
+h AS (
+    SELECT l.resource FROM $table AS l, n
+    WHERE l.owner IS NOT NULL AND l.expires_at > n.now
+      AND l.resource > :after AND substr(l.resource, 1, :length) = :prefix
+    UNION
+    SELECT q.resource FROM $shared AS q, n
+    WHERE q.kind = 'r' AND q.expires_at > n.now
+      AND q.resource > :after AND substr(q.resource, 1, :length) = :prefix
+),
+p AS (SELECT h.resource FROM h ORDER BY h.resource LIMIT :count),
+w AS (
+    SELECT q.resource, count(*) AS c FROM $shared AS q JOIN p ON p.resource = q.resource, n
+    WHERE q.kind IN ('R', 'W') AND q.expires_at > n.now
+    GROUP BY q.resource
+)
+SELECT l.resource, 'w', l.token, l.expires_at - n.now, l.holder,
+       coalesce((SELECT w.c FROM w WHERE w.resource = l.resource), 0)
+FROM p JOIN $table AS l ON l.resource = p.resource, n
+WHERE l.owner IS NOT NULL AND l.expires_at > n.now
+UNION ALL
+SELECT q.resource, 'r', q.token, q.expires_at - n.now, q.holder,
+       coalesce((SELECT w.c FROM w WHERE w.resource = q.resource), 0)
+FROM p JOIN $shared AS q ON q.resource = p.resource, n
+WHERE q.kind = 'r' AND q.expires_at > n.now
+ORDER BY 1"""
+
+_MY_FIRST_FENCED = """GREATEST($floor, (SELECT coalesce(max(fence), 0) + 1 FROM $register
+                             WHERE scope = :resource))"""
+_MY_RAISE_FENCE = """INSERT INTO $register (scope, fence) VALUES (:resource, :token)
+ON DUPLICATE KEY UPDATE fence = GREATEST(fence, VALUES(fence))"""
+
+#: MariaDB: the steps of the driver's transactions, as :data:`SQLITE_STEPS` (the lease row
+#: exists once ``claim`` ran, so the writes to it are updates).
+MYSQL_STEPS = {
+    "claim": _MY_CLAIM,
+    "state": """SELECT CASE WHEN l.expires_at < 0 THEN NULL ELSE l.token END, l.owner,
+    l.expires_at - n.now, $first, n.now
+FROM (SELECT $now AS now) AS n LEFT JOIN $table AS l ON l.resource = :resource""",
+    "entries": SQLITE_STEPS["entries"],
+    "write": """UPDATE $table SET token = :token, owner = :secret, holder = :holder,
+    expires_at = $now + :ttl
+WHERE resource = :resource""",
+    "count": """UPDATE $table SET token = :token,
+    expires_at = CASE WHEN expires_at < 0 THEN $now ELSE expires_at END
+WHERE resource = :resource""",
+    "put": """INSERT INTO $shared (resource, member, kind, token, holder, expires_at, seq)
+VALUES (:resource, :secret, :kind, :token, :holder, $now + :ttl, :seq)
+ON DUPLICATE KEY UPDATE kind = VALUES(kind), token = VALUES(token), holder = VALUES(holder),
+    expires_at = VALUES(expires_at), seq = VALUES(seq)""",
+    "drop": SQLITE_STEPS["drop"],
+    "sweep": SQLITE_STEPS["sweep"],
+    "drop_readers": SQLITE_STEPS["drop_readers"],
+    "token": "SELECT token FROM $table WHERE resource = :resource",
+}
+
+
 def lease_statements(
     dialect: str | SQLDialect,
     *,
@@ -992,9 +1120,65 @@ def sqlite_statements(
     )
 
 
+def mysql_statements(
+    dialect: MySQLDialect,
+    *,
+    table: str,
+    schema: str | None,
+    token_mode: TokenMode,
+    notify: bool = False,
+    fence_table: str | None,
+) -> LeaseStatements:
+    """The statements on MariaDB (and MySQL): single statements for renewals, releases and
+    reads, and the steps of the driver's transactions (:data:`MYSQL_STEPS`) for acquires
+    and revokes; ``acquire`` is the claim of the lease row that begins them. ``notify`` is
+    ignored: there are no notifications.
+
+    Raises:
+        ConfigurationError: a bad name.
+    """
+    name, shared, create, register = _names(dialect, table, schema, fence_table)
+    now = dialect.clock_sql
+    values = {
+        "table": name,
+        "shared": shared,
+        "now": now,
+        "floor": dialect.token_floor(now) if token_mode is TokenMode.HYBRID else "1",
+    }
+    values["first"] = values["floor"]
+    raise_fence = None
+    if register is not None:
+        values["register"] = register
+        values["first"] = Template(_MY_FIRST_FENCED).substitute(values)
+        raise_fence = Template(_MY_RAISE_FENCE).substitute(values)
+
+    def my(template: str) -> str:
+        return Template(template).substitute(values)
+
+    return LeaseStatements(
+        dialect.name,
+        create,
+        acquire=my(_MY_CLAIM),
+        acquire_read=None,
+        renew=my(_MY_RENEW),
+        renew_read=my(_MY_RENEW_READ),
+        release=my(_MY_RELEASE),
+        release_read=my(_MY_RELEASE_READ),
+        abandon=my(_MY_ABANDON),
+        inspect=Template(_SQLITE_INSPECT).substitute(values),
+        revoke=my(_MY_REVOKE),
+        wake=None,
+        raise_fence=raise_fence,
+        steps={k: my(v) for k, v in MYSQL_STEPS.items()},
+        list_page=my(_MY_LIST),
+    )
+
+
 #: The lock manager's statement set of each dialect, by the dialect's name: a new database
 #: is a dialect in :mod:`fence._sql_dialect` and a builder here.
 STATEMENT_SETS: dict[str, Callable[..., LeaseStatements]] = {
     "postgresql": postgresql_statements,
     "sqlite": sqlite_statements,
+    "mariadb": mysql_statements,
+    "mysql": mysql_statements,
 }

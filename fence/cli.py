@@ -12,7 +12,8 @@
     fence chaos                     every pairing under pauses and server crashes
 
 ``URL`` is what :func:`fence.connect` takes: ``redis://``, ``redis+cluster://``,
-``postgresql://``, ``sqlite:///file.db``, ``etcd://h1:2379,...``, ``zookeeper://h1:2181,...``.
+``postgresql://``, ``sqlite:///file.db``, ``mariadb://``, ``etcd://h1:2379,...``,
+``zookeeper://h1:2181,...``.
 
 Exit status: 0 when the command did its job (and every doctor check passed); 1 when it
 could not (a server that does not answer, a refusal, a missing driver package, a failed
@@ -60,6 +61,8 @@ _KINDS = {
     "postgresql": "sql",
     "postgres": "sql",
     "sqlite": "sql",
+    "mariadb": "sql",
+    "mysql": "sql",
     "etcd": "etcd",
     "etcds": "etcd",
     "zookeeper": "zookeeper",
@@ -92,7 +95,7 @@ class _Interrupted(KeyboardInterrupt):
 def _url_help(what: str) -> str:
     return (
         f"{what}: redis://, redis+cluster://, postgresql://, sqlite:///file.db, "
-        "etcd://h1:2379,..., zookeeper://h1:2181,..."
+        "mariadb://, etcd://h1:2379,..., zookeeper://h1:2181,..."
     )
 
 
@@ -418,6 +421,7 @@ def _errors(url: str) -> Iterator[None]:
             "sqlalchemy",
             "redis",
             "psycopg",
+            "pymysql",
             "kazoo",
             "httpx",
         ):
@@ -442,6 +446,8 @@ def _manager(args: argparse.Namespace, kind: str) -> Any:
             timeout = max(2, math.ceil(args.timeout))  # libpq: whole seconds, at least 2
             options["engine_options"] = {"connect_args": {"connect_timeout": timeout}}
             options["listen"] = False  # nothing here waits for a release
+        elif urlsplit(args.url).scheme.lower().startswith(("mariadb", "mysql")):
+            options["engine_options"] = {"connect_args": {"connect_timeout": args.timeout}}
     elif kind in ("etcd", "zookeeper"):
         options["request_timeout"] = args.timeout
         _refuse_if_nothing_listens(args.url, kind, args.timeout)
@@ -780,7 +786,7 @@ def _ddl_script(
     """The SQL that ``fence ddl`` prints: statements ending in ``;``, with comments.
 
     Args:
-        dialect: ``"postgresql"`` or ``"sqlite"``.
+        dialect: ``"postgresql"``, ``"sqlite"``, ``"mariadb"`` or ``"mysql"``.
         tables: existing tables that get a fence column (``schema.table`` is fine).
         lease_table: the SQL lock manager's lease table, or ``None`` to leave it out.
         register: the fence register, or ``None`` to leave it out.
@@ -799,8 +805,6 @@ def _ddl_script(
     fence_column_ddl, tombstone_ddl, register_ddl = sql_ddl()
     mysql = dialect in ("mariadb", "mysql")
     if mysql:
-        # No lease statements yet: the row guards, the register and the judge only.
-        lease_table = None
         register_ddl = sql_mysql_register_ddl()
     if dialect in ("postgresql", "mariadb"):
         # The library's templates run on SQLite too, which has no ADD COLUMN IF NOT EXISTS;
@@ -852,7 +856,6 @@ def _ddl_script(
             f"-- iofence DDL for {dialect}, for a migration or the {dialect} client: the fence",
             "-- register, the columns of fenced tables and the judge's triggers (whose",
             "-- DELIMITER lines are for the client; a migration runs each statement alone).",
-            "-- No lease table: the SQL lock manager does not run on it yet (docs/mariadb.md).",
         ]
         if dialect == "mariadb":
             out.append("-- Running it again changes nothing (IF NOT EXISTS).")

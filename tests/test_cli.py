@@ -76,7 +76,7 @@ def unique(stem: str) -> str:
     ("args", "says"),
     [
         (["inspect", "nope", "r"], "not a URL"),
-        (["inspect", "mysql://h/db", "r"], "no lock manager for 'mysql'"),
+        (["inspect", "oracle://h/db", "r"], "no lock manager for 'oracle'"),
         (["revoke", "memory://", "r"], "memory:// locks live inside one process"),
         (["doctor", "sqlite://"], "in-memory SQLite"),
         (["inspect", "redis://127.0.0.1:6379/0", ""], "resource"),
@@ -344,7 +344,7 @@ def test_the_mariadb_ddl_runs_again_through_its_client_and_the_guards_use_it(
         conn.exec_driver_sql(f"INSERT INTO {table} VALUES (1, 10)")
     done = run("ddl", "--dialect", "mariadb", "--table", table, "--register", register)
     assert done.returncode == 0, done.stderr
-    assert "fence_leases" not in done.stdout
+    assert "CREATE TABLE IF NOT EXISTS fence_leases_shared (" in done.stdout
     assert done.stdout.count("CREATE OR REPLACE TRIGGER") == 10  # the judge: 5 per table
     client = shutil.which("mariadb") or "/usr/bin/mariadb"
     for _ in range(2):  # it runs again unharmed
@@ -367,6 +367,35 @@ def test_the_mariadb_ddl_runs_again_through_its_client_and_the_guards_use_it(
             assert fences.claim("order:1", 3) == 3  # another scope: the case counts
     finally:
         engine.dispose()
+    names = ["--register", register, "--timeout", "10"]
+    manager = fence.connect(mariadb_url)  # the lease tables the script made
+    try:
+        lease = manager.acquire("account:1", ttl=30)
+        held = run("inspect", mariadb_url, "account:1", *names, "--json")
+        assert held.returncode == 0, held.stderr
+        report = json.loads(held.stdout)
+        assert report["held"] is True
+        assert report["token"] == report["last_token"] == lease.token
+        assert 0 < report["remaining"] <= 30
+        assert report["fence"] is None  # the register has "Order:1" and "order:1" only
+        revoked = run("revoke", mariadb_url.replace("mariadb+pymysql", "mysql"), "account:1")
+        assert revoked.returncode == 0, revoked.stderr
+        token = int(revoked.stdout)
+        assert token > lease.token
+        after = fields(run("inspect", mariadb_url, "account:1", *names).stdout)
+        assert after["held by"] == "nobody: the lock is free"
+        assert after["last token"] == f"{token} (fence_leases row)"
+        assert manager.acquire("account:1", owner="next", ttl=5).token > token
+        doctor = run("doctor", mariadb_url, *names)
+        found = lines(doctor.stdout)
+        assert doctor.returncode == 0, doctor.stdout
+        assert "ok    lease table: fence_leases exists" in found
+        assert f"ok    fence register: {register} exists" in found
+        assert "ok    found_rows: the connections count rows found (CLIENT_FOUND_ROWS)" in found
+        assert any(line.startswith("ok    isolation: transaction isolation REPEATABLE-READ")
+                   for line in found)  # fmt: skip
+    finally:
+        manager.close()
     triggers = run("ddl", "--dialect", "mariadb", "--triggers-only", "--table", table)
     assert triggers.returncode == 0, triggers.stderr
     assert "ADD COLUMN" not in triggers.stdout
@@ -761,6 +790,39 @@ def test_doctor_postgres_reads_durability_clock_and_tables(postgres_url: str) ->
         line.startswith("ok    synchronous_commit: synchronous_commit on")
         for line in lines(sync.stdout)
     )
+
+
+def test_doctor_judges_mariadb_settings() -> None:
+    """The verdicts on MariaDB's settings, without a server: rows changed fail (a renewal
+    could read as a lost lease); SERIALIZABLE, a long lock wait, a lazy log flush and
+    statement-based binlogs warn."""
+    from fence._doctor import judge_mariadb
+
+    good = {
+        "isolation": "REPEATABLE-READ",
+        "found_rows": "on",
+        "innodb_lock_wait_timeout": "50",
+        "innodb_flush_log_at_trx_commit": "1",
+        "log_bin": "ON",
+        "binlog_format": "ROW",
+    }
+    assert {check.status for check in judge_mariadb(good)} == {"ok"}
+    bad = {
+        "isolation": "SERIALIZABLE",
+        "found_rows": "off",
+        "innodb_lock_wait_timeout": "600",
+        "innodb_flush_log_at_trx_commit": "2",
+        "log_bin": "ON",
+        "binlog_format": "STATEMENT",
+    }
+    verdicts = {check.name: check.status for check in judge_mariadb(bad)}
+    assert verdicts == {
+        "isolation": "warn",
+        "found_rows": "fail",
+        "innodb_lock_wait_timeout": "warn",
+        "innodb_flush_log_at_trx_commit": "warn",
+        "binlog_format": "warn",
+    }
 
 
 def test_doctor_etcd_and_zookeeper(etcd_url: str, zookeeper_url: str) -> None:

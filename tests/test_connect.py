@@ -69,6 +69,26 @@ def test_postgres_url(postgres_url: str) -> None:
     manager.close()
 
 
+@pytest.mark.parametrize("scheme", ["mariadb", "mysql", "mariadb+pymysql", "mysql+aiomysql"])
+async def test_mariadb_urls(mariadb_url: str, scheme: str) -> None:
+    """``mariadb://`` and ``mysql://`` (a MariaDB server speaks MySQL), with or without a
+    driver: the sync manager gets PyMySQL, the asyncio one aiomysql."""
+    url = f"{scheme}://{mariadb_url.split('://', 1)[1]}"
+    base = scheme.partition("+")[0]
+    manager = fence.connect(url, create_table=True)
+    assert isinstance(manager, fence.SQLLockManager)
+    assert manager.engine.url.drivername == f"{base}+pymysql"
+    with manager.lock("r") as lease:
+        assert lease.valid
+    manager.close()
+    waiter = fence.connect_async(url)
+    assert isinstance(waiter, fence.AsyncSQLLockManager)
+    assert waiter.engine.url.drivername == f"{base}+aiomysql"
+    async with waiter.lock("r") as lease:
+        assert lease.valid
+    await waiter.close()
+
+
 async def test_async_urls(redis_url: str) -> None:
     manager = fence.connect_async(redis_url)
     assert isinstance(manager, fence.AsyncRedisLockManager)
@@ -79,7 +99,7 @@ async def test_async_urls(redis_url: str) -> None:
     assert isinstance(memory, fence.AsyncMemoryLockManager)
 
 
-@pytest.mark.parametrize("url", ["http://x", "mysql://db", "", ["redis://a"]])
+@pytest.mark.parametrize("url", ["http://x", "oracle://db", "", ["redis://a"]])
 def test_unknown_urls(url: str) -> None:
     with pytest.raises(ConfigurationError):
         fence.connect(url)

@@ -1,7 +1,7 @@
 """Every script in ``examples/`` runs and exits 0.
 
-Examples that need a server read ``REDIS_URL`` or ``DATABASE_URL``; this test points them at
-the suite's throwaway servers when the script mentions the variable.
+Examples that need a server read ``REDIS_URL``, ``DATABASE_URL`` or ``MARIADB_URL``; this
+test points them at the suite's throwaway servers when the script mentions the variable.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def test_example_runs(script: Path, request: pytest.FixtureRequest) -> None:
         env["REDIS_URL"] = request.getfixturevalue("redis_url")
     if "DATABASE_URL" in text:
         env["DATABASE_URL"] = request.getfixturevalue("postgres_url")
+    if "MARIADB_URL" in text:
+        env["MARIADB_URL"] = request.getfixturevalue("mariadb_url")
     completed = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
     )

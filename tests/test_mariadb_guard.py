@@ -447,6 +447,16 @@ def test_a_guard_refuses_a_mariadb_table_without_its_triggers_unless_told(
         assert conn.execute(select(table.c.fence)).scalar() == 5
 
 
-def test_the_lock_manager_refuses_mariadb(engine: Engine) -> None:
-    with pytest.raises(ConfigurationError, match="no statements for mariadb"):
-        SQLLockManager(engine)
+def test_the_lock_manager_runs_on_the_guards_engine(engine: Engine) -> None:
+    """The manager takes the engine the guards use (not autocommit, REPEATABLE READ)."""
+    manager = SQLLockManager(engine, create_table=True)
+    try:
+        with manager.lock("account:7") as first:
+            info = manager.inspect("account:7")
+            assert info is not None
+            assert info.token == first.token
+        with manager.lock("account:7") as second:
+            assert second.token > first.token
+        assert manager.inspect("account:7") is None
+    finally:
+        manager.close()

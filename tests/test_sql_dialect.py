@@ -81,17 +81,24 @@ def test_dialects_are_found_by_sqlalchemys_name() -> None:
 
 
 def test_an_unknown_dialect_is_refused_with_the_supported_ones() -> None:
-    with pytest.raises(ConfigurationError, match="supports PostgreSQL and SQLite, not 'oracle'"):
+    with pytest.raises(
+        ConfigurationError, match="supports PostgreSQL, SQLite, MariaDB and MySQL, not 'oracle'"
+    ):
         dialect_for("oracle")
     with pytest.raises(ConfigurationError, match="not 'oracle'"):
         lease_statements("oracle")
 
 
-def test_mariadb_has_a_dialect_for_the_guards_and_no_lease_statements() -> None:
+def test_mariadb_has_lease_statements_decided_in_transactions() -> None:
     for name in ("mariadb", "mysql"):
-        assert not dialect_for(name).lock_manager
-        with pytest.raises(ConfigurationError, match=f"no statements for {name}"):
-            lease_statements(name)
+        dialect = dialect_for(name)
+        assert dialect.lock_manager
+        assert dialect.decides_in_process
+        assert dialect.locks_first
+        statements = lease_statements(name)
+        assert statements.dialect == name
+        assert "ON DUPLICATE KEY UPDATE" in statements.steps["claim"]
+        assert "RETURNING" not in statements.renew
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,17 @@
-"""The SQL lock manager: leases in a PostgreSQL or SQLite table, through SQLAlchemy.
+"""The SQL lock manager: leases in a PostgreSQL, SQLite or MariaDB table, through SQLAlchemy.
 
-Every driver call is one statement in autocommit mode, so one round trip, and no session
-state outlives it: no advisory lock, no open transaction, nothing that a
-transaction-pooling proxy would break. The database's clock decides expiry and seeds the
-hybrid tokens (C2, C3, C10). The statements are in :mod:`fence._sql_schema`, what differs
-between databases in their :class:`fence._sql_dialect.SQLDialect`, and what the driver
-decides without I/O (engines, errors, wake-ups) in :mod:`fence._sql`.
+Every driver call is one statement in autocommit mode, so one round trip (on MariaDB an
+acquire or a revoke is one short transaction), and no session state outlives it: no
+advisory lock, no open transaction, nothing that a transaction-pooling proxy would break.
+The database's clock decides expiry and seeds the hybrid tokens (C2, C3, C10). The
+statements are in :mod:`fence._sql_schema`, what differs between databases in their
+:class:`fence._sql_dialect.SQLDialect`, and what the driver decides without I/O (engines,
+errors, wake-ups) in :mod:`fence._sql`.
 
 Waiting: on PostgreSQL a release runs ``pg_notify`` in its own statement and waiters are
 woken through one ``LISTEN`` connection per driver, with a bounded poll as a fallback; on
-SQLite a release made in this process wakes a waiter of this process at once and other
-waiters poll with a jittered interval. Each release wakes one waiter of each process (the
+SQLite and MariaDB a release made in this process wakes a waiter of this process at once
+and other waiters poll with a jittered interval. Each release wakes one waiter of each process (the
 one that has waited longest), not all of them; where waiters of the process hold places
 in the queue of a shared lock (C13), it wakes all of those, and the queue decides who goes
 (a batch of readers together). The generic manager also wakes every waiter when the
@@ -19,7 +20,9 @@ holder's lease ends by its ttl.
 Shared locks: a reader's lease is a row of ``<table>_shared``, as is every queued waiter.
 On PostgreSQL every call is still one statement; on SQLite a read acquire, and a write
 acquire that meets readers or queued waiters, is one ``BEGIN IMMEDIATE`` transaction in
-which :func:`fence._rwlock.decide` decides (in process, no round trip).
+which :func:`fence._rwlock.decide` decides (in process, no round trip). On MariaDB every
+acquire and revoke is such a transaction, which first claims the resource's lease row
+(an upsert, which locks it), so that the transactions on one resource run one at a time.
 """
 
 from __future__ import annotations
@@ -218,7 +221,8 @@ class AsyncSQLDriver:
     """Runs the lease statements on a SQLAlchemy engine; see :class:`AsyncSQLLockManager`.
 
     Args:
-        engine: an engine on PostgreSQL (psycopg 3) or SQLite.
+        engine: an engine on PostgreSQL (psycopg 3), SQLite or MariaDB (PyMySQL,
+            aiomysql).
         table: the lease table's name.
         schema: its schema, or ``None``.
         token_mode: :class:`fence.TokenMode` for new tokens.
@@ -308,6 +312,14 @@ class AsyncSQLDriver:
         self._in_process = dialect.in_process
         self._socket_of = dialect.socket_of
         self._begin = dialect.begin
+        # Every attempt and revoke is a transaction that first claims the lease row
+        # (MariaDB: no statement can decide and report in one round trip).
+        self._claims = dialect.locks_first
+        # No RETURNING on UPDATE (MariaDB): a statement without rows reports by its row
+        # count, which is of rows found, not changed: SQLAlchemy's MySQL dialects connect
+        # with CLIENT_FOUND_ROWS, so a renewal that writes the same expiry (the same
+        # microsecond) still counts.
+        self._counts = not dialect.returning
         # The hybrid token floor takes the driver's reading of the clock, in microseconds
         # (see fence._sql_dialect.SQLiteDialect.token_floor).
         self._clock = dialect.client_clock and self.token_mode is TokenMode.HYBRID
@@ -401,7 +413,7 @@ class AsyncSQLDriver:
         reading = mode is LeaseMode.READ
         # The wait needs the board's mark (taken before the attempt) and the mode.
         cookie = (self._mark(), reading)
-        if self._decides and (reading or key in self._placed):
+        if self._decides and (reading or key in self._placed or self._claims):
             return await self._decide(resource, secret, ttl, holder, reading, cookie)
         params = {
             "resource": resource,
@@ -453,6 +465,8 @@ class AsyncSQLDriver:
         base = {"resource": resource, "secret": secret}
 
         async def body(run: _Run) -> tuple[object, bool, float | None, bool]:
+            if self._claims:
+                await run("claim", base)
             state = (await run("state", base))[0]
             last, first, now = state[0], state[3], state[4]
             entries = await run("entries", base)
@@ -717,7 +731,12 @@ class AsyncSQLDriver:
             # No data-modifying CTE (SQLite): the readers' rows go, and the register is
             # raised, in the same transaction, after the lease row holds the new token.
             async def body(run: _Run) -> int:
-                got = checked_token((await run("revoke", params))[0][0])
+                if self._claims:
+                    await run("claim", params)
+                    await run("revoke", params)
+                    got = checked_token((await run("token", params))[0][0])
+                else:
+                    got = checked_token((await run("revoke", params))[0][0])
                 await run("drop_readers", params)
                 if "raise_fence" in self._sql:
                     await run("raise_fence", {"resource": resource, "token": got})
@@ -820,6 +839,8 @@ class AsyncSQLDriver:
                 # aiosqlite runs the statement on in its thread if the task is cancelled:
                 # let it finish, so a clean-up sees what it did.
                 result = await settle(conn.execute(statement, params))
+            if self._counts and not result.returns_rows:
+                return (result.rowcount,) if result.rowcount > 0 else None
             return list(result.fetchall()) if every else result.first()
 
         return await self._connected(name, resource, work, retry=retry)
@@ -858,7 +879,11 @@ class AsyncSQLDriver:
                     result = await settle(conn.execute(statement, params))
                 else:
                     result = await conn.execute(statement, params)
-                return list(result.fetchall()) if result.returns_rows else []
+                if result.returns_rows:
+                    return list(result.fetchall())
+                if self._counts and result.rowcount > 0:
+                    return [(result.rowcount,)]
+                return []
 
             await conn.exec_driver_sql(self._begin)
             try:
@@ -983,7 +1008,7 @@ class AsyncSQLDriver:
 
 
 class AsyncSQLLockManager(AsyncBaseLockManager):
-    """A lock manager whose leases live in a PostgreSQL or SQLite table.
+    """A lock manager whose leases live in a PostgreSQL, SQLite or MariaDB table.
 
     Acquire, renew and release are one statement each; the database's clock decides
     expiry and seeds the tokens, so clients with skewed clocks agree. Create the tables
@@ -993,8 +1018,8 @@ class AsyncSQLLockManager(AsyncBaseLockManager):
 
     Args:
         engine: an :class:`~sqlalchemy.ext.asyncio.AsyncEngine`, or a URL
-            (``postgresql://...``, ``sqlite:///locks.db``, ``sqlite://`` in memory) for an
-            engine the manager creates and disposes of.
+            (``postgresql://...``, ``sqlite:///locks.db``, ``sqlite://`` in memory,
+            ``mariadb://...``) for an engine the manager creates and disposes of.
         table: the lease table's name (default ``fence_leases``).
         schema: its schema (PostgreSQL) or attached database (SQLite).
         token_mode: :attr:`fence.TokenMode.HYBRID` (default) survives a lost or restored

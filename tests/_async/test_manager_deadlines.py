@@ -30,6 +30,7 @@ import psycopg
 import pytest
 import redis
 from sqlalchemy import event as sa_event
+from sqlalchemy.engine import make_url
 
 from fence import AcquireTimeout, BackendError, MemoryBackend
 from fence._async import sql as sql_module
@@ -509,6 +510,51 @@ async def test_postgres_failed_acquire_leaves_no_lock(
         assert isinstance(outcome, BackendError), outcome
         assert elapsed < 0.5 + SLACK
     # The blocker committed: the stranded attempt and the clean-up ran, in either order.
+    for _ in range(100):
+        if await manager.inspect(resource) is None:
+            break
+        await sleep(0.05)
+    assert await manager.inspect(resource) is None
+    lease = await manager.try_acquire(resource)
+    assert lease is not None
+    assert lease.token > first.token
+    await lease.release()
+
+
+@pytest.mark.mariadb
+async def test_mariadb_failed_acquire_leaves_no_lock(
+    mariadb_url: str, managers: list[Any], resource: str
+) -> None:
+    """The acquire's transaction waits for the lease row, which another transaction holds,
+    and the caller's timeout runs out: the socket is cut at the deadline, and the server
+    rolls the stranded transaction back (it never sent COMMIT); the clean-up's release
+    waits for the row too. When the other transaction ends, the lock is free at once."""
+    import pymysql
+
+    table = f"leases_{secrets.token_hex(4)}"
+    manager = AsyncSQLLockManager(
+        mariadb_url.replace("+pymysql", ""), table=table, create_table=True, ttl=60
+    )
+    managers.append(manager)
+    first = await manager.acquire(resource)
+    await first.release()
+    url = make_url(mariadb_url)
+    blocker = pymysql.connect(
+        host=url.host,
+        port=url.port,
+        user=url.username,
+        password=url.password,
+        database=url.database,
+    )
+    try:
+        with blocker.cursor() as cursor:
+            cursor.execute(f"SELECT 1 FROM `{table}` WHERE resource = %s FOR UPDATE", (resource,))
+        outcome, elapsed = await timed(lambda: manager.acquire(resource, timeout=0.5))
+        assert isinstance(outcome, BackendError), outcome
+        assert elapsed < 0.5 + SLACK
+    finally:
+        blocker.commit()
+        blocker.close()
     for _ in range(100):
         if await manager.inspect(resource) is None:
             break

@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 from sqlalchemy import MetaData, create_engine
+from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from fence import (
@@ -26,6 +27,7 @@ from fence import (
     EventBus,
     EventKind,
     LeaseLostError,
+    LeaseMode,
     NotOwnerError,
     TokenMode,
 )
@@ -385,10 +387,41 @@ async def test_release_notifies_on_the_table_channel(
 # -- both databases --------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+def my_execute(url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+    """Run ``sql`` on the MariaDB database of ``url`` (PyMySQL, autocommit)."""
+    import pymysql
+
+    parsed = make_url(url)
+    conn = pymysql.connect(
+        host=parsed.host,
+        port=parsed.port,
+        user=parsed.username,
+        password=parsed.password,
+        database=parsed.database,
+        autocommit=True,
+    )
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute(sql, params or None)
+            return list(cursor.fetchall()) if cursor.description else []
+    finally:
+        conn.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres", pytest.param("mariadb", marks=pytest.mark.mariadb)])
 def database(request: pytest.FixtureRequest, tmp_path: Path, table: str) -> Iterator[Any]:
-    """(url, run_sql) for a fresh lease table on SQLite (a file) or PostgreSQL."""
-    if request.param == "sqlite":
+    """(url, run_sql) for a fresh lease table on SQLite (a file), PostgreSQL or MariaDB
+    (a URL without a driver: the manager picks PyMySQL or aiomysql)."""
+    if request.param == "mariadb":
+        url: str = request.getfixturevalue("mariadb_url")
+
+        def run_my(sql: str, *params: Any) -> list[tuple[Any, ...]]:
+            return my_execute(url, sql, *params)
+
+        for statement in lease_schema_ddl("mariadb", table=table):
+            run_my(statement)
+        yield url.replace("+pymysql", ""), run_my
+    elif request.param == "sqlite":
         path = tmp_path / "locks.db"
 
         def run_sqlite(sql: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -531,7 +564,7 @@ async def test_table_from_metadata_is_the_same_table(
     manager uses as it uses the one from the plain DDL."""
     url, run = database
     name = f"meta_{secrets.token_hex(3)}"
-    engine = create_engine(url)
+    engine = create_engine(url.replace("mariadb://", "mariadb+pymysql://"))
     metadata = MetaData()
     try:
         table = lease_table(metadata, name=name)
@@ -552,6 +585,16 @@ async def test_table_from_metadata_is_the_same_table(
     info = await manager.inspect(resource)
     assert info is not None
     assert [r.token for r in info.readers] == [reader.token]
+    # A queued writer ('W') and reader ('R') are no readers ('r'), whatever the collation.
+    blocked = await manager.driver.acquire(resource, "w", 5.0, "writer")
+    assert blocked.queued
+    queued = await manager.driver.acquire(resource, "r2", 5.0, "reader", LeaseMode.READ)
+    assert queued.queued
+    info = await manager.inspect(resource)
+    assert info is not None
+    assert [r.token for r in info.readers] == [reader.token]
+    await manager.driver.abandon(resource, "w")
+    await manager.driver.abandon(resource, "r2")
     await reader.release()
     if url.startswith("postgresql"):
         run(f'DROP TABLE "{name}", "{name}_shared"')
@@ -565,6 +608,11 @@ _EARLIER_DDL = {
     "postgresql": """CREATE TABLE {name} (resource TEXT PRIMARY KEY,
         token BIGINT NOT NULL CHECK (token BETWEEN 1 AND 9007199254740991),
         owner TEXT, holder TEXT, expires_at TIMESTAMPTZ NOT NULL)""",
+    # No version made it on MariaDB: the same columns, as MariaDB's lease table has them.
+    "mariadb": """CREATE TABLE {name} (resource VARCHAR(255) PRIMARY KEY,
+        token BIGINT NOT NULL CHECK (token BETWEEN 1 AND 9007199254740991),
+        owner TEXT, holder TEXT, expires_at DOUBLE NOT NULL)
+        DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin""",
 }
 
 
@@ -574,7 +622,7 @@ async def test_upgrade_ddl_migrates_an_earlier_lease_table(
     """A lease table from before shared locks, with a lease row in it, migrated by
     ``lease_upgrade_ddl()``: the manager keeps its token sequence and has shared locks."""
     url, run = database
-    dialect = "postgresql" if url.startswith("postgresql") else "sqlite"
+    dialect = url.split(":", 1)[0].split("+")[0]
     name = f"old_{secrets.token_hex(3)}"
     run(_EARLIER_DDL[dialect].format(name=name))
     run(
@@ -712,3 +760,74 @@ async def test_sqlite_acquire_timeout_while_held(
     with pytest.raises(AcquireTimeout):
         await join(await spawn(attempt))
     await holder.release()
+
+
+# -- MariaDB ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mariadb(mariadb_url: str, table: str) -> str:
+    """A URL without a driver (the manager picks PyMySQL or aiomysql) of a database with a
+    fresh lease table."""
+    for statement in lease_schema_ddl("mariadb", table=table):
+        my_execute(mariadb_url, statement)
+    return mariadb_url.replace("+pymysql", "")
+
+
+_MY_CLOCK_US = "SELECT TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6))"
+
+
+@pytest.mark.mariadb
+async def test_mariadb_hybrid_tokens_come_from_the_server_clock(
+    mariadb: str, managers: list[Any], table: str, resource: str
+) -> None:
+    """C3: a hybrid token is the server's UTC clock in microseconds at the acquire, whatever
+    the session's time zone; expiry too: a manager in another time zone sees the lease's
+    remaining time as its holder set it."""
+    manager = AsyncSQLLockManager(mariadb, table=table)
+    shifted = AsyncSQLLockManager(
+        mariadb,
+        table=table,
+        engine_options={"connect_args": {"init_command": "SET time_zone = '+05:00'"}},
+    )
+    managers.extend([manager, shifted])
+    before = my_execute(mariadb, _MY_CLOCK_US)[0][0]
+    lease = await shifted.acquire(resource, ttl=5)
+    after = my_execute(mariadb, _MY_CLOCK_US)[0][0]
+    assert before <= lease.token <= after
+    info = await manager.inspect(resource)
+    assert info is not None
+    assert 4 < info.remaining <= 5
+    await lease.release()
+
+
+@pytest.mark.mariadb
+async def test_mariadb_connections_count_rows_found(mariadb: str, managers: list[Any]) -> None:
+    """The manager's engine connects with CLIENT_FOUND_ROWS (SQLAlchemy's MySQL dialects
+    ask for it), so that a renewal or a release reports by the rows it found."""
+    from pymysql.constants import CLIENT
+
+    manager = AsyncSQLLockManager(mariadb)
+    managers.append(manager)
+    engine = manager.engine.sync_engine  # unasync: engine = manager.engine
+    _args, kwargs = engine.dialect.create_connect_args(engine.url)
+    assert kwargs["client_flag"] & CLIENT.FOUND_ROWS
+
+
+@pytest.mark.mariadb
+async def test_mariadb_resources_compare_as_bytes(
+    mariadb: str, managers: list[Any], table: str
+) -> None:
+    """The lease tables' keys have a binary collation: two resources that differ in case
+    only are two locks, as on the other databases (MariaDB's default collation would make
+    them one)."""
+    manager = AsyncSQLLockManager(mariadb, table=table)
+    managers.append(manager)
+    upper = await manager.acquire("Order:1")
+    lower = await manager.try_acquire("order:1")
+    assert lower is not None
+    reader = await manager.acquire("R", mode="read")
+    writer = await manager.try_acquire("r")  # kind 'r' (a reader) is not 'R' (queued)
+    assert writer is not None
+    for lease in (upper, lower, reader, writer):
+        await lease.release()

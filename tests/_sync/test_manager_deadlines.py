@@ -32,6 +32,7 @@ import psycopg
 import pytest
 import redis
 from sqlalchemy import event as sa_event
+from sqlalchemy.engine import make_url
 
 from fence import AcquireTimeout, BackendError, MemoryBackend
 from fence._redis_keys import resource_keys
@@ -511,6 +512,51 @@ def test_postgres_failed_acquire_leaves_no_lock(
         assert isinstance(outcome, BackendError), outcome
         assert elapsed < 0.5 + SLACK
     # The blocker committed: the stranded attempt and the clean-up ran, in either order.
+    for _ in range(100):
+        if manager.inspect(resource) is None:
+            break
+        sleep(0.05)
+    assert manager.inspect(resource) is None
+    lease = manager.try_acquire(resource)
+    assert lease is not None
+    assert lease.token > first.token
+    lease.release()
+
+
+@pytest.mark.mariadb
+def test_mariadb_failed_acquire_leaves_no_lock(
+    mariadb_url: str, managers: list[Any], resource: str
+) -> None:
+    """The acquire's transaction waits for the lease row, which another transaction holds,
+    and the caller's timeout runs out: the socket is cut at the deadline, and the server
+    rolls the stranded transaction back (it never sent COMMIT); the clean-up's release
+    waits for the row too. When the other transaction ends, the lock is free at once."""
+    import pymysql
+
+    table = f"leases_{secrets.token_hex(4)}"
+    manager = SQLLockManager(
+        mariadb_url.replace("+pymysql", ""), table=table, create_table=True, ttl=60
+    )
+    managers.append(manager)
+    first = manager.acquire(resource)
+    first.release()
+    url = make_url(mariadb_url)
+    blocker = pymysql.connect(
+        host=url.host,
+        port=url.port,
+        user=url.username,
+        password=url.password,
+        database=url.database,
+    )
+    try:
+        with blocker.cursor() as cursor:
+            cursor.execute(f"SELECT 1 FROM `{table}` WHERE resource = %s FOR UPDATE", (resource,))
+        outcome, elapsed = timed(lambda: manager.acquire(resource, timeout=0.5))
+        assert isinstance(outcome, BackendError), outcome
+        assert elapsed < 0.5 + SLACK
+    finally:
+        blocker.commit()
+        blocker.close()
     for _ in range(100):
         if manager.inspect(resource) is None:
             break
