@@ -440,7 +440,9 @@ class Checker:
                 yield step, self.restart(world, n, [*trace, step], wipe=False)
 
     def begin(self, world: World, index: int, client: Client) -> World:
-        machine, request = QuorumAcquire.begin(self.b.nodes, setup_id=f"g{index}.{client.acquires}")
+        machine, request = QuorumAcquire.begin(
+            self.b.nodes, setup_id=f"g{index}.{client.acquires}.{client.attempts}"
+        )
         return self.send(world, index, replace(client, machine=machine), request)
 
     def tick(self, world: World, ticks: int) -> World:
