@@ -29,10 +29,12 @@ jumps forward, two holders' client deadlines (C10) never overlap.
 
 Beyond the model the manager refuses and reports: a grant that a majority of nodes with
 intact data cannot back raises ``BackendError(code="DATA_LOST")`` and emits
-:attr:`EventKind.REFUSED`. Two faults cannot be detected: every node losing its data
-before a grant repaired any of them, at once or in turn (a rolling restart of an idle
-quorum: it looks like a new deployment, :attr:`EventKind.QUORUM_INITIALIZED`), and a node
-rolled back to an older copy of its data.
+:attr:`EventKind.REFUSED`. Every node losing its data before a grant repaired any of them,
+at once or in turn (a rolling restart of an idle quorum), looks like a new deployment: in
+counter mode a driver that saw a grant refuses it (``granted_before`` of
+:class:`QuorumAcquire`), a driver started since sets the quorum up again
+(:attr:`EventKind.QUORUM_INITIALIZED`; hybrid tokens stay above the node clocks, counter
+tokens start at 1). A node rolled back to an older copy of its data cannot be detected.
 
 **Incarnations.** Each node keeps a marker (``<prefix>quorum:node``: ``state`` and ``id``).
 A node that answers without one lost its data (or is new): its first script call records a
@@ -51,6 +53,20 @@ lost its data. A repair that lands on a later incarnation changes nothing.
 ``pending`` (naming its id) and, only if all ``N`` took the mark, ``genesis``. A node can
 leave ``new``/``pending`` only by genesis or repair, so if all ``N`` took the mark, there
 was a moment at which no node held any data: nothing could have been lost.
+
+Two set-ups at once can leave a minority confirmed under one and the other nodes pending
+under another. Each ``genesis`` node records the first acquire call it grants to
+(``used``: its secret and attempt number; the undo that releases that attempt's lock
+clears it). A vote that finds a minority eligible and every other node ``new`` or
+``pending`` prepares every node again, naming the incarnations it saw, and a ``genesis``
+node takes that step only if it granted to no attempt but this one. If every node took it,
+no grant was handed out under the old set-up: a grant needs a majority of nodes eligible
+when it voted. Those the attempt saw fresh were still fresh in the same incarnation when
+prepared, so they were never eligible since (a fresh node that became ``genesis`` and
+granted carries a mark that stops the step back); those it saw eligible, fewer than a
+majority, each carry the mark of the first attempt they granted to; a node that lost its
+data since the grant is unrepaired, and fewer than a majority are. So the argument above
+holds again.
 
 **Attempts.** Every attempt of one acquire call sends the call's owner secret, with a
 number larger for each later attempt; the lock hash records the number of the attempt that
@@ -161,11 +177,11 @@ local function eligible(marker, tag, new_id)
   return false, state, id, node[3] or ''
 end
 
--- A 'genesis' node records the first acquire call it grants to ('used'): a set-up under
--- which nothing was granted may be taken up again (GENESIS, prepare), one under which a
--- grant may have been handed out may not.
-local function use(marker, unused, secret)
-  if unused then redis.call('HSET', marker, 'used', secret) end
+-- A 'genesis' node records the first attempt of an acquire call it grants to ('used':
+-- secret/attempt): a set-up under which nothing was granted may be taken up again
+-- (GENESIS, prepare), one under which a grant may have been handed out may not.
+local function use(marker, unused, secret, attempt)
+  if unused then redis.call('HSET', marker, 'used', secret .. '/' .. attempt) end
 end
 """
 
@@ -204,7 +220,9 @@ if held[1] == ARGV[1] then
   end
   redis.call('HSET', KEYS[1], 'attempt', ARGV[6])
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  use(KEYS[4], unused, ARGV[1])
+  if unused or redis.call('HGET', KEYS[4], 'used') == ARGV[1] .. '/' .. (held[3] or '') then
+    use(KEYS[4], true, ARGV[1], ARGV[6])  -- the mark moves to the attempt that took over
+  end
   return tonumber(held[2])
 end
 if held[1] then
@@ -224,7 +242,7 @@ redis.call('SET', KEYS[2], text)
 redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', ARGV[3],
   'attempt', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-use(KEYS[4], unused, ARGV[1])
+use(KEYS[4], unused, ARGV[1], ARGV[6])
 return token
 """
 )
@@ -244,7 +262,7 @@ local ok, state, id, genesis = eligible(KEYS[4], KEYS[3], ARGV[4])
 if not ok then
   return {-1, state, id, genesis}
 end
-use(KEYS[4], state, ARGV[1])
+use(KEYS[4], state, ARGV[1], ARGV[5])
 local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 local held = tonumber(redis.call('HGET', KEYS[1], 'token') or '0') or 0
 if held > last then last = held end
@@ -324,9 +342,9 @@ GENESIS = """
 -- KEYS[1] node marker
 -- ARGV[1] 'prepare', 'confirm' or 'probe'
 -- ARGV[2] the incarnation id the node reported ('': the node answered as eligible)
--- ARGV[3] the set-up's id   ARGV[4] the owner secret of the acquire call
+-- ARGV[3] the set-up's id   ARGV[4] the acquire attempt: owner secret/attempt number
 -- prepare: 'new' or 'pending' -> 'pending' under this set-up; with ARGV[2] '', 'genesis'
--- that granted to no acquire call but this one -> 'pending'. confirm: 'pending' under this
+-- that granted to no attempt but this one -> 'pending'. confirm: 'pending' under this
 -- set-up -> 'genesis'. A client confirms only what it knows every node prepared: its own
 -- set-up after every prepare succeeded, or a set-up that a node already confirmed.
 -- Returns 1 if the node took the step, else 0; probe returns {state, set-up id}.
@@ -386,8 +404,10 @@ UNDO = (
 -- node, and wake one waiter. Every attempt of an acquire call uses the call's secret, so
 -- the attempt's number tells them apart: an undo that arrives late, after a later attempt
 -- of the same call took the lock here (and was perhaps granted), must leave that lock
--- alone. It needs no marker: it only gives up a lock.
--- KEYS[1] lock hash      KEYS[2] signal list
+-- alone. It needs no eligibility: it only gives up a lock. A 'genesis' node whose first
+-- grant went to the attempt whose lock this releases forgets it: that grant was never
+-- handed out, and another set-up may take the node up again (GENESIS).
+-- KEYS[1] lock hash      KEYS[2] signal list   KEYS[3] node marker
 -- ARGV[1] owner secret   ARGV[2] the attempt's number
 -- Returns 1 if released, 0 if the lock is not held by this attempt or an earlier one of
 -- the same call.
@@ -396,6 +416,9 @@ if held[1] ~= ARGV[1] or (tonumber(held[2]) or 0) > tonumber(ARGV[2]) then
   return 0
 end
 redis.call('DEL', KEYS[1])
+if redis.call('HGET', KEYS[3], 'used') == ARGV[1] .. '/' .. (held[2] or '') then
+  redis.call('HDEL', KEYS[3], 'used')
+end
 wake(KEYS[2], nil, nil, nil)
 return 1
 """
@@ -612,12 +635,12 @@ def node_call(
             [request.incarnations[position], str(request.token)],
         )
     if op in (Op.PREPARE, Op.CONFIRM):
-        args = [op.value, request.incarnations[position], request.genesis, secret]
+        args = [op.value, request.incarnations[position], request.genesis, f"{secret}/{attempt}"]
         return "genesis", [keys.node], args
     if op is Op.PROBE:
         return "genesis", [keys.node], ["probe", "", "", ""]
     if op is Op.UNDO:
-        return "undo", [keys.lock, keys.signal], [secret, str(attempt)]
+        return "undo", [keys.lock, keys.signal, keys.node], [secret, str(attempt)]
     return "release", [keys.lock, keys.signal, keys.repaired, keys.node], [secret]
 
 
@@ -835,7 +858,7 @@ class QuorumAcquire:
         eligible = machine._answered()
         if len(eligible) < need:
             if (
-                not self.set_up
+                not self.restart
                 and not self.granted_before
                 and all(a.eligible or a.state in _FRESH for a in votes)
             ):
