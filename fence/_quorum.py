@@ -29,10 +29,12 @@ jumps forward, two holders' client deadlines (C10) never overlap.
 
 Beyond the model the manager refuses and reports: a grant that a majority of nodes with
 intact data cannot back raises ``BackendError(code="DATA_LOST")`` and emits
-:attr:`EventKind.REFUSED`. Two faults cannot be detected: every node losing its data
-before a grant repaired any of them, at once or in turn (a rolling restart of an idle
-quorum: it looks like a new deployment, :attr:`EventKind.QUORUM_INITIALIZED`), and a node
-rolled back to an older copy of its data.
+:attr:`EventKind.REFUSED`. Every node losing its data before a grant repaired any of them,
+at once or in turn (a rolling restart of an idle quorum), looks like a new deployment: in
+counter mode a driver that saw a grant refuses it (``granted_before`` of
+:class:`QuorumAcquire`), a driver started since sets the quorum up again
+(:attr:`EventKind.QUORUM_INITIALIZED`; hybrid tokens stay above the node clocks, counter
+tokens start at 1). A node rolled back to an older copy of its data cannot be detected.
 
 **Incarnations.** Each node keeps a marker (``<prefix>quorum:node``: ``state`` and ``id``).
 A node that answers without one lost its data (or is new): its first script call records a
@@ -51,6 +53,20 @@ lost its data. A repair that lands on a later incarnation changes nothing.
 ``pending`` (naming its id) and, only if all ``N`` took the mark, ``genesis``. A node can
 leave ``new``/``pending`` only by genesis or repair, so if all ``N`` took the mark, there
 was a moment at which no node held any data: nothing could have been lost.
+
+Two set-ups at once can leave a minority confirmed under one and the other nodes pending
+under another. Each ``genesis`` node records the first acquire call it grants to
+(``used``: its secret and attempt number; the undo that releases that attempt's lock
+clears it). A vote that finds a minority eligible and every other node ``new`` or
+``pending`` prepares every node again, naming the incarnations it saw, and a ``genesis``
+node takes that step only if it granted to no attempt but this one. If every node took it,
+no grant was handed out under the old set-up: a grant needs a majority of nodes eligible
+when it voted. Those the attempt saw fresh were still fresh in the same incarnation when
+prepared, so they were never eligible since (a fresh node that became ``genesis`` and
+granted carries a mark that stops the step back); those it saw eligible, fewer than a
+majority, each carry the mark of the first attempt they granted to; a node that lost its
+data since the grant is unrepaired, and fewer than a majority are. So the argument above
+holds again.
 
 **Attempts.** Every attempt of one acquire call sends the call's owner secret, with a
 number larger for each later attempt; the lock hash records the number of the attempt that
@@ -146,18 +162,26 @@ _ELIGIBLE = """
 -- since the quorum was set up ('genesis'), or the resource was repaired under the node's
 -- current incarnation ('recovering'). A node without a marker lost its data (or is new):
 -- it records incarnation new_id in state 'new' (when new_id is given).
--- Returns true, or false, state, id, genesis id (of a pending node; else '').
+-- Returns true and whether the node is a 'genesis' node that granted nothing yet, or
+-- false, state, id, genesis id (of a pending node; else '').
 local function eligible(marker, tag, new_id)
-  local node = redis.call('HMGET', marker, 'state', 'id', 'genesis')
+  local node = redis.call('HMGET', marker, 'state', 'id', 'genesis', 'used')
   local state, id = node[1], node[2]
   if not state then
     if not new_id then return false, 'blank', '', '' end
     state, id = 'new', new_id
     redis.call('HSET', marker, 'state', state, 'id', id)
   end
-  if state == 'genesis' then return true end
-  if state == 'recovering' and redis.call('GET', tag) == id then return true end
+  if state == 'genesis' then return true, not node[4] end
+  if state == 'recovering' and redis.call('GET', tag) == id then return true, false end
   return false, state, id, node[3] or ''
+end
+
+-- A 'genesis' node records the first attempt of an acquire call it grants to ('used':
+-- secret/attempt): a set-up under which nothing was granted may be taken up again
+-- (GENESIS, prepare), one under which a grant may have been handed out may not.
+local function use(marker, unused, secret, attempt)
+  if unused then redis.call('HSET', marker, 'used', secret .. '/' .. attempt) end
 end
 """
 
@@ -182,6 +206,7 @@ local ok, state, id, genesis = eligible(KEYS[4], KEYS[3], ARGV[5])
 if not ok then
   return {-1, state, id, genesis}
 end
+local unused = state
 if redis.call('EXISTS', KEYS[6]) == 1 then
   return {0, 0}  -- this acquire was cancelled: refused, as if held, wherever it arrives late
 end
@@ -195,6 +220,9 @@ if held[1] == ARGV[1] then
   end
   redis.call('HSET', KEYS[1], 'attempt', ARGV[6])
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if unused or redis.call('HGET', KEYS[4], 'used') == ARGV[1] .. '/' .. (held[3] or '') then
+    use(KEYS[4], true, ARGV[1], ARGV[6])  -- the mark moves to the attempt that took over
+  end
   return tonumber(held[2])
 end
 if held[1] then
@@ -214,6 +242,7 @@ redis.call('SET', KEYS[2], text)
 redis.call('HSET', KEYS[1], 'secret', ARGV[1], 'token', text, 'holder', ARGV[3],
   'attempt', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+use(KEYS[4], unused, ARGV[1], ARGV[6])
 return token
 """
 )
@@ -233,6 +262,7 @@ local ok, state, id, genesis = eligible(KEYS[4], KEYS[3], ARGV[4])
 if not ok then
   return {-1, state, id, genesis}
 end
+use(KEYS[4], state, ARGV[1], ARGV[5])
 local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 local held = tonumber(redis.call('HGET', KEYS[1], 'token') or '0') or 0
 if held > last then last = held end
@@ -307,19 +337,31 @@ return 1
 """
 
 GENESIS = """
--- GENESIS: set up a quorum whose nodes all answered 'new' or 'pending' (none holds data).
+-- GENESIS: set up a quorum whose nodes all answered 'new' or 'pending' (none holds data),
+-- or set up again one under which nothing was granted.
 -- KEYS[1] node marker
 -- ARGV[1] 'prepare', 'confirm' or 'probe'
--- ARGV[2] the incarnation id the node reported   ARGV[3] the set-up's id
--- prepare: 'new' or 'pending' -> 'pending' under this set-up. confirm: 'pending' under this
+-- ARGV[2] the incarnation id the node reported ('': the node answered as eligible)
+-- ARGV[3] the set-up's id   ARGV[4] the acquire attempt: owner secret/attempt number
+-- prepare: 'new' or 'pending' -> 'pending' under this set-up; with ARGV[2] '', 'genesis'
+-- that granted to no attempt but this one -> 'pending'. confirm: 'pending' under this
 -- set-up -> 'genesis'. A client confirms only what it knows every node prepared: its own
 -- set-up after every prepare succeeded, or a set-up that a node already confirmed.
 -- Returns 1 if the node took the step, else 0; probe returns {state, set-up id}.
-local node = redis.call('HMGET', KEYS[1], 'state', 'id', 'genesis')
+local node = redis.call('HMGET', KEYS[1], 'state', 'id', 'genesis', 'used')
 if ARGV[1] == 'probe' then
   return {node[1] or 'blank', node[3] or ''}
 end
-if node[2] ~= ARGV[2] then
+if ARGV[2] == '' then
+  if ARGV[1] == 'prepare' and node[1] == 'genesis' and (not node[4] or node[4] == ARGV[4]) then
+    redis.call('HSET', KEYS[1], 'state', 'pending', 'genesis', ARGV[3])
+    redis.call('HDEL', KEYS[1], 'used')
+    return 1
+  end
+  if ARGV[1] ~= 'confirm' then
+    return 0
+  end
+elseif node[2] ~= ARGV[2] then
   return 0
 end
 if ARGV[1] == 'prepare' and (node[1] == 'new' or node[1] == 'pending') then
@@ -362,8 +404,10 @@ UNDO = (
 -- node, and wake one waiter. Every attempt of an acquire call uses the call's secret, so
 -- the attempt's number tells them apart: an undo that arrives late, after a later attempt
 -- of the same call took the lock here (and was perhaps granted), must leave that lock
--- alone. It needs no marker: it only gives up a lock.
--- KEYS[1] lock hash      KEYS[2] signal list
+-- alone. It needs no eligibility: it only gives up a lock. A 'genesis' node whose first
+-- grant went to the attempt whose lock this releases forgets it: that grant was never
+-- handed out, and another set-up may take the node up again (GENESIS).
+-- KEYS[1] lock hash      KEYS[2] signal list   KEYS[3] node marker
 -- ARGV[1] owner secret   ARGV[2] the attempt's number
 -- Returns 1 if released, 0 if the lock is not held by this attempt or an earlier one of
 -- the same call.
@@ -372,6 +416,9 @@ if held[1] ~= ARGV[1] or (tonumber(held[2]) or 0) > tonumber(ARGV[2]) then
   return 0
 end
 redis.call('DEL', KEYS[1])
+if redis.call('HGET', KEYS[3], 'used') == ARGV[1] .. '/' .. (held[2] or '') then
+  redis.call('HDEL', KEYS[3], 'used')
+end
 wake(KEYS[2], nil, nil, nil)
 return 1
 """
@@ -588,12 +635,12 @@ def node_call(
             [request.incarnations[position], str(request.token)],
         )
     if op in (Op.PREPARE, Op.CONFIRM):
-        args = [op.value, request.incarnations[position], request.genesis]
+        args = [op.value, request.incarnations[position], request.genesis, f"{secret}/{attempt}"]
         return "genesis", [keys.node], args
     if op is Op.PROBE:
-        return "genesis", [keys.node], ["probe", "", ""]
+        return "genesis", [keys.node], ["probe", "", "", ""]
     if op is Op.UNDO:
-        return "undo", [keys.lock, keys.signal], [secret, str(attempt)]
+        return "undo", [keys.lock, keys.signal, keys.node], [secret, str(attempt)]
     return "release", [keys.lock, keys.signal, keys.repaired, keys.node], [secret]
 
 
@@ -677,12 +724,18 @@ class QuorumAcquire:
         nodes: the number of nodes.
         revoke: a revoke (forced, with fence) rather than an acquire.
         setup_id: a fresh random id, used if this attempt sets the quorum up.
+        granted_before: counter tokens, and the caller saw this quorum grant before: a
+            vote that finds no node holding data is a loss of every node's data (a
+            rolling restart of nodes without persistence), not a new quorum. It is
+            refused (``DATA_LOST``), never set up again with tokens from 1.
     """
 
     nodes: int
     revoke: bool = False
     setup_id: str = ""
+    granted_before: bool = False
     phase: _Phase = _Phase.VOTE
+    restart: bool = False
     votes: tuple[Answer, ...] = ()
     token: int | None = None
     set_up: bool = False
@@ -690,11 +743,11 @@ class QuorumAcquire:
 
     @classmethod
     def begin(
-        cls, nodes: int, *, revoke: bool = False, setup_id: str = ""
+        cls, nodes: int, *, revoke: bool = False, setup_id: str = "", granted_before: bool = False
     ) -> tuple[QuorumAcquire, Request]:
         """The machine and its first round: ACQUIRE (or REVOKE) to every node."""
         majority(nodes)
-        machine = cls(nodes, revoke, setup_id)
+        machine = cls(nodes, revoke, setup_id, granted_before)
         return machine, machine._vote()
 
     def _vote(self) -> Request:
@@ -730,6 +783,10 @@ class QuorumAcquire:
                     Op.CONFIRM, tuple(range(self.nodes)), None, self._incarnations(), self.setup_id
                 )
                 return replace(self, phase=_Phase.CONFIRM), request
+            if self.restart:
+                # A node granted to another acquire call: a token may have been handed
+                # out under the set-up, which stands.
+                return self._short(self._report())
             return self._end(Outcome(Verdict.SPLIT, **self._report()))
         if phase is _Phase.CONFIRM:
             machine = replace(self, phase=_Phase.VOTE, votes=(), set_up=True)
@@ -758,6 +815,8 @@ class QuorumAcquire:
     # -- the vote ------------------------------------------------------------------------
 
     def _incarnations(self) -> tuple[str, ...]:
+        # An eligible node reported no incarnation: '' asks GENESIS to take up its set-up
+        # again (a restart), which it does only if the node granted to nobody else.
         return tuple(a.incarnation or "" for a in self.votes)
 
     def _report(self) -> dict[str, Any]:
@@ -780,6 +839,8 @@ class QuorumAcquire:
             # Every node answered and none holds any data: a new quorum. Set it up, once.
             if self.set_up:
                 return machine._end(Outcome(Verdict.SPLIT, **machine._report()))
+            if self.granted_before:
+                return machine._end(Outcome(Verdict.DATA_LOST, **machine._report()))
             request = Request(
                 Op.PREPARE, tuple(range(self.nodes)), None, machine._incarnations(), self.setup_id
             )
@@ -796,11 +857,21 @@ class QuorumAcquire:
         report = machine._report()
         eligible = machine._answered()
         if len(eligible) < need:
-            if any(votes[i].state is NodeState.PENDING for i in report["ineligible"]):
-                # A set-up whose confirmations were lost: ask the others which one they took.
-                request = Request(Op.PROBE, tuple(i for i, a in enumerate(votes) if not a.failed))
-                return replace(machine, phase=_Phase.PROBE), request
-            return machine._refuse(report)
+            if (
+                not self.restart
+                and not self.granted_before
+                and all(a.eligible or a.state in _FRESH for a in votes)
+            ):
+                # Every node answered; a minority is set up, the others hold no data (two
+                # set-ups at once, each of which took some nodes). If the set-up nodes
+                # granted to no acquire call but this one, no token was ever handed out
+                # under it: set the quorum up again (GENESIS refuses a node that did).
+                request = Request(
+                    Op.PREPARE, tuple(range(self.nodes)), None, machine._incarnations(),
+                    self.setup_id,
+                )  # fmt: skip
+                return replace(machine, phase=_Phase.PREPARE, restart=True), request
+            return machine._short(report)
         if granted or self.revoke:
             return machine._undo(Outcome(Verdict.SPLIT, **report))
         refused = [i for i in eligible if not votes[i].granted]
@@ -809,6 +880,14 @@ class QuorumAcquire:
             [t if t is not None and t >= 0 else None for t in ttls], 0, self.nodes
         )
         return machine._undo(Outcome(Verdict.HELD, holder_ttl=wait, wait_on=refused[0], **report))
+
+    def _short(self, report: dict[str, Any]) -> tuple[QuorumAcquire, Request | Outcome]:
+        """Fewer than a majority of eligible nodes granted, and no set-up to take up again."""
+        if any(self.votes[i].state is NodeState.PENDING for i in report["ineligible"]):
+            # A set-up whose confirmations were lost: ask the others which one they took.
+            request = Request(Op.PROBE, tuple(i for i, a in enumerate(self.votes) if not a.failed))
+            return replace(self, phase=_Phase.PROBE), request
+        return self._refuse(report)
 
     def _refuse(self, report: dict[str, Any]) -> tuple[QuorumAcquire, Request | Outcome]:
         """Fewer than a majority of eligible nodes answered."""

@@ -8,7 +8,12 @@ the real Lua scripts (``tests/lua_redis.py``), and checks in every reachable sta
 - **ordered**: a grant whose acquire started after another grant completed has a larger
   token (the real-time order of grants);
 - **exclusive**: no grant while another holder's client deadline (C10) has not passed
-  (checked only where node clocks do not jump forward: a lease cannot survive that).
+  (checked only where node clocks do not jump forward: a lease cannot survive that);
+- **live** (searches with ``Bounds.live``): in every state with no message in flight and
+  within the fault model, a new client acquiring alone, with no fault, is granted within
+  ``Bounds.patience`` attempts (time passing a lease between them) and its token is
+  unique and above every token granted before: a set-up completes, a free resource is
+  granted.
 
 Schedules: every interleaving of message deliveries; a request lost, its reply lost, or
 delayed past the client's timeout (then delivered at any later point, or never); time
@@ -82,6 +87,12 @@ class Bounds:
         wipe_limit: at most this many nodes may be unrepaired at once (the fault model's
             "fewer than a majority"); ``None``: no limit (beyond the model).
         release: holders may release.
+        again: a client that released may start its next acquire call (up to
+            ``acquires``); otherwise only a refused call is followed by another.
+        live: check liveness (see the module) in every quiescent state.
+        patience: the attempts the liveness check allows.
+        remember: a client that was granted before passes ``granted_before`` (counter
+            mode), as the driver does; a test turns it off to show the checker fails.
         max_states: stop (and fail) past this many states.
     """
 
@@ -105,6 +116,10 @@ class Bounds:
     set_up: bool = True
     wipe_limit: int | None = None
     release: bool = True
+    again: bool = False
+    live: bool = False
+    patience: int = 3
+    remember: bool = True
     max_states: int = 700_000
 
 
@@ -135,6 +150,7 @@ class Client:
     floor: int = 0
     deadline: float = 0.0
     token: int = 0
+    granted: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,6 +229,7 @@ class Checker:
         forward = bounds.jumps > 0 and any(j > 0 for j in bounds.jump_sizes)
         self.exclusive = (not forward) if exclusive is None else exclusive
         self.report = Report()
+        self.lived: set[tuple[int, tuple[Node, ...]]] = set()
         # A lease a millisecond short of whole ticks ends on a node one tick after the grant.
         self.ttl = bounds.ttl - 0.001
 
@@ -305,7 +322,8 @@ class Checker:
             return self.set_client(world, index, client)
         assert client.request is not None
         if client.phase == "release":
-            return self.set_client(world, index, replace(client, phase="done", request=None))
+            phase = "idle" if self.b.again else "done"
+            return self.set_client(world, index, replace(client, phase=phase, request=None))
         assert client.machine is not None
         left = validity(self.ttl, world.now - client.start, drift=DRIFT, margin=MARGIN)
         machine, step = client.machine.step(tuple(a for a in answers if a), left=left)
@@ -353,6 +371,7 @@ class Checker:
             answers=(),
             token=token,
             deadline=deadline,
+            granted=True,
         )
         world = replace(world, tokens=world.tokens | {token}, completed=max(world.completed, token))
         return self.set_client(world, index, client)
@@ -440,8 +459,66 @@ class Checker:
                 yield step, self.restart(world, n, [*trace, step], wipe=False)
 
     def begin(self, world: World, index: int, client: Client) -> World:
-        machine, request = QuorumAcquire.begin(self.b.nodes, setup_id=f"g{index}.{client.acquires}")
+        remembers = self.b.remember and self.b.mode is TokenMode.COUNTER and client.granted
+        machine, request = QuorumAcquire.begin(
+            self.b.nodes,
+            setup_id=f"g{index}.{client.acquires}.{client.attempts}",
+            granted_before=remembers,
+        )
         return self.send(world, index, replace(client, machine=machine), request)
+
+    # -- liveness -------------------------------------------------------------------------
+
+    def live(self, world: World, trace: list[str]) -> None:
+        """A new client, alone and with no fault, is granted from ``world`` (see the module).
+
+        Its requests run at once, in node order; between attempts time passes a lease (the
+        leases of clients that stopped expire).
+        """
+        b = self.b
+        key = (world.now, world.nodes)
+        if key in self.lived:
+            return
+        self.lived.add(key)
+        verdicts = []
+        for attempt in range(1, b.patience + 1):
+            machine, step = QuorumAcquire.begin(b.nodes, setup_id=f"live.{attempt}")
+            while isinstance(step, Request):
+                answers = []
+                for position, node in enumerate(step.nodes):
+                    name, keys, args = node_call(
+                        step,
+                        position,
+                        prefix=PREFIX,
+                        resource=RESOURCE,
+                        secret="live",
+                        ttl_ms=b.ttl * TICK_MS - 1,
+                        holder="live",
+                        mode=b.mode.value,
+                        nonce=f"i{world.nodes[node].incarnation}",
+                        attempt=attempt,
+                    )
+                    message = Message(node, -1, 0, position, (name, tuple(keys), tuple(args)))
+                    world, reply = self.execute(world, message)
+                    answers.append(_parse(message, reply))
+                machine, step = machine.step(answers, left=self.ttl)
+            verdicts.append(step.verdict.value)
+            if step.verdict is Verdict.GRANTED:
+                token = step.token
+                assert token is not None
+                if token in world.tokens or token <= world.completed:
+                    raise Violation(
+                        f"live: a new client alone was granted token {token}, not above "
+                        f"{world.completed} or granted before",
+                        trace,
+                    )
+                return
+            world = self.tick(world, b.ttl)
+        raise Violation(
+            f"live: a new client alone, with no fault, was not granted in {b.patience} "
+            f"attempts: {verdicts}",
+            trace,
+        )
 
     def tick(self, world: World, ticks: int) -> World:
         messages = tuple(replace(m, deferred=False) for m in world.messages)
@@ -485,9 +562,12 @@ class Checker:
         stack: list[tuple[World, list[str]]] = [(start, [])]
         seen.add(start)
         report = self.report
+        need = self.b.nodes // 2 + 1
         while stack:
             world, trace = stack.pop()
             report.deepest = max(report.deepest, len(trace))
+            if self.b.live and not world.messages and len(world.unrepaired) < need:
+                self.live(world, trace)
             for label, nxt in self.successors(world, trace):
                 report.transitions += 1
                 if nxt in seen:

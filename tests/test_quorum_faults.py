@@ -326,6 +326,16 @@ def test_a_majority_losing_its_data_is_refused_and_reported(
         assert {r.detail["reason"] for r in refused} == {"data_lost"}
         assert not recorder.of(EventKind.ACQUIRED)
         reset_markers(nodes)
+        if mode is TokenMode.COUNTER:
+            # a counter-mode manager that saw a grant takes every node answering as new for
+            # a loss of every node's data: the reset is for managers started after it
+            with pytest.raises(BackendError) as info:
+                manager.try_acquire(resource)
+            assert info.value.code == "DATA_LOST"
+            manager.close()
+            manager = QuorumLockManager(
+                urls(nodes), token_mode=mode, check_config=False, ttl=5, events=bus
+            )
         with EventRecorder(bus) as recorder:
             after = cycle(manager, resource)
         assert recorder.of(EventKind.QUORUM_INITIALIZED)
@@ -893,3 +903,78 @@ async def test_a_late_undo_of_one_attempt_leaves_the_next_attempts_grant(
         proxy.close()
         await _now(manager.close())
         await _now(other.close())
+
+
+# -- set-up and rolling restarts (issue 28) --------------------------------------------------
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_a_rolling_restart_of_an_idle_quorum_is_refused_in_counter_mode(
+    nodes: list[RedisServer], flavour: str
+) -> None:
+    """Nodes that keep no data, counter tokens: each node restarts empty in turn while no
+    acquire runs. Every node answers as a new one; a manager that saw the quorum grant
+    knows that is not a new deployment. It refuses with ``DATA_LOST`` rather than set the
+    quorum up again and hand out token 1 once more."""
+    kind = QuorumLockManager if flavour == "sync" else AsyncQuorumLockManager
+    bus = EventBus()
+    manager = kind(urls(nodes), token_mode=TokenMode.COUNTER, check_config=False, ttl=5, events=bus)
+    try:
+        tokens = []
+        for _ in range(3):
+            lease = await _now(manager.acquire("rolling", timeout=5))
+            tokens.append(lease.token)
+            await _now(lease.release())
+        for node in nodes:
+            wipe(node)
+        with EventRecorder(bus) as recorder, pytest.raises(BackendError) as info:
+            await _now(manager.acquire("rolling", timeout=1))
+        assert info.value.code == "DATA_LOST"
+        assert not recorder.of(EventKind.QUORUM_INITIALIZED)
+        assert not recorder.of(EventKind.ACQUIRED)
+        assert recorder.of(EventKind.REFUSED)
+    finally:
+        await _now(manager.close())
+
+
+def plant_marker(server: RedisServer, **fields: str) -> None:
+    client = raw(server)
+    try:
+        client.delete("fence:quorum:node")
+        client.hset("fence:quorum:node", mapping=fields)
+    finally:
+        client.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_two_set_ups_at_once_leave_a_quorum_that_grants(
+    nodes: list[RedisServer], flavour: str
+) -> None:
+    """Two managers set up a new quorum at once: A prepared every node under its set-up
+    and confirmed the first; B, having seen every node new, prepared the other two under
+    its own set-up, and failed on the first. No lock was ever granted, so nothing can have
+    been lost: the next acquire sets the quorum up again and is granted (it used to be
+    refused with ``DATA_LOST`` for ever, naming nodes that lost nothing)."""
+    kind = QuorumLockManager if flavour == "sync" else AsyncQuorumLockManager
+    plant_marker(nodes[0], state="genesis", id="i0", genesis="g1")
+    plant_marker(nodes[1], state="pending", id="i1", genesis="g2")
+    plant_marker(nodes[2], state="pending", id="i2", genesis="g2")
+    bus = EventBus()
+    manager = kind(urls(nodes), token_mode=TokenMode.COUNTER, check_config=False, ttl=5, events=bus)
+    try:
+        with EventRecorder(bus) as recorder:
+            lease = await _now(manager.acquire("both", timeout=5))
+            await _now(lease.release())
+        assert lease.token >= 1
+        assert not recorder.of(EventKind.REFUSED)
+        assert not recorder.of(EventKind.NODE_DATA_LOST)
+        for node in nodes:
+            client = raw(node)
+            try:
+                assert client.hget("fence:quorum:node", "state") == b"genesis"
+            finally:
+                client.close()
+    finally:
+        await _now(manager.close())

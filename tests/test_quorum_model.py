@@ -3,17 +3,22 @@
 Each search drives the real :class:`fence._quorum.QuorumAcquire` machine and the real node
 scripts through every schedule within its bounds and fails on the first state that breaks
 an invariant (unique tokens, tokens ordered by the real-time order of grants, exclusive
-leases). The number of states explored is printed (``pytest -s`` shows it; ``-rP`` too).
+leases; in the set-up search, liveness: from every quiescent state a new client alone is
+granted). The number of states explored is printed (``pytest -s`` shows it; ``-rP`` too).
 
 The checker is shown able to fail: pointed at the old rule (a node that restarted empty
 votes as if it had its data) it finds the counter-example of issue 16; pointed at an undo
 that releases whatever the acquire call's secret holds, it finds the lease overlap that an
 undo of one attempt arriving after the next attempt's grant causes; with a node clock
 that jumps forward it finds the lease overlap every lease-based lock has (the tokens still
-hold, which is why the guards are needed).
+hold, which is why the guards are needed); with a set-up that is never taken up again it
+finds two set-ups at once that leave the quorum refusing for ever; with a client that
+forgets its grant it finds the rolling restart that repeats counter token 1 (issue 28).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import redis
@@ -30,6 +35,9 @@ RETRIES = Bounds(
     ttl=1, attempts=2, ticks=0, losses=1, lossy=("acquire",), delays=1, late=("undo",),
     release=False,
 )  # fmt: skip
+
+#: One client, two acquire calls; every node may restart empty, in turn or at once.
+ROLLING = Bounds(clients=1, acquires=2, ttl=1, attempts=1, ticks=0, wipes=3, again=True)
 
 #: name -> bounds; every search is exhaustive within its bounds. A fault a search does not
 #: name is off in it.
@@ -57,13 +65,20 @@ SEARCHES = {
         nodes=5, clients=1, acquires=3, ttl=1, attempts=1, ticks=0, losses=1, wipes=2,
         wipe_limit=2,
     ),
-    # a new quorum: every node empty, two clients setting it up at once
-    "n3-set-up": Bounds(set_up=False, ttl=1, attempts=1, ticks=0),
+    # a new quorum: every node empty, two clients setting it up at once; and from every
+    # quiescent state a new client alone is granted (a set-up completes). Holders do not
+    # release: with the set-up taken up again, releases more than double the states
+    # (about 500,000); a holder's lease expires for the new client instead.
+    "n3-set-up": Bounds(set_up=False, ttl=1, attempts=1, ticks=0, live=True, release=False),
     # a node that restarts with its data, a lost message
     "n3-restart-with-data": Bounds(ttl=1, attempts=1, ticks=0, losses=1, restarts=1),
     # two attempts per acquire call, with the call's one secret: an attempt's lost request,
     # its undo delayed past the client's timeout and run after the next attempt's grant
     "n3-retries-late-undo": RETRIES,
+    # nodes without persistence, counter tokens: every node restarting empty in turn
+    # (beyond the fault model), around and between a client's two acquire calls; the
+    # client, which saw a grant, never hands out a token again (it refuses: DATA_LOST)
+    "n3-rolling-restart": ROLLING,
 }  # fmt: skip
 
 
@@ -86,6 +101,8 @@ def test_no_schedule_breaks_an_invariant(name: str, capsys: pytest.CaptureFixtur
         )
     assert report.states > 1000  # the search went somewhere
     assert report.verdicts.get("granted", 0) > 0  # and granted leases
+    if name == "n3-rolling-restart":
+        assert report.verdicts.get("data_lost", 0) > 0  # and refused after the restarts
 
 
 # -- the checker can fail -----------------------------------------------------------------
@@ -203,3 +220,35 @@ def test_the_script_emulation_answers_as_redis_does(redis_url: str) -> None:
         for key in client.scan_iter(f"{prefix}*"):
             client.delete(key)
         client.close()
+
+
+#: GENESIS as it was: a set-up node is never prepared again, whether or not it granted.
+NO_RESTART = {
+    **SCRIPTS,
+    "genesis": SCRIPTS["genesis"].replace(
+        "node[1] == 'genesis' and (not node[4] or node[4] == ARGV[4])", "false"
+    ),
+}
+
+
+def test_the_checker_finds_two_set_ups_at_once_that_leave_the_quorum_refusing() -> None:
+    """Without taking up again a set-up under which nothing was granted, two clients setting
+    up a quorum at once can leave one node set up under the first and the others prepared
+    under the second: every later acquire is refused with ``DATA_LOST``, for ever (issue
+    28). The liveness property finds it."""
+    assert NO_RESTART != SCRIPTS
+    with pytest.raises(Violation) as found:
+        Checker(SEARCHES["n3-set-up"], scripts=NO_RESTART).run()
+    print(f"\n[quorum model] no restart of a set-up: {found.value}")
+    assert found.value.rule == "live"
+    assert "data_lost" in str(found.value)
+
+
+def test_the_checker_finds_the_token_a_rolling_restart_repeats() -> None:
+    """A client that does not remember its grant takes nodes that all restarted empty for
+    a new quorum, sets it up again and hands out counter token 1 once more."""
+    with pytest.raises(Violation) as found:
+        Checker(replace(ROLLING, remember=False)).run()
+    print(f"\n[quorum model] no memory of a grant: {found.value}")
+    assert found.value.rule in ("unique", "ordered")
+    assert sum("restarts empty" in step for step in found.value.trace) == 3

@@ -150,6 +150,10 @@ class AsyncQuorumDriver:
         # a call's attempts all run here, one after the other.
         self._numbers = itertools.count(1)
         self._rng = random.Random()
+        # Counter tokens start at 1 on a new quorum: once this driver saw a grant, every
+        # node answering as new means every node lost its data (a rolling restart of
+        # nodes without persistence), which is refused rather than set up again.
+        self._granted = False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {len(self.nodes)} nodes prefix={self.prefix!r}>"
@@ -267,7 +271,10 @@ class AsyncQuorumDriver:
         number = next(self._numbers)
         step: Request | Outcome
         machine, step = QuorumAcquire.begin(
-            len(self.nodes), revoke=revoke, setup_id=f"{self._rng.getrandbits(64):016x}"
+            len(self.nodes),
+            revoke=revoke,
+            setup_id=f"{self._rng.getrandbits(64):016x}",
+            granted_before=self._granted,
         )
         first: dict[int, Any] = {}
         try:
@@ -283,6 +290,8 @@ class AsyncQuorumDriver:
             # Cancelled or failed half way: a node may hold the lock for this secret.
             await self._undo(resource, secret, machine.holding, number)
             raise
+        if step.verdict is Verdict.GRANTED and self.token_mode is TokenMode.COUNTER:
+            self._granted = True
         self._report(resource, machine, step)
         return step, first
 
