@@ -1077,6 +1077,22 @@ def test_fence_revoke_raises_the_fence_in_the_register(django_dbs: None, using: 
         connections[using].close()
 
 
+def test_the_lock_manager_lives_on_mariadb_too(django_dbs: None) -> None:
+    """Without ``IOFENCE_LOCKS``, a MariaDB database holds the project's locks: the SQL
+    lock manager's leases, whose tokens a block on the same database then carries."""
+    from fence.adapters.django import fenced
+    from fence.adapters.django.locks import lock_manager, lock_url
+    from tests.djangoapp.models import Plain
+
+    assert lock_url("maria").startswith("mariadb+pymysql://")
+    manager = lock_manager("maria", ttl=30)
+    with manager.lock("maria:1") as first, fenced(first, using="maria"):
+        Plain.objects.using("maria").create(text="locked")
+    with manager.lock("maria:1") as second:
+        assert second.token > first.token
+    assert manager.inspect("maria:1") is None
+
+
 def test_the_settings_managers_are_closed_at_exit(
     django_dbs: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

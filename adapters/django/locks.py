@@ -47,7 +47,8 @@ def lock_url(using: str = DEFAULT_DB_ALIAS) -> str:
         using: the database alias to take the locks to when the setting is absent.
 
     Raises:
-        ConfigurationError: no setting, and the database is neither PostgreSQL nor SQLite.
+        ConfigurationError: no setting, and the database is neither PostgreSQL, SQLite
+            nor MariaDB.
     """
     url = getattr(settings, SETTING, None)
     if url:
@@ -61,16 +62,19 @@ def lock_url(using: str = DEFAULT_DB_ALIAS) -> str:
                 f"{using}: an in-memory SQLite database cannot hold locks; set {SETTING}"
             )
         return f"sqlite:///{name}"
-    if vendor == "postgresql":
+    mariadb = vendor == "mysql" and bool(connections[using].mysql_is_mariadb)
+    if vendor == "postgresql" or mariadb:
         user = quote(str(db.get("USER") or ""), safe="")
         password = quote(str(db.get("PASSWORD") or ""), safe="")
         auth = f"{user}:{password}@" if password else (f"{user}@" if user else "")
         host = str(db.get("HOST") or "")
         port = f":{db['PORT']}" if db.get("PORT") else ""
-        return f"postgresql+psycopg://{auth}{host}{port}/{quote(str(db['NAME']), safe='')}"
+        scheme = "mariadb+pymysql" if mariadb else "postgresql+psycopg"
+        return f"{scheme}://{auth}{host}{port}/{quote(str(db['NAME']), safe='')}"
     raise ConfigurationError(
-        f"{using}: the SQL lock manager runs on PostgreSQL and SQLite, not {vendor}; "
-        f"set {SETTING} to another backend (redis://, etcd://, zookeeper://)"
+        f"{using}: the SQL lock manager runs on PostgreSQL, SQLite and MariaDB, not "
+        f"{connections[using].display_name}; set {SETTING} to another backend (redis://, "
+        "etcd://, zookeeper://)"
     )
 
 
