@@ -848,10 +848,12 @@ ON CONFLICT (resource, member) DO UPDATE SET kind = excluded.kind, token = exclu
 # token yet: ``expires_at < 0`` marks it, and ``state`` reads its token as NULL. Every
 # transaction on a resource holds its lease row from its first statement to its commit,
 # so they run one at a time; ``state`` and ``entries`` are plain reads, whose snapshot
-# (REPEATABLE READ) is taken after the claim got the row. The single statements outside
-# transactions (renew, release, a reader's renewal and release, a waiter leaving) report
-# by their row count, of rows found (CLIENT_FOUND_ROWS), not changed. ``$now`` is the
-# server's clock in Unix seconds (MySQLDialect.clock_sql), fixed for a statement.
+# (REPEATABLE READ) is taken after the claim got the row; a reader's renewal, which could
+# otherwise commit after that snapshot, locks the lease row too (_MY_RENEW_READ). The
+# single statements outside transactions (renew, release, a reader's renewal and release,
+# a waiter leaving) report by their row count, of rows found (CLIENT_FOUND_ROWS), not
+# changed. ``$now`` is the server's clock in Unix seconds (MySQLDialect.clock_sql), fixed
+# for a statement.
 _MY_CLAIM = """INSERT INTO $table (resource, token, owner, holder, expires_at)
 VALUES (:resource, 1, NULL, NULL, -1)
 ON DUPLICATE KEY UPDATE resource = resource"""
@@ -859,8 +861,16 @@ ON DUPLICATE KEY UPDATE resource = resource"""
 _MY_RENEW = """UPDATE $table SET expires_at = $now + :ttl
 WHERE resource = :resource AND owner = :secret AND expires_at > $now"""
 
-_MY_RENEW_READ = """UPDATE $shared SET expires_at = $now + :ttl
-WHERE resource = :resource AND member = :secret AND kind = 'r' AND expires_at > $now"""
+# A reader's renewal locks the resource's lease row first, as the driver's transactions do:
+# a writer's acquire reads the shared table in its snapshot and may judge this reader
+# expired; the renewal waits for that transaction to end and finds the reader gone or
+# expired, instead of extending a lease the writer is granted over. STRAIGHT_JOIN keeps
+# the transactions' order of locks (lease row, then shared rows), so the two cannot
+# deadlock; the lease row's no-op assignment makes its lock exclusive at any isolation.
+_MY_RENEW_READ = """UPDATE $table AS l STRAIGHT_JOIN $shared AS q ON q.resource = l.resource
+SET l.token = l.token, q.expires_at = $now + :ttl
+WHERE l.resource = :resource AND q.member = :secret AND q.kind = 'r'
+  AND q.expires_at > $now"""
 
 _MY_RELEASE = """UPDATE $table SET owner = NULL, holder = NULL, expires_at = $now
 WHERE resource = :resource AND owner = :secret AND expires_at > $now"""

@@ -460,3 +460,51 @@ def test_the_lock_manager_runs_on_the_guards_engine(engine: Engine) -> None:
         assert manager.inspect("account:7") is None
     finally:
         manager.close()
+
+
+def test_a_readers_renewal_waits_for_a_transaction_on_its_resource(engine: Engine) -> None:
+    """A reader's renewal takes the resource's lease row before its own row, as the
+    transactions of every acquire and revoke do. Otherwise it could extend a read lease
+    that a writer's acquire, reading the shared table in its snapshot (REPEATABLE READ),
+    has judged expired and is granting over (C2, C13). Shown with a transaction that holds
+    the lease row: the renewal waits for it (InnoDB reports the wait), then goes on."""
+    resource = f"shared:{secrets.token_hex(4)}"
+    manager = SQLLockManager(engine, create_table=True)
+    holder = engine.connect()
+    try:
+        reader = manager.acquire(resource, mode="read", ttl=30)
+        holder.exec_driver_sql(
+            "SELECT resource FROM fence_leases WHERE resource = %s FOR UPDATE", (resource,)
+        )
+        renewed: list[object] = []
+
+        def renew() -> None:
+            try:
+                reader.renew(ttl=60)
+            except Exception as exc:
+                renewed.append(exc)
+            else:
+                renewed.append("renewed")
+
+        renewal = threading.Thread(target=renew)
+        renewal.start()
+        with engine.connect() as watcher:
+            waits = 0
+            while not waits and renewal.is_alive():
+                watcher.rollback()  # a fresh snapshot of information_schema each time
+                waits = watcher.exec_driver_sql(
+                    "SELECT COUNT(*) FROM information_schema.INNODB_TRX "
+                    "WHERE trx_state = 'LOCK WAIT'"
+                ).scalar_one()
+        assert waits == 1, "the renewal went on while a transaction held the lease row"
+        assert renewed == []
+        holder.rollback()
+        renewal.join(timeout=30)
+        assert renewed == ["renewed"]
+        info = manager.inspect(resource)
+        assert info is not None
+        assert info.remaining > 30  # the renewal's 60 s, not the acquire's 30
+        reader.release()
+    finally:
+        holder.close()
+        manager.close()
