@@ -7,7 +7,8 @@
 unpacked into a temporary folder; every script of its ``examples/`` and every program of its
 README (the chains of ``tests/test_docs.py``: a block, or the blocks it continues) runs with
 ``VENV``'s python, each in an empty folder of its own, with the test suite's throwaway
-servers handed in through ``REDIS_URL`` and ``DATABASE_URL`` when the text reads them, as
+servers handed in through ``REDIS_URL``, ``DATABASE_URL`` and ``MARIADB_URL`` (a server
+started only if a program reads it) when the text reads them, as
 ``tests/test_examples.py`` and ``tests/test_docs.py`` do. Nothing of the checkout is on the
 path: the programs import the installed package, and the check says where it came from.
 
@@ -36,7 +37,7 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.servers import PostgresServer, RedisServer  # noqa: E402 - after the path is set
+from tests.servers import MariaDBServer, PostgresServer, RedisServer  # noqa: E402 - after the path is set
 from tests.test_docs import programs  # noqa: E402
 
 
@@ -128,6 +129,7 @@ def main() -> int:
         jobs += [(f"README.md:{p.line}", p.text) for p in programs(source / "README.md")]
         redis_server = RedisServer().start()
         postgres = PostgresServer().start()
+        mariadb: MariaDBServer | None = None
         failures = []
         try:
             for i, (name, text) in enumerate(jobs):
@@ -144,6 +146,10 @@ def main() -> int:
                     run_env["REDIS_URL"] = redis_server.url
                 if "DATABASE_URL" in text:
                     run_env["DATABASE_URL"] = postgres.url
+                if "MARIADB_URL" in text:
+                    if mariadb is None:
+                        mariadb = MariaDBServer().start()
+                    run_env["MARIADB_URL"] = mariadb.url()
                 started = time.monotonic()
                 done = subprocess.run(
                     [python, str(script)],
@@ -157,6 +163,8 @@ def main() -> int:
         finally:
             redis_server.stop()
             postgres.destroy()
+            if mariadb is not None:
+                mariadb.destroy()
     for failure in failures:
         print(failure)
     print(f"{len(jobs) - len(failures)} passed, {len(failures)} failed")
