@@ -15,10 +15,12 @@ The defaults favour speed: no AOF for Redis, no fsync and asynchronous commits f
 PostgreSQL. A chaos run asks for the durability its checker assumes, that a killed
 *process* loses nothing it acknowledged:
 
-- Redis with :data:`REDIS_AOF` (``--appendonly yes --appendfsync everysec``). Redis writes
-  the AOF buffer to the file (into the OS page cache) before it sends the replies of the
-  commands in it; the fsync once a second only matters when the machine itself goes down.
-  ``kill -9`` of the process therefore keeps every acknowledged write.
+- Redis with :data:`REDIS_AOF` (``--appendonly yes --appendfsync always``): Redis writes
+  the AOF buffer to the file and flushes it before it sends the replies of the commands in
+  it, so ``kill -9`` of the process keeps every acknowledged write. ``everysec`` does not
+  promise that: while a background fsync is still running (a busy disk), Redis postpones
+  writing the buffer for up to two seconds and replies all the same, and a process killed
+  then loses those writes (a chaos run on a loaded machine lost an update that way).
 - PostgreSQL with :data:`POSTGRES_DURABLE` (``synchronous_commit=on``: a commit returns
   after its WAL is written), still with ``fsync=off`` (no flush to the disk: a process
   crash keeps the page cache, a power cut would not). ``pg_ctl stop -m immediate`` is a
@@ -72,7 +74,7 @@ REDIS_PID_FILE = "redis.pid"
 MARIADB_PID_FILE = "mariadb.pid"
 
 #: ``redis-server`` arguments under which ``kill -9`` keeps every acknowledged write.
-REDIS_AOF = ("--appendonly", "yes", "--appendfsync", "everysec")
+REDIS_AOF = ("--appendonly", "yes", "--appendfsync", "always")
 
 #: PostgreSQL settings under which a crash keeps every acknowledged commit, with room for
 #: the connections of every chaos worker.
