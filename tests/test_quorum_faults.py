@@ -464,7 +464,11 @@ def test_majority_killed_acquire_fails_cleanly(durable_nodes: list[RedisServer])
     (``appendfsync always``) and the quorum works again."""
     nodes = durable_nodes
     bus = EventBus()
-    manager = QuorumLockManager(urls(nodes), check_config=False, ttl=5, events=bus)
+    # The killed nodes refuse connections at once; the live one gets 5 s to answer (the
+    # default, 0.5 s at this ttl, was spent by a loaded machine, and it was reported down).
+    manager = QuorumLockManager(
+        urls(nodes), check_config=False, ttl=5, events=bus, socket_timeout=5.0
+    )
     try:
         held = manager.acquire("job")
         held.release()

@@ -446,14 +446,17 @@ async def test_renewal_revoke_and_lost_signal_for_readers(
     manager = make_manager(renew=True)
     lost: list[Any] = []
 
+    # A lease of 3 s, held past it: the watchdog renews every second, so a renewal may wait
+    # 2 s. On MariaDB a renewal waits for an acquire's transaction on the same resource
+    # (six round trips); 0.9 s, renewed every 0.3 s, was spent by a loaded machine alone.
     async def read() -> Any:
         return await manager.acquire(
-            resource, mode="read", ttl=0.9, on_lost=lambda lease, err: lost.append(lease)
+            resource, mode="read", ttl=3.0, on_lost=lambda lease, err: lost.append(lease)
         )
 
     first = await other_owner(read)
     second = await other_owner(read)
-    await sleep(1.5)
+    await sleep(3.6)
     assert first.valid
     assert second.valid
     info = await manager.inspect(resource)
