@@ -462,7 +462,7 @@ def judge_fenced(
     """Judge the database's judge (C14): the triggers of every fenced table.
 
     Args:
-        dialect: ``"postgresql"`` or ``"sqlite"``.
+        dialect: ``"postgresql"``, ``"sqlite"``, ``"mariadb"`` or ``"mysql"``.
         tables: ``(table, problem, what to run)`` for every table with a fence column and
             the register; ``problem`` is ``None`` where the triggers are in place and current.
         role: the session's ``session_replication_role`` (PostgreSQL): under ``replica``
@@ -884,9 +884,7 @@ def sql_checks(
                 has_shared=inspector.has_table(shared_table_name(lease_table), schema=schema),
                 lacking=[c for c in SHARED_COLUMNS if c not in columns],
             )
-            if dialect in ("postgresql", "sqlite"):
-                # MariaDB's judge is read by its guards' checks, not here yet.
-                checks += _fenced(conn, dialect, register, schema)
+            checks += _fenced(conn, dialect, register, schema)
             return checks
     except sa.exc.DBAPIError as exc:
         if dialect in DIALECTS and DIALECTS[dialect].classify(exc) in _LOGIN_FAULTS:
@@ -927,6 +925,18 @@ def _fenced(conn: Any, dialect: str, register: str, schema: str | None) -> list[
             if rows:
                 role = str(rows[0][1])
         rewrite = conn.exec_driver_sql(judge.PG_REWRITE_CHECK_QUERY).scalar() or ""
+    elif dialect in ("mariadb", "mysql"):
+        # Without a schema, the URL's database: where the guards look for the triggers.
+        where = "DATABASE()" if schema is None else "%(s)s"
+        query = judge.MARIADB_CHECK_QUERY.format(param="%(t)s", schema=where)
+        for table, has_tombstone in conn.exec_driver_sql(
+            _MARIADB_FENCED.format(schema=where), {"s": schema}
+        ).all():
+            judged = judge.Judged(str(table), register=table == register)
+            rows = conn.exec_driver_sql(query, {"t": table, "s": schema}).all()
+            judged = _as_installed(judge, judged, rows, bool(has_tombstone), body=5)
+            _, problem = judge.verdict(dialect, rows, judged)
+            found.append((str(table), problem, judged.hint(dialect)))
     else:
         names = conn.exec_driver_sql(
             "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
@@ -944,12 +954,23 @@ def _fenced(conn: Any, dialect: str, register: str, schema: str | None) -> list[
     return judge_fenced(dialect, found, role=role, rewrite=rewrite)
 
 
-def _as_installed(judge: Any, judged: Any, rows: Any, has_tombstone: bool) -> Any:
+def _as_installed(judge: Any, judged: Any, rows: Any, has_tombstone: bool, *, body: int = 4) -> Any:
     """The table as its triggers say it was judged (register or rows), so that only a
-    missing, disabled or outdated judge counts; the hint names the tombstone flag."""
+    missing, disabled or outdated judge counts; the hint names the tombstone flag.
+
+    Args:
+        judge: the judge's module.
+        judged: the table as the doctor guessed it.
+        rows: the rows of the dialect's check query (the trigger's name in column 2).
+        has_tombstone: the table has a ``deleted`` column.
+        body: the column of the rows with the text that carries the signature.
+    """
     kind = None
     for row in rows:
-        fields = judge.parse_signature(row[4]) if row[2] is not None else None
+        text = row[body]
+        if isinstance(text, bytes):
+            text = text.decode()
+        fields = judge.parse_signature(text) if row[2] is not None else None
         if fields:
             kind = fields.get("kind")
     register = judged.register if kind is None else kind == "register"
@@ -967,6 +988,19 @@ _PG_FENCED = (
     "AND NOT a.attisdropped WHERE c.relkind IN ('r', 'p') "
     "AND n.nspname NOT IN ('pg_catalog', 'information_schema') "
     "AND n.nspname !~ '^pg_' ORDER BY 1, 2"
+)
+
+
+# Every base table of the schema with a fence column, and whether it has a ``deleted``
+# column (the tombstone flag the hint names). ``{schema}``: ``DATABASE()`` or a parameter.
+_MARIADB_FENCED = (
+    "SELECT c.TABLE_NAME, EXISTS (SELECT 1 FROM information_schema.COLUMNS AS d "
+    "WHERE d.TABLE_SCHEMA = c.TABLE_SCHEMA AND d.TABLE_NAME = c.TABLE_NAME "
+    "AND d.COLUMN_NAME = 'deleted') "
+    "FROM information_schema.COLUMNS AS c JOIN information_schema.TABLES AS t "
+    "ON t.TABLE_SCHEMA = c.TABLE_SCHEMA AND t.TABLE_NAME = c.TABLE_NAME "
+    "WHERE c.TABLE_SCHEMA = {schema} AND c.COLUMN_NAME = 'fence' "
+    "AND t.TABLE_TYPE = 'BASE TABLE' ORDER BY 1"
 )
 
 

@@ -402,6 +402,74 @@ def test_the_mariadb_ddl_runs_again_through_its_client_and_the_guards_use_it(
     assert "DELIMITER //" in triggers.stdout
 
 
+def test_doctor_judges_the_triggers_of_mariadb_fenced_tables(mariadb_url: str) -> None:
+    """On MariaDB as on PostgreSQL and SQLite: every table with a fence column (and the
+    register) must carry the judge's current triggers; a table without them, or with one
+    dropped, fails the check with the command that installs them."""
+    from fence.adapters.sql import fence_column, install_triggers, tombstone_column
+
+    metadata = sa.MetaData()
+    accounts = sa.Table(
+        unique("cli_judged"),
+        metadata,
+        sa.Column("id", sa.Integer, primary_key=True),
+        fence_column(),
+        tombstone_column(),
+    )
+    register = fence_register_table(metadata, unique("cli_reg"))
+    bare = unique("cli_bare")
+    engine = sa.create_engine(mariadb_url)
+    names = ["--register", register.name, "--timeout", "10"]
+    try:
+        metadata.create_all(engine)  # the tables and their triggers
+        manager = fence.SQLLockManager(mariadb_url)
+        manager.create_table()  # the lease tables
+        manager.close()
+        good = lines(run("doctor", mariadb_url, *names).stdout)
+        assert "ok    judge: every fenced table carries current triggers (2 with the register)" in (
+            good
+        ), good
+        with engine.begin() as conn:  # a fenced table that never got its judge
+            conn.exec_driver_sql(f"CREATE TABLE {bare} (id INT PRIMARY KEY, fence BIGINT)")
+            conn.exec_driver_sql(f"DROP TRIGGER iofence_{accounts.name}_delete")
+        done = run("doctor", mariadb_url, *names)
+        out = lines(done.stdout)
+        assert done.returncode == 1, done.stdout
+        assert any(
+            line.startswith(f"fail  judge: the triggers of {bare} are missing (iofence_{bare}_")
+            and f"writes that bypass the guards reach {bare} unjudged" in line
+            for line in out
+        ), out
+        assert any(
+            line.startswith(
+                f"fail  judge: the triggers of {accounts.name} are missing "
+                f"(iofence_{accounts.name}_delete)"
+            )
+            for line in out
+        ), out
+        hints = [line for line in out if line.startswith("-> install them")]
+        assert any(
+            f"fence ddl --dialect mariadb --triggers-only --no-register --table {accounts.name}`"
+            in line
+            for line in hints
+        ), hints  # its tombstone flag kept
+        assert any(f"--no-register --no-tombstone --table {bare}`" in line for line in hints), hints
+        assert not any("judge: every fenced table" in line for line in out)
+        with engine.begin() as conn:
+            install_triggers(conn, accounts)
+            conn.exec_driver_sql(f"DROP TABLE {bare}")
+        again = run("doctor", mariadb_url, *names)
+        assert again.returncode == 0, again.stdout
+        assert "ok    judge: every fenced table carries current triggers (2 with the register)" in (
+            lines(again.stdout)
+        )
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {bare}")
+        metadata.drop_all(engine)
+        engine.dispose()
+
+
 def psql(server: PostgresServer, script: str) -> subprocess.CompletedProcess[str]:
     """``SCRIPT | psql -v ON_ERROR_STOP=1``, as the docs pipe ``fence ddl``."""
     program = shutil.which("psql") or str(Path(server.bindir) / "psql")
