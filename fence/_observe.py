@@ -148,6 +148,7 @@ METRICS: tuple[Metric, ...] = (
 #: ``(metric, label values, value)``: the values in the order of :meth:`Measurements.labels`.
 Measurement = tuple[Metric, tuple[str, ...], float]
 K = TypeVar("K")
+V = TypeVar("V")
 
 
 class Measurements:
@@ -178,6 +179,9 @@ class Measurements:
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str, int | None], float] = {}
         self._released: dict[tuple[str, str], float] = {}
+        # Waiters granted before a release was reported (the holder's thread reports it
+        # after the waiter's did): when, and with which token.
+        self._waited: dict[tuple[str, str], tuple[float, int]] = {}
 
     def labels(self, metric: Metric) -> tuple[str, ...]:
         """The label names of ``metric`` under this configuration."""
@@ -206,6 +210,8 @@ class Measurements:
             hold = self._close(event, released=held)
             if hold is not None:
                 yield HOLD_DURATION, lock, hold
+            if held and self._late_handoff(event, hold):
+                yield HANDOFF_DURATION, lock, 0.0
         elif kind is EventKind.LOST:
             yield LOSSES, lock, 1
             hold = self._close(event, released=False)
@@ -253,16 +259,30 @@ class Measurements:
 
     def _handoff(self, event: Event) -> float | None:
         now = self.clock.monotonic()
+        key = (event.source, event.scope)
         with self._lock:
-            released = self._released.pop((event.source, event.scope), None)
+            released = self._released.pop(key, None)
+            if released is None and event.token is not None:
+                _put(self._waited, key, (now, event.token), self.limit)
         if released is None or event.duration is None:
             return None
         if released < now - event.duration:
             return None  # released before this acquire began waiting: not its hand-off
         return max(0.0, now - released)
 
+    def _late_handoff(self, event: Event, hold: float | None) -> bool:
+        """Whether the release ``event``, of a lease held for ``hold`` seconds, let in a
+        waiter whose grant was reported before it: a waiter with a larger token, granted
+        while this lease was held (what the release is to it is then counted as 0 s)."""
+        with self._lock:
+            waited = self._waited.pop((event.source, event.scope), None)
+        if waited is None or hold is None or event.token is None:
+            return False
+        granted, token = waited
+        return event.token < token and self.clock.monotonic() - hold <= granted
 
-def _put(table: dict[K, float], key: K, value: float, limit: int) -> None:
+
+def _put(table: dict[K, V], key: K, value: V, limit: int) -> None:
     """Remember ``key`` as the newest entry; drop the oldest one when the table is full."""
     table.pop(key, None)
     while len(table) >= limit:

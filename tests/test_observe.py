@@ -142,3 +142,27 @@ def test_importing_fence_imports_no_metrics_library() -> None:
         "assert {'prometheus_client', 'opentelemetry'} <= set(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_release_reported_after_the_waiters_grant_still_counts_its_hand_off() -> None:
+    """The holder's thread may report its release after the waiter's thread reported its
+    grant: the hand-off is counted then, as 0 s (it was shorter than the reports' gap), and
+    only for a release of a lease that was held when the waiter was granted."""
+    clock = ManualClock()
+    measure = Measurements(clock)
+    list(measure(event(EventKind.ACQUIRED, token=1, duration=0.0)))
+    clock.advance(2.0)
+    waited = event(EventKind.WAITED, token=2, duration=1.5)
+    assert values(measure, waited, HANDOFF_DURATION) == []  # no release reported yet
+    list(measure(event(EventKind.ACQUIRED, token=2, duration=1.5)))
+    clock.advance(0.1)
+    released = event(EventKind.RELEASED, token=1, held=True)
+    assert values(measure, released, HANDOFF_DURATION) == [0.0]
+    # Counted once: the waiter's own release, later, is no hand-off of its own.
+    clock.advance(1.0)
+    assert values(measure, event(EventKind.RELEASED, token=2, held=True), HANDOFF_DURATION) == []
+    # A release of a lease never seen held does not pair with a waiter either.
+    waiting = event(EventKind.WAITED, scope="s", token=9, duration=5.0)
+    assert values(measure, waiting, HANDOFF_DURATION) == []
+    unseen = event(EventKind.RELEASED, scope="s", token=8, held=True)
+    assert values(measure, unseen, HANDOFF_DURATION) == []
