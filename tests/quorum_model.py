@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fence._core import TokenMode
@@ -50,6 +50,7 @@ from fence._quorum import (
     parse_answer,
     validity,
 )
+from tests.frozen import replace
 from tests.lua_redis import EMPTY, LuaRedis, ScriptError, Store, purge
 
 TICK_MS = 1000

@@ -42,7 +42,7 @@ cancelled writer).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -58,6 +58,7 @@ from fence._redis_scripts import (
     RENEW,
     REVOKE,
 )
+from tests.frozen import replace
 from tests.lua_redis import EMPTY, LuaRedis, Store, ZSet
 
 TICK = 1000  # ms
