@@ -8,7 +8,8 @@
 
 Starts one throwaway redis-server and one PostgreSQL cluster on loopback (the tests' own,
 ``tests.servers``; the quorum section adds two more redis-servers, the consensus section a
-3-member etcd cluster and a 3-server ZooKeeper ensemble) and runs every section against
+3-member etcd cluster and a 3-server ZooKeeper ensemble, the MariaDB section a MariaDB
+server) and runs every section against
 them. Every row is a ratio to a baseline measured in the same run, interleaved, as
 the median of several repetitions; see ``benchmarks/_harness.py``.
 
@@ -51,6 +52,7 @@ SECTIONS: dict[str, str] = {
     "observe": "bench_observe",
     "celery": "bench_celery",
     "django": "bench_django",
+    "mariadb": "bench_mariadb",
 }
 
 TITLES = {
@@ -74,6 +76,8 @@ TITLES = {
     "observe": "6. What the metrics collectors cost, in process (vs nothing listening)",
     "celery": "7. A Celery task under a lease (FencedTask) vs the same task unfenced (tasks/s)",
     "django": "8. A fenced Django save() vs a plain save() and optimistic version checks (saves/s)",
+    "mariadb": "9. MariaDB: the fenced UPDATE, the ORM unit of work and the SQL manager vs their "
+    "plain twins and peers",
 }
 
 GROUP_ORDER = list(TITLES)

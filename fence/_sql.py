@@ -48,6 +48,7 @@ __all__ = [
     "queue_seq",
     "shared_state",
     "timed_out",
+    "tune_engine",
 ]
 
 #: How long a queued waiter keeps its place without an attempt (its heartbeat), in seconds;
@@ -123,6 +124,14 @@ def engine_arguments(
     kwargs.update(given)
     hook = None if dialect is None else dialect.on_connect(parsed)
     return parsed, kwargs, hook
+
+
+def tune_engine(engine: Any) -> None:
+    """Adjust an engine that the manager's ``make_engine`` created (the ``sync_engine`` of
+    an asyncio one) as its dialect asks (:meth:`fence._sql_dialect.SQLDialect.tune_engine`)."""
+    dialect = dialect_of_url(engine.url)
+    if dialect is not None:
+        dialect.tune_engine(engine)
 
 
 # -- errors -------------------------------------------------------------------------------

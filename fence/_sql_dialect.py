@@ -394,6 +394,10 @@ class SQLDialect:
         """A ``connect`` event listener for an engine built for ``url``, or ``None``."""
         return None
 
+    def tune_engine(self, engine: Any) -> None:
+        """Adjust an engine built by iofence, once created (the ``sync_engine`` of an
+        asyncio one)."""
+
     def is_memory(self, url: URL) -> bool:
         """The URL names a database that lives in one connection (in memory)."""
         return False
@@ -650,6 +654,31 @@ class MySQLDialect(SQLDialect):
         """See :meth:`SQLDialect.token_floor`: ``now`` is :attr:`clock_sql`, in seconds."""
         return f"CAST({now} * 1000000 AS SIGNED)"
 
+    def tune_engine(self, engine: Any) -> None:
+        """See :meth:`SQLDialect.tune_engine`: no ``ROLLBACK`` where the server says no
+        transaction is open.
+
+        In autocommit mode SQLAlchemy still ends every checkout's use with the driver's
+        ``rollback()``, which psycopg skips by itself and PyMySQL and aiomysql send: one
+        round trip more for every release, renewal and acquire of the lock manager. The
+        server reports in every reply whether a transaction is open
+        (``SERVER_STATUS_IN_TRANS``); where it said none is, the ``ROLLBACK`` would undo
+        nothing and is not sent. Where the last reply said one is (or the status is not
+        known), it is sent as before.
+        """
+        dialect = engine.dialect
+        rollback = dialect.do_rollback
+
+        def do_rollback(dbapi_connection: Any) -> None:
+            driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+            status = getattr(driver, "server_status", None)
+            if isinstance(status, int) and not status & _SERVER_STATUS_IN_TRANS:
+                return
+            rollback(dbapi_connection)
+
+        # The engine's own dialect object: no other engine sees it.
+        setattr(dialect, "do_rollback", do_rollback)  # noqa: B010 - mypy: a method
+
     def socket_of(self, connection: Any) -> int | None:
         """See :meth:`SQLDialect.socket_of`: PyMySQL's or aiomysql's socket."""
         try:
@@ -701,6 +730,9 @@ class MariaDBDialect(MySQLDialect):
 
         return mariadb.MariaDBDialect()
 
+
+# The status flag of the MySQL protocol's replies: a transaction is open on the session.
+_SERVER_STATUS_IN_TRANS = 0x0001
 
 # The modules of the DB-API drivers whose errors carry a MariaDB or MySQL error number as
 # ``args[0]`` (aiomysql raises PyMySQL's).

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = [pytest.mark.redis, pytest.mark.postgres]
+pytestmark = [pytest.mark.redis, pytest.mark.postgres, pytest.mark.mariadb]
 
 #: Rows the issue asks for, as (name, baseline): every one must be in a run.
 REQUIRED = {
@@ -68,6 +68,20 @@ REQUIRED = {
     ("Django PostgreSQL: fenced save()", "Django PostgreSQL: plain save(), atomic()"),
     ("Django SQLite: fenced save()", "Django SQLite: django-concurrency save()"),
     ("Django PostgreSQL: fenced save()", "Django PostgreSQL: django-concurrency save()"),
+    (
+        "guard: fenced update (default: row count)",
+        "guard: plain UPDATE, a table without triggers",
+    ),
+    (
+        "guard: fenced update (default: row count)",
+        "guard: plain UPDATE with the token, the judged table",
+    ),
+    ("ORM: unit of work with the hook, claim", "ORM: version_id_col unit of work"),
+    ("manager: iofence SQL (MariaDB by URL)", "manager: raw upsert + UPDATE (PyMySQL, autocommit)"),
+    (
+        "manager: iofence SQL (MariaDB by URL)",
+        "manager: GET_LOCK + RELEASE_LOCK (PyMySQL; no token)",
+    ),
 }
 
 #: The waiters section's rows, per kind of waiter (their names carry the count of waiters).
@@ -133,7 +147,7 @@ def test_the_rows_the_issue_asks_for_are_there(quick_run: tuple[dict, str]) -> N
     assert present >= REQUIRED, sorted(REQUIRED - present)
     groups = {row["group"] for row in results["rows"]}
     expected = {"redis-guard", "sql-guard", "managers", "sql-manager", "quorum", "handoff"}
-    expected |= {"consensus", "consensus-handoff", "consensus-guard"}
+    expected |= {"consensus", "consensus-handoff", "consensus-guard", "mariadb"}
     waiters = [row["name"] for row in results["rows"] if row["group"] == "waiters"]
     for kind in ("asyncio", "thread"):
         for what in WAITER_ROWS:
@@ -156,6 +170,7 @@ def test_machine_and_versions_are_recorded(quick_run: tuple[dict, str]) -> None:
         "python",
         "redis-server",
         "PostgreSQL",
+        "MariaDB",
         "redis",
         "SQLAlchemy",
         "psycopg",

@@ -75,6 +75,7 @@ from fence._sql import (
     queue_seq,
     shared_state,
     timed_out,
+    tune_engine,
 )
 from fence._sql_dialect import (
     PG_CONNECT_TIMEOUT,  # noqa: F401 - make_engine's default, named in its docstring
@@ -110,7 +111,8 @@ def make_engine(url: str | URL, options: Mapping[str, Any] | None = None) -> sa.
     ``postgresql://`` gets the psycopg 3 driver (with ``connect_timeout``
     :data:`PG_CONNECT_TIMEOUT`), and ``sqlite://`` the default SQLite driver of the engine
     kind (aiosqlite for asyncio), unless the URL names a driver. The engine runs in
-    autocommit mode (every lease statement is its own transaction). A SQLite file gets
+    autocommit mode (every lease statement is its own transaction; on MariaDB and MySQL no
+    ``ROLLBACK`` ends a checkout where the server says no transaction is open). A SQLite file gets
     :data:`SQLITE_PRAGMAS` (WAL, ``synchronous=NORMAL``, a 5 s busy timeout unless the URL
     gives ``timeout``) on every
     connection. An in-memory SQLite database gets a single-connection
@@ -124,9 +126,10 @@ def make_engine(url: str | URL, options: Mapping[str, Any] | None = None) -> sa.
     parsed, kwargs, on_connect = engine_arguments(url, options, asyncio=_IS_ASYNC)
     create = sa.create_engine
     engine = create(parsed, **kwargs)
+    target = engine
     if on_connect is not None:
-        target = engine
         event.listen(target, "connect", on_connect)
+    tune_engine(target)
     return engine
 
 
@@ -496,7 +499,12 @@ class SQLDriver:
                 run("write", params)
                 if verdict.placed:
                     run("drop", base)
-            run("sweep", base)
+            # Rows of the shared table are added only by transactions like this one, which
+            # hold the resource (its lease row, or SQLite's write lock): with none read,
+            # none is there to sweep but the one this one put (the common uncontended
+            # writer: a statement saved).
+            if entries:
+                run("sweep", base)
             return token, True, None, False
 
         token, granted, wait, queued = self._transaction("acquire", resource, body)

@@ -831,3 +831,38 @@ async def test_mariadb_resources_compare_as_bytes(
     assert writer is not None
     for lease in (upper, lower, reader, writer):
         await lease.release()
+
+
+async def _session_counts(engine: Any) -> dict[str, int]:
+    """Statements and ``ROLLBACK`` s the session of the engine's one pooled connection ran."""
+    async with engine.connect() as conn:
+        result = await conn.exec_driver_sql(
+            "SHOW SESSION STATUS WHERE Variable_name IN ('Questions', 'Com_rollback')"
+        )
+        return {str(name): int(value) for name, value in result.all()}
+
+
+@pytest.mark.mariadb
+async def test_mariadb_acquire_and_release_are_seven_statements(
+    mariadb: str, managers: list[Any], table: str, resource: str
+) -> None:
+    """An uncontended acquire is one transaction of six statements (``START TRANSACTION``,
+    the claim, the lease row, the shared rows, the write, ``COMMIT``) and a release one
+    statement: no ``ROLLBACK`` ends a checkout whose last reply said no transaction is
+    open, and no sweep runs where no shared row was read. A checkout that leaves a
+    transaction open is still rolled back."""
+    manager = AsyncSQLLockManager(mariadb, table=table, engine_options={"pool_size": 1})
+    managers.append(manager)
+    await (await manager.acquire(resource)).release()
+    before = await _session_counts(manager.engine)
+    for _ in range(3):
+        lease = await manager.acquire(resource)
+        await lease.release()
+    after = await _session_counts(manager.engine)
+    assert after["Com_rollback"] == before["Com_rollback"]
+    assert after["Questions"] - before["Questions"] == 3 * 7 + 1  # and the SHOW
+    async with manager.engine.connect() as conn:
+        await conn.exec_driver_sql("START TRANSACTION")
+        await conn.exec_driver_sql("SELECT 1")
+    final = await _session_counts(manager.engine)
+    assert final["Com_rollback"] == after["Com_rollback"] + 1
