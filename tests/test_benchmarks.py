@@ -7,6 +7,7 @@ about speed: the numbers belong in docs/benchmarks.md, not in a test.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import subprocess
@@ -89,9 +90,26 @@ WAITER_ROWS = ("wake-up latency p50", "wake-up latency p99", "connections used")
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    """One quick run of the whole suite; its results and the docs page it updated."""
-    tmp = tmp_path_factory.mktemp("bench")
+def quick_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> tuple[dict, str]:
+    """One quick run of the whole suite; its results and the docs page it updated.
+
+    One run serves every test process: with pytest-xdist the tests of this module may land
+    in two processes, and the first to get here runs the suite while the other waits on the
+    lock and reads what it wrote."""
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent  # the directory every xdist worker's base directory is in
+    done = shared / "bench-quick.json"
+    with (shared / "bench-quick.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            results, page = _quick_run(tmp_path_factory.mktemp("bench"))
+            done.write_text(json.dumps({"results": results, "page": page}))
+    saved = json.loads(done.read_text())
+    return saved["results"], saved["page"]
+
+
+def _quick_run(tmp: Path) -> tuple[dict, str]:
     docs = tmp / "benchmarks.md"
     docs.write_text(
         "# Benchmarks\n\nBefore.\n\n"
