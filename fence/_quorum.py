@@ -1082,7 +1082,9 @@ def merge_inspections(
     return None
 
 
-def node_config_warnings(settings: dict[str, str]) -> list[str]:
+def node_config_warnings(
+    settings: dict[str, str], token_mode: TokenMode = TokenMode.HYBRID
+) -> list[str]:
     """What is wrong with a quorum node's settings for the fault model (see the module).
 
     A node must either keep every write it acknowledged across a restart (``appendonly
@@ -1090,7 +1092,10 @@ def node_config_warnings(settings: dict[str, str]) -> list[str]:
     quorum detects and repairs. A restart that brings back an older copy of the data (RDB
     snapshots, ``appendfsync everysec``, or a ``dump.rdb`` that a node without persistence
     found in its directory and loaded: :data:`LOADED_KEYS` above 0) or an eviction of keys
-    without a ttl looks like intact data and cannot be detected.
+    without a ttl looks like intact data and cannot be detected. With counter tokens, a
+    node that keeps no data is warned about too: every node restarting empty before a grant
+    (a rolling restart of an idle quorum) makes a manager started since set the quorum up
+    again, and counter tokens start over at 1.
 
     The verdicts are those of :func:`fence._redis_settings.judge_settings` for a quorum
     node.
@@ -1099,6 +1104,7 @@ def node_config_warnings(settings: dict[str, str]) -> list[str]:
         settings: ``CONFIG GET`` results for the names of
             :data:`fence._redis_settings.SETTINGS` (missing ones are not judged), and
             :data:`LOADED_KEYS` from ``INFO persistence`` if the node said.
+        token_mode: the manager's token mode.
 
     Returns:
         One sentence per problem; empty when the node fits the fault model.
@@ -1108,7 +1114,7 @@ def node_config_warnings(settings: dict[str, str]) -> list[str]:
         >>> node_config_warnings({"appendonly": "no", "save": ""})
         []
     """
-    findings = judge_settings(settings, TokenMode.HYBRID, fences=False, quorum=True)
+    findings = judge_settings(settings, token_mode, fences=False, quorum=True)
     return [finding.message for finding in findings if finding.level is not Level.OK]
 
 

@@ -101,8 +101,8 @@ def judge_settings(
 
     Args:
         settings: ``CONFIG GET`` results for the names in :data:`SETTINGS`.
-        token_mode: the token mode of the managers that use the server (a quorum node is
-            judged the same in either mode).
+        token_mode: the token mode of the managers that use the server (a quorum node
+            without persistence is warned about in counter mode: see below).
         fences: judge the persistence of the guards' fence keys too (not on a quorum node,
             which its fault model judges whole).
         quorum: the server is a node of a quorum manager (see the module). Its settings
@@ -122,7 +122,8 @@ def judge_settings(
         return findings
     if quorum:
         loaded = int(settings.get(LOADED_KEYS, "0") or 0)
-        findings.append(_node_persistence(appendonly, fsync or "", save, loaded))
+        counter = token_mode is TokenMode.COUNTER
+        findings.append(_node_persistence(appendonly, fsync or "", save, loaded, counter))
     else:
         counter = token_mode is TokenMode.COUNTER
         findings.append(_persistence(appendonly, fsync or "", save, counter, fences))
@@ -215,8 +216,11 @@ def _persistence(appendonly: str, fsync: str, save: str, counter: bool, fences: 
     )
 
 
-def _node_persistence(appendonly: str, fsync: str, save: str, loaded: int) -> Finding:
-    """A node of the quorum manager: all its data back after a restart, or none."""
+def _node_persistence(
+    appendonly: str, fsync: str, save: str, loaded: int, counter: bool
+) -> Finding:
+    """A node of the quorum manager: all its data back after a restart, or none (and, with
+    counter tokens, all of it)."""
     if appendonly != "yes" and loaded:
         # The settings say 'no data across a restart', yet the node started with data: a
         # dump.rdb from a SAVE, a BGSAVE or an earlier configuration, loaded as if intact.
@@ -255,6 +259,22 @@ def _node_persistence(appendonly: str, fsync: str, save: str, loaded: int) -> Fi
             "data",
             "appendonly yes with appendfsync always, or no persistence (save '', appendonly "
             "no): a node that restarts empty is detected and repaired",
+        )
+    if counter:
+        # Every node restarting empty before a grant repaired any of them (at once, or in
+        # turn: a rolling restart of an idle quorum) looks like a new deployment to a
+        # manager that never saw a grant: it sets the quorum up again, and counter tokens
+        # start over at 1.
+        return Finding(
+            Level.WARN,
+            "persistence",
+            f"appendonly {appendonly}, no snapshots, counter tokens: a node that restarts "
+            "empty is detected and repaired, but if every node does before a grant (a "
+            "rolling restart of an idle quorum), a manager started since sets the quorum up "
+            "again and counter tokens start over at 1; guards then refuse every write until "
+            "tokens pass their fences",
+            "hybrid tokens (the default), which stay above the nodes' clocks, or appendonly "
+            "yes with appendfsync always",
         )
     return Finding(
         Level.OK,

@@ -452,6 +452,47 @@ def test_node_settings_outside_the_fault_model() -> None:
     assert node_config_warnings({**loaded, "rdb_last_load_keys_loaded": "0"}) == []
     durable = {"appendonly": "yes", "appendfsync": "always", "rdb_last_load_keys_loaded": "12"}
     assert node_config_warnings(durable) == []  # its data is meant to come back
+    # Counter tokens on nodes that keep no data: a rolling restart of an idle quorum makes
+    # a manager started since set it up again, and counter tokens start over at 1.
+    empty = {"appendonly": "no", "save": ""}
+    (said,) = node_config_warnings(empty, TokenMode.COUNTER)
+    assert "counter tokens start over at 1" in said
+    assert node_config_warnings(durable, TokenMode.COUNTER) == []
+    assert node_config_warnings(empty, TokenMode.HYBRID) == []
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_counter_tokens_on_nodes_that_keep_no_data_are_warned_about(flavour: str) -> None:
+    """The check on first use says, once per node, that counter tokens can start over on
+    nodes without persistence; hybrid tokens on the same nodes, and counter tokens on nodes
+    that keep every write, say nothing (warnings are errors here)."""
+    kind = QuorumLockManager if flavour == "sync" else AsyncQuorumLockManager
+    for extra, mode, warned in (
+        ((), TokenMode.COUNTER, True),
+        ((), TokenMode.HYBRID, False),
+        (("--appendonly", "yes", "--appendfsync", "always"), TokenMode.COUNTER, False),
+    ):
+        servers = start_nodes(3, *extra)
+        try:
+            manager = kind(urls(servers), token_mode=mode, ttl=5)
+            try:
+                if warned:
+                    with pytest.warns(FenceWarning, match="start over at 1") as got:
+                        lease = await _now(manager.acquire("job", timeout=5))
+                    said = [str(w.message) for w in got]
+                    assert len(said) == len(servers)
+                    for server in servers:
+                        assert sum(f"quorum node {server.url}:" in m for m in said) == 1
+                else:
+                    lease = await _now(manager.acquire("job", timeout=5))
+                await _now(lease.release())
+                again = await _now(manager.acquire("job", timeout=5))  # once per node
+                await _now(again.release())
+            finally:
+                await _now(manager.close())
+        finally:
+            stop_nodes(servers)
 
 
 # -- a majority down: no lease, a clean error ----------------------------------------------------

@@ -254,7 +254,7 @@ class QuorumDriver:
         self._unchecked.discard(index)
         if settings is None:
             return
-        for message in node_config_warnings(settings):
+        for message in node_config_warnings(settings, self.token_mode):
             warnings.warn(f"quorum node {self.names[index]}: {message}", FenceWarning, stacklevel=2)
 
     def _attempt(
