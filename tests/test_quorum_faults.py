@@ -505,10 +505,11 @@ def test_majority_killed_acquire_fails_cleanly(durable_nodes: list[RedisServer])
     (``appendfsync always``) and the quorum works again."""
     nodes = durable_nodes
     bus = EventBus()
-    # The killed nodes refuse connections at once; the live one gets 5 s to answer (the
-    # default, 0.5 s at this ttl, was spent by a loaded machine, and it was reported down).
+    # The killed nodes refuse connections at once; the live one gets 30 s to answer: its
+    # writes wait for an fsync (appendfsync always), and on a loaded machine the default
+    # (0.5 s at this ttl), then 5 s, were spent, and it was reported down.
     manager = QuorumLockManager(
-        urls(nodes), check_config=False, ttl=5, events=bus, socket_timeout=5.0
+        urls(nodes), check_config=False, ttl=5, events=bus, socket_timeout=30.0
     )
     try:
         held = manager.acquire("job")
@@ -529,8 +530,9 @@ def test_majority_killed_acquire_fails_cleanly(durable_nodes: list[RedisServer])
                 manager.revoke("job")
         assert not lock_exists(nodes[2], "job")  # the attempt was undone on the live node
         assert manager._held == {}
-        down = {e.detail["node"] for e in recorder.of(EventKind.BACKEND_DOWN)}
-        assert down == {nodes[0].url, nodes[1].url}
+        reported = recorder.of(EventKind.BACKEND_DOWN)
+        down = {e.detail["node"] for e in reported}
+        assert down == {nodes[0].url, nodes[1].url}, [e.detail for e in reported]
         assert not recorder.of(EventKind.ACQUIRED)
         # the nodes come back: the manager works again, with a larger token
         nodes[0].start()

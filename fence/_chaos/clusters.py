@@ -416,8 +416,12 @@ class ZooKeeperEnsemble(_Cluster):
         )
         (member.dir / "zoo.cfg").write_text(
             f"tickTime={self.tick_ms}\n"
-            "initLimit=20\n"
-            "syncLimit=10\n"
+            # A follower that hears nothing from the leader for syncLimit ticks leaves it and
+            # an election follows, during which no request is served: 5 s, not 2 s, so
+            # that a starved JVM on a loaded machine does not set one off (a leader killed
+            # or stopped on purpose is still replaced within seconds).
+            "initLimit=50\n"
+            "syncLimit=25\n"
             f"dataDir={member.dir / 'data'}\n"
             f"clientPort={member.client_port}\n"
             "clientPortAddress=127.0.0.1\n"
