@@ -26,7 +26,14 @@ same machine:
   connection; and the same through a SQLAlchemy engine with the manager's settings:
   autocommit, no reset on return) and against MariaDB's own ``GET_LOCK`` and
   ``RELEASE_LOCK`` on one bare connection (the peer a MariaDB user reaches for, at its
-  fastest; it issues no token, and the lock lives and dies with its session).
+  fastest; it issues no token, and the lock lives and dies with its session). The same
+  pairs of the PostgreSQL manager (``fence.connect("postgresql://...")``) and of redis-py
+  ``Lock`` run in the same batches, as the peers a user compares the manager with.
+- **hand-off**: four processes loop on one lock of ``fence.connect(url)`` (hold it 0.2 ms,
+  then 0.2 ms of work outside it), as in the Redis managers' section: hand-offs per
+  second and the latency from the holder's release to the next holder's grant, MariaDB
+  (waiters poll, the default ``poll_interval``) against PostgreSQL (``LISTEN``/``NOTIFY``
+  wakes them).
 
 Each repetition gives one throughput ratio per row; the median is reported. Besides the
 rates, each variant's statements per operation are counted on the server (the growth of
@@ -36,11 +43,18 @@ included, is one round trip.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import statistics
+import time
 from collections.abc import Callable
+from typing import Any
 
 import _harness
 import pymysql
+import redis
 from _harness import Context, Row
+from bench_redis_manager import HOLD, OUTSIDE, _gather, handoff_stats
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -63,6 +77,9 @@ from fence.adapters.orm import fence_column as orm_fence_column
 from fence.adapters.sql import FENCE_INFO, RowGuard, fence_column
 
 GROUP = "mariadb"
+#: The manager's peers in the acquire+release pairs.
+PG_MANAGER = "iofence SQL (PostgreSQL by URL)"
+REDIS_PY = "redis-py Lock"
 ROWS = 100
 TOKEN = 1_000_000
 
@@ -314,10 +331,14 @@ def bench_orm(ctx: Context, engine: Engine) -> list[Row]:
 
 
 def bench_manager(ctx: Context, url: str) -> list[Row]:
-    """Acquire+release of the URL-built manager vs its floor and ``GET_LOCK``."""
+    """Acquire+release of the URL-built manager vs its floor, ``GET_LOCK``, the PostgreSQL
+    manager and redis-py ``Lock``."""
     server = ctx.servers.mariadb
     manager = fence.connect(url.replace("mariadb+pymysql://", "mariadb://"), ttl=30)
     manager.create_table()
+    pg_manager = fence.connect(ctx.servers.postgres.url, ttl=30)
+    pg_manager.create_table()
+    client = redis.Redis.from_url(ctx.servers.redis.url)
     engine = create_engine(url, isolation_level="AUTOCOMMIT", pool_reset_on_return=None)
     bare = pymysql.connect(
         host="127.0.0.1",
@@ -353,6 +374,14 @@ def bench_manager(ctx: Context, url: str) -> list[Row]:
             with engine.connect() as conn:
                 conn.exec_driver_sql(clear)
 
+        def ours_pg() -> None:
+            pg_manager.acquire("bench:mariadb-section").release()
+
+        def redis_py() -> None:
+            lock = client.lock("bench:redis-py-mariadb", timeout=30)
+            lock.acquire(blocking=False)
+            lock.release()
+
         def get_lock_pair() -> None:
             cursor.execute("SELECT GET_LOCK('bench:get-lock', 0)")
             if cursor.fetchone() != (1,):
@@ -365,6 +394,8 @@ def bench_manager(ctx: Context, url: str) -> list[Row]:
             "iofence SQL (MariaDB by URL)": ours,
             "GET_LOCK + RELEASE_LOCK (PyMySQL; no token)": get_lock_pair,
             "raw upsert + UPDATE (SQLAlchemy, autocommit)": raw_pair_sqlalchemy,
+            PG_MANAGER: ours_pg,
+            REDIS_PY: redis_py,
         }
         rates = _harness.interleaved(
             variants,
@@ -373,9 +404,12 @@ def bench_manager(ctx: Context, url: str) -> list[Row]:
             repeats=ctx.repeats,
             warmup=ctx.n(30, 5),
         )
-        counts = _counted(ctx, variants)
+        on_mariadb = {k: v for k, v in variants.items() if k not in (PG_MANAGER, REDIS_PY)}
+        counts = _counted(ctx, on_mariadb)
     finally:
         manager.close()
+        pg_manager.close()
+        client.close()
         engine.dispose()
         bare.close()
     statements = ", ".join(f"{n} {c:g}" for n, c in counts.items())
@@ -384,7 +418,7 @@ def bench_manager(ctx: Context, url: str) -> list[Row]:
         GROUP,
         rates,
         floor,
-        [name for name in variants if name != floor],
+        [name for name in on_mariadb if name != floor],
         unit="pairs/s",
         prefix="manager: ",
         notes={"iofence SQL (MariaDB by URL)": f"statements per pair: {statements}"},
@@ -397,8 +431,115 @@ def bench_manager(ctx: Context, url: str) -> list[Row]:
         unit="pairs/s",
         prefix="manager: ",
     )
+    for peer in (PG_MANAGER, REDIS_PY):
+        rows += _harness.rate_rows(
+            GROUP, rates, peer, ["iofence SQL (MariaDB by URL)"], unit="pairs/s", prefix="manager: "
+        )
     for row in rows:
         row.extra["statements"] = counts
+    return rows
+
+
+# -- 4. the contended hand-off ------------------------------------------------------------------
+
+#: The hand-off's managers, by name: the first is the baseline.
+HANDOFF_KINDS = ("iofence SQL (PostgreSQL, NOTIFY)", "iofence SQL (MariaDB, polling)")
+
+
+def _contend(url: str, seconds: float, start_at: float) -> list[tuple[int, int, int]]:
+    """Loop on one lock until ``seconds`` pass; return (asked, acquired, releasing) in ns."""
+    manager = fence.connect(url, ttl=10)
+    manager.acquire(f"bench:handoff:warm:{os.getpid()}", timeout=0).release()  # connect
+    held: list[tuple[int, int, int]] = []
+    clock = time.monotonic_ns
+    try:
+        while time.monotonic() < start_at:
+            time.sleep(0.001)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            asked = clock()
+            lease = manager.acquire("bench:handoff:sql", timeout=10)
+            got = clock()
+            time.sleep(HOLD)
+            releasing = clock()
+            lease.release()
+            held.append((asked, got, releasing))
+            time.sleep(OUTSIDE)
+    finally:
+        manager.close()
+    return held
+
+
+def _worker(commands: Any, results: Any) -> None:
+    """A contending process: run each command it is sent until it gets ``None``."""
+    while True:
+        command = commands.get()
+        if command is None:
+            return
+        try:
+            results.put((os.getpid(), _contend(*command)))
+        except BaseException as exc:
+            results.put((os.getpid(), repr(exc)))
+            raise
+
+
+def bench_handoff(ctx: Context, url: str, procs: int = 4) -> list[Row]:
+    """Four processes contending on one lock, MariaDB against PostgreSQL."""
+    urls = dict(zip(HANDOFF_KINDS, (ctx.servers.postgres.url, url), strict=True))
+    for kind_url in urls.values():
+        with fence.connect(kind_url) as manager:
+            manager.create_table()
+    seconds = ctx.n(2.0, 0.75)
+    mp = multiprocessing.get_context("spawn")
+    results = mp.Queue()
+    commands = [mp.Queue() for _ in range(procs)]
+    workers = [mp.Process(target=_worker, args=(box, results), daemon=True) for box in commands]
+    for worker in workers:
+        worker.start()
+    stats: dict[str, list[dict[str, Any]]] = {kind: [] for kind in HANDOFF_KINDS}
+    try:
+        for rep in range(max(1, min(ctx.repeats, ctx.n(5, 1)))):
+            shift = rep % len(HANDOFF_KINDS)
+            for kind in HANDOFF_KINDS[shift:] + HANDOFF_KINDS[:shift]:
+                start_at = time.monotonic() + 1.0  # every worker connected before the start
+                for box in commands:
+                    box.put((urls[kind], seconds, start_at))
+                got = _gather(results, workers, deadline=time.monotonic() + seconds + 60)
+                failed = [held for _, held in got if isinstance(held, str)]
+                if failed:
+                    raise RuntimeError(f"a {kind} worker failed: {failed[0]}")
+                stats[kind].append(handoff_stats(got, seconds))
+    finally:
+        for box in commands:
+            box.put(None)
+        for worker in workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
+    base_kind, kind = HANDOFF_KINDS
+    rows = []
+    for metric, unit, label, higher in (
+        ("handoffs_per_s", "hand-offs/s", "hand-offs per second", True),
+        ("p50_ms", "ms", "hand-off latency p50", False),
+        ("p99_ms", "ms", "hand-off latency p99", False),
+    ):
+        pairs = [(m[metric], b[metric]) for m, b in zip(stats[kind], stats[base_kind], strict=True)]
+        # Times: baseline / variant, so that above 1 means faster hand-offs.
+        ratios = [m / b if higher else b / m for m, b in pairs if m > 0 and b > 0]
+        rows.append(
+            Row(
+                group=GROUP,
+                name=f"hand-off, 4 processes: {kind}: {label}",
+                baseline=base_kind,
+                ratio=statistics.median(ratios) if ratios else float("nan"),
+                unit=unit,
+                better="higher",
+                value=statistics.median(m for m, _ in pairs),
+                baseline_value=statistics.median(b for _, b in pairs),
+                repetitions=len(ratios),
+                extra={"ratios": [round(r, 4) for r in ratios]},
+            )
+        )
     return rows
 
 
@@ -410,7 +551,8 @@ def collect(ctx: Context) -> list[Row]:
         rows = [*bench_guard(ctx, engine), *bench_orm(ctx, engine)]
     finally:
         engine.dispose()
-    return rows + bench_manager(ctx, url)
+    by_url = url.replace("mariadb+pymysql://", "mariadb://")  # the manager's own driver
+    return rows + bench_manager(ctx, url) + bench_handoff(ctx, by_url)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,16 @@ REQUIRED = {
         "manager: iofence SQL (MariaDB by URL)",
         "manager: GET_LOCK + RELEASE_LOCK (PyMySQL; no token)",
     ),
+    ("manager: iofence SQL (MariaDB by URL)", "manager: iofence SQL (PostgreSQL by URL)"),
+    ("manager: iofence SQL (MariaDB by URL)", "manager: redis-py Lock"),
+    (
+        "hand-off, 4 processes: iofence SQL (MariaDB, polling): hand-offs per second",
+        "iofence SQL (PostgreSQL, NOTIFY)",
+    ),
+    (
+        "hand-off, 4 processes: iofence SQL (MariaDB, polling): hand-off latency p50",
+        "iofence SQL (PostgreSQL, NOTIFY)",
+    ),
 }
 
 #: The waiters section's rows, per kind of waiter (their names carry the count of waiters).
