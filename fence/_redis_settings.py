@@ -171,8 +171,10 @@ def _persistence(appendonly: str, fsync: str, save: str, counter: bool, fences: 
             )
         if fsync == "everysec":
             finding = (
-                "appendonly yes, appendfsync everysec: a killed process loses nothing, a power "
-                "cut up to about 1 s of writes (fences written then go back"
+                "appendonly yes, appendfsync everysec: a power cut loses up to about 1 s of "
+                "writes, and so can a killed process while a slow disk holds the AOF write "
+                "back (up to 2 s; INFO persistence counts it in aof_delayed_fsync) (fences "
+                "written then go back"
             )
             if counter:
                 return Finding(
