@@ -10,10 +10,15 @@ the same pauses, must lose updates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +45,51 @@ pytestmark = [pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 
 
 def run_chaos(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fence", "chaos", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Run ``fence chaos`` in a session of its own; fail with its output if it outlasts
+    ``timeout`` seconds.
+
+    The output goes to files, not pipes: the run's servers and workers inherit them, and a
+    pipe that one of them kept open would hold the test until pytest's own timeout. A run
+    that outlasts ``timeout`` gets a Ctrl-C (SIGINT to its whole session, as a terminal
+    sends it), which stops its workers and servers; what is still running 30 s later is
+    killed.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fence", "chaos", *args],
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+        overran = False
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            overran = True
+            _stop_session(proc)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if overran:
+        raise AssertionError(
+            f"fence chaos {' '.join(args)} ran past {timeout} s and was stopped\n"
+            f"{stdout[-4000:]}\n{stderr[-4000:]}"
+        )
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _stop_session(proc: subprocess.Popen[str]) -> None:
+    """Ctrl-C the run's whole session, then kill what is left of it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -327,3 +371,12 @@ def test_the_celery_check_catches_unguarded_writes(redis_url: str, tmp_path: Pat
     assert summary["effects"] == {"1": 2, "2": 2}
     assert summary["stale_accepted"] == 2
     assert summary["stale_refused"] == 0
+
+
+def test_a_run_past_its_timeout_is_stopped_and_reported() -> None:
+    """The harness itself: a run that outlasts its timeout is stopped as Ctrl-C stops it,
+    at once and whole, and the test fails with its output, not at pytest's timeout."""
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="ran past 3 s and was stopped"):
+        run_chaos("--pairing", "redis+redis", "--no-baseline", "--duration", "120", timeout=3)
+    assert time.monotonic() - started < 40
