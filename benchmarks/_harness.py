@@ -260,6 +260,22 @@ def redis_server_usec(
     return best
 
 
+def contend_worker(commands: Any, results: Any) -> None:
+    """A contending process of a hand-off benchmark: run each command it is sent, a
+    module-level function and its arguments, and report ``(pid, its result)`` (or the
+    error's repr), until it gets ``None``."""
+    while True:
+        command = commands.get()
+        if command is None:
+            return
+        contend, *args = command
+        try:
+            results.put((os.getpid(), contend(*args)))
+        except BaseException as exc:
+            results.put((os.getpid(), repr(exc)))
+            raise
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-quantile (0..1) of ``values`` by the nearest-rank method."""
     ordered = sorted(values)

@@ -142,18 +142,6 @@ def _contend(
     return held
 
 
-def _worker(commands: Any, results: Any) -> None:
-    while True:
-        command = commands.get()
-        if command is None:
-            return
-        try:
-            results.put((os.getpid(), _contend(*command)))
-        except BaseException as exc:
-            results.put((os.getpid(), repr(exc)))
-            raise
-
-
 def handoffs(ctx: Context, procs: int = 4) -> dict[str, list[dict[str, Any]]]:
     """Run every kind ``ctx.repeats`` times (at most 5) with the same worker processes."""
     urls = _urls(ctx)
@@ -161,7 +149,10 @@ def handoffs(ctx: Context, procs: int = 4) -> dict[str, list[dict[str, Any]]]:
     mp = multiprocessing.get_context("spawn")
     results = mp.Queue()
     commands = [mp.Queue() for _ in range(procs)]
-    workers = [mp.Process(target=_worker, args=(box, results), daemon=True) for box in commands]
+    workers = [
+        mp.Process(target=_harness.contend_worker, args=(box, results), daemon=True)
+        for box in commands
+    ]
     for worker in workers:
         worker.start()
     stats: dict[str, list[dict[str, Any]]] = {kind: [] for kind in HANDOFF_KINDS}
@@ -172,7 +163,7 @@ def handoffs(ctx: Context, procs: int = 4) -> dict[str, list[dict[str, Any]]]:
             for kind in HANDOFF_KINDS[shift:] + HANDOFF_KINDS[:shift]:
                 start_at = time.monotonic() + 1.5  # every worker connected before the start
                 for box in commands:
-                    box.put((kind, urls, seconds, start_at))
+                    box.put((_contend, kind, urls, seconds, start_at))
                 got = _gather(results, workers, deadline=time.monotonic() + seconds + 60)
                 failed = [held for _, held in got if isinstance(held, str)]
                 if failed:

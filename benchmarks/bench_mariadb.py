@@ -470,19 +470,6 @@ def _contend(url: str, seconds: float, start_at: float) -> list[tuple[int, int, 
     return held
 
 
-def _worker(commands: Any, results: Any) -> None:
-    """A contending process: run each command it is sent until it gets ``None``."""
-    while True:
-        command = commands.get()
-        if command is None:
-            return
-        try:
-            results.put((os.getpid(), _contend(*command)))
-        except BaseException as exc:
-            results.put((os.getpid(), repr(exc)))
-            raise
-
-
 def bench_handoff(ctx: Context, url: str, procs: int = 4) -> list[Row]:
     """Four processes contending on one lock, MariaDB against PostgreSQL."""
     urls = dict(zip(HANDOFF_KINDS, (ctx.servers.postgres.url, url), strict=True))
@@ -493,7 +480,10 @@ def bench_handoff(ctx: Context, url: str, procs: int = 4) -> list[Row]:
     mp = multiprocessing.get_context("spawn")
     results = mp.Queue()
     commands = [mp.Queue() for _ in range(procs)]
-    workers = [mp.Process(target=_worker, args=(box, results), daemon=True) for box in commands]
+    workers = [
+        mp.Process(target=_harness.contend_worker, args=(box, results), daemon=True)
+        for box in commands
+    ]
     for worker in workers:
         worker.start()
     stats: dict[str, list[dict[str, Any]]] = {kind: [] for kind in HANDOFF_KINDS}
@@ -503,7 +493,7 @@ def bench_handoff(ctx: Context, url: str, procs: int = 4) -> list[Row]:
             for kind in HANDOFF_KINDS[shift:] + HANDOFF_KINDS[:shift]:
                 start_at = time.monotonic() + 1.0  # every worker connected before the start
                 for box in commands:
-                    box.put((urls[kind], seconds, start_at))
+                    box.put((_contend, urls[kind], seconds, start_at))
                 got = _gather(results, workers, deadline=time.monotonic() + seconds + 60)
                 failed = [held for _, held in got if isinstance(held, str)]
                 if failed:

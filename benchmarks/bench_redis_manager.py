@@ -170,19 +170,6 @@ def _contend(kind: str, url: str, seconds: float, start_at: float) -> list[tuple
     return held
 
 
-def _worker(commands: Any, results: Any) -> None:
-    """A contending process: run each command it is sent until it gets ``None``."""
-    while True:
-        command = commands.get()
-        if command is None:
-            return
-        try:
-            results.put((os.getpid(), _contend(*command)))
-        except BaseException as exc:
-            results.put((os.getpid(), repr(exc)))
-            raise
-
-
 def handoff_stats(results: list[tuple[int, list[tuple[int, int, int]]]], seconds: float) -> dict:
     """Hand-offs per second, hand-off latency and acquire wait (ms) from the workers' logs."""
     events = sorted(
@@ -226,7 +213,10 @@ def handoffs(ctx: Context, procs: int = 4) -> dict[str, list[dict]]:
     mp = multiprocessing.get_context("spawn")
     results = mp.Queue()
     commands = [mp.Queue() for _ in range(procs)]
-    workers = [mp.Process(target=_worker, args=(box, results), daemon=True) for box in commands]
+    workers = [
+        mp.Process(target=_harness.contend_worker, args=(box, results), daemon=True)
+        for box in commands
+    ]
     for worker in workers:
         worker.start()
     stats: dict[str, list[dict]] = {kind: [] for kind in HANDOFF_KINDS}
@@ -237,7 +227,7 @@ def handoffs(ctx: Context, procs: int = 4) -> dict[str, list[dict]]:
             for kind in HANDOFF_KINDS[shift:] + HANDOFF_KINDS[:shift]:
                 start_at = time.monotonic() + 0.5  # every worker connected before the start
                 for box in commands:
-                    box.put((kind, url, seconds, start_at))
+                    box.put((_contend, kind, url, seconds, start_at))
                 got = _gather(results, workers, deadline=time.monotonic() + seconds + 60)
                 failed = [held for _, held in got if isinstance(held, str)]
                 if failed:
