@@ -55,18 +55,27 @@ leave ``new``/``pending`` only by genesis or repair, so if all ``N`` took the ma
 was a moment at which no node held any data: nothing could have been lost.
 
 Two set-ups at once can leave a minority confirmed under one and the other nodes pending
-under another. Each ``genesis`` node records the first acquire call it grants to
-(``used``: its secret and attempt number; the undo that releases that attempt's lock
-clears it). A vote that finds a minority eligible and every other node ``new`` or
-``pending`` prepares every node again, naming the incarnations it saw, and a ``genesis``
-node takes that step only if it granted to no attempt but this one. If every node took it,
-no grant was handed out under the old set-up: a grant needs a majority of nodes eligible
-when it voted. Those the attempt saw fresh were still fresh in the same incarnation when
-prepared, so they were never eligible since (a fresh node that became ``genesis`` and
-granted carries a mark that stops the step back); those it saw eligible, fewer than a
-majority, each carry the mark of the first attempt they granted to; a node that lost its
-data since the grant is unrepaired, and fewer than a majority are. So the argument above
-holds again.
+under another, and a lost confirmation can leave a node pending under a set-up that others
+confirmed. A vote that finds fewer than a majority eligible and a node ``pending`` probes
+which set-up the others confirmed, and each pending node **joins** it if it was prepared
+under it in its current incarnation (GENESIS, join; a node keeps the last set-ups it was
+prepared under in its marker, which a restart without data erases). That is the set-up's
+own confirmation arriving late: every node was prepared under the set-up, and since then
+the joining node lost no data and, pending, granted nothing. A node prepared under another
+set-up since (a set-up that crossed this one) still joins; one that restarted empty since
+does not.
+
+Only a vote that finds a minority eligible, every other node ``new`` or ``pending`` and no
+pending node to join prepares every node again, naming the incarnations it saw. Each
+``genesis`` node records the first acquire call it grants to (``used``: its secret and
+attempt number; the undo that releases that attempt's lock clears it), and takes that step
+only if it granted to no attempt but this one. If every node took it, no grant was handed
+out under the old set-up: a grant needs a majority of nodes eligible when it voted. Those
+the attempt saw fresh were still fresh in the same incarnation when prepared, so they were
+never eligible since (a fresh node that became ``genesis`` and granted carries a mark that
+stops the step back); those it saw eligible, fewer than a majority, each carry the mark of
+the first attempt they granted to; a node that lost its data since the grant is unrepaired,
+and fewer than a majority are. So the argument above holds again.
 
 **Attempts.** Every attempt of one acquire call sends the call's owner secret, with a
 number larger for each later attempt; the lock hash records the number of the attempt that
@@ -340,23 +349,34 @@ GENESIS = """
 -- GENESIS: set up a quorum whose nodes all answered 'new' or 'pending' (none holds data),
 -- or set up again one under which nothing was granted.
 -- KEYS[1] node marker
--- ARGV[1] 'prepare', 'confirm' or 'probe'
+-- ARGV[1] 'prepare', 'confirm', 'join' or 'probe'
 -- ARGV[2] the incarnation id the node reported ('': the node answered as eligible)
 -- ARGV[3] the set-up's id   ARGV[4] the acquire attempt: owner secret/attempt number
 -- prepare: 'new' or 'pending' -> 'pending' under this set-up; with ARGV[2] '', 'genesis'
 -- that granted to no attempt but this one -> 'pending'. confirm: 'pending' under this
 -- set-up -> 'genesis'. A client confirms only what it knows every node prepared: its own
--- set-up after every prepare succeeded, or a set-up that a node already confirmed.
+-- set-up after every prepare succeeded. join (ARGV[3]: set-up ids that other nodes
+-- confirmed, space-separated): 'pending' -> 'genesis' under the first of them that this
+-- node was prepared under in this incarnation ('prepared': the last set-ups it was
+-- prepared under, since its marker was made).
 -- Returns 1 if the node took the step, else 0; probe returns {state, set-up id}.
-local node = redis.call('HMGET', KEYS[1], 'state', 'id', 'genesis', 'used')
+local node = redis.call('HMGET', KEYS[1], 'state', 'id', 'genesis', 'used', 'prepared')
 if ARGV[1] == 'probe' then
   return {node[1] or 'blank', node[3] or ''}
 end
+local function prepare()
+  local prepared = {}
+  for setup in string.gmatch(node[5] or '', '%S+') do prepared[#prepared + 1] = setup end
+  prepared[#prepared + 1] = ARGV[3]
+  while #prepared > 8 do table.remove(prepared, 1) end
+  redis.call('HSET', KEYS[1], 'state', 'pending', 'genesis', ARGV[3],
+    'prepared', table.concat(prepared, ' '))
+  return 1
+end
 if ARGV[2] == '' then
   if ARGV[1] == 'prepare' and node[1] == 'genesis' and (not node[4] or node[4] == ARGV[4]) then
-    redis.call('HSET', KEYS[1], 'state', 'pending', 'genesis', ARGV[3])
     redis.call('HDEL', KEYS[1], 'used')
-    return 1
+    return prepare()
   end
   if ARGV[1] ~= 'confirm' then
     return 0
@@ -365,12 +385,19 @@ elseif node[2] ~= ARGV[2] then
   return 0
 end
 if ARGV[1] == 'prepare' and (node[1] == 'new' or node[1] == 'pending') then
-  redis.call('HSET', KEYS[1], 'state', 'pending', 'genesis', ARGV[3])
-  return 1
+  return prepare()
 end
 if ARGV[1] == 'confirm' and node[1] == 'pending' and node[3] == ARGV[3] then
   redis.call('HSET', KEYS[1], 'state', 'genesis')
   return 1
+end
+if ARGV[1] == 'join' and node[1] == 'pending' then
+  for setup in string.gmatch(ARGV[3], '%S+') do
+    if string.find(' ' .. (node[5] or '') .. ' ', ' ' .. setup .. ' ', 1, true) then
+      redis.call('HSET', KEYS[1], 'state', 'genesis', 'genesis', setup)
+      return 1
+    end
+  end
 end
 return 0
 """
@@ -456,6 +483,7 @@ class Op(enum.StrEnum):
         PREPARE: set-up, first step (:data:`GENESIS`).
         CONFIRM: set-up, second step.
         PROBE: ask nodes for their state and set-up id.
+        JOIN: make ``pending`` nodes ``genesis`` under a set-up another node confirmed.
         UNDO: release what an attempt that failed may hold (:data:`UNDO`).
         RELEASE: a holder's release, or the end of a revoke (:data:`QUORUM_RELEASE`).
     """
@@ -468,6 +496,7 @@ class Op(enum.StrEnum):
     PREPARE = "prepare"
     CONFIRM = "confirm"
     PROBE = "probe"
+    JOIN = "join"
     UNDO = "undo"
     RELEASE = "release"
 
@@ -634,7 +663,7 @@ def node_call(
             [keys.token, keys.repaired, keys.node],
             [request.incarnations[position], str(request.token)],
         )
-    if op in (Op.PREPARE, Op.CONFIRM):
+    if op in (Op.PREPARE, Op.CONFIRM, Op.JOIN):
         args = [op.value, request.incarnations[position], request.genesis, f"{secret}/{attempt}"]
         return "genesis", [keys.node], args
     if op is Op.PROBE:
@@ -697,7 +726,7 @@ class _Phase(enum.StrEnum):
     PREPARE = "prepare"
     CONFIRM = "confirm"
     PROBE = "probe"
-    RESUME = "resume"  # confirmed a set-up found by a probe
+    RESUME = "resume"  # joined pending nodes to a set-up found by a probe
     COMMIT = "commit"
     RELEASE = "release"  # a revoke gives its lock back
     REPAIR = "repair"
@@ -794,7 +823,12 @@ class QuorumAcquire:
         if phase is _Phase.PROBE:
             return self._on_probe(answers)
         if phase is _Phase.RESUME:
-            return self._undo(Outcome(Verdict.RETRY, **self._report()))
+            if any(a.ok for a in answers):
+                return self._undo(Outcome(Verdict.RETRY, **self._report()))
+            # No pending node was prepared under the set-up found (in its incarnation).
+            if self._may_restart():
+                return self._restart()
+            return self._refuse(self._report())
         if phase is _Phase.COMMIT:
             holders = sum(1 for a in answers if a.ok)
             if holders >= majority(self.nodes) and left > 0:
@@ -823,7 +857,8 @@ class QuorumAcquire:
         votes = self.votes
         ineligible = tuple(i for i, a in enumerate(votes) if not a.failed and a.state)
         kept = any(a.eligible or a.state is NodeState.RECOVERING for a in votes)
-        lost = tuple(i for i in ineligible if votes[i].state in _FRESH and kept)
+        # A pending node lost nothing: it was prepared under a set-up, and never granted.
+        lost = tuple(i for i in ineligible if votes[i].state is NodeState.NEW and kept)
         failed = tuple(i for i, a in enumerate(votes) if a.failed)
         return {"lost": lost, "ineligible": ineligible, "failed": failed, "set_up": self.set_up}
 
@@ -857,20 +892,8 @@ class QuorumAcquire:
         report = machine._report()
         eligible = machine._answered()
         if len(eligible) < need:
-            if (
-                not self.restart
-                and not self.granted_before
-                and all(a.eligible or a.state in _FRESH for a in votes)
-            ):
-                # Every node answered; a minority is set up, the others hold no data (two
-                # set-ups at once, each of which took some nodes). If the set-up nodes
-                # granted to no acquire call but this one, no token was ever handed out
-                # under it: set the quorum up again (GENESIS refuses a node that did).
-                request = Request(
-                    Op.PREPARE, tuple(range(self.nodes)), None, machine._incarnations(),
-                    self.setup_id,
-                )  # fmt: skip
-                return replace(machine, phase=_Phase.PREPARE, restart=True), request
+            if machine._may_restart() and not machine._pending():
+                return machine._restart()
             return machine._short(report)
         if granted or self.revoke:
             return machine._undo(Outcome(Verdict.SPLIT, **report))
@@ -880,6 +903,29 @@ class QuorumAcquire:
             [t if t is not None and t >= 0 else None for t in ttls], 0, self.nodes
         )
         return machine._undo(Outcome(Verdict.HELD, holder_ttl=wait, wait_on=refused[0], **report))
+
+    def _pending(self) -> list[int]:
+        """The nodes that voted ``pending``: prepared under a set-up, not confirmed."""
+        return [i for i, a in enumerate(self.votes) if a.state is NodeState.PENDING]
+
+    def _may_restart(self) -> bool:
+        """Every node answered; a minority is set up, the others hold no data (two set-ups
+        at once, each of which took some nodes)."""
+        return (
+            not self.restart
+            and not self.granted_before
+            and all(a.eligible or a.state in _FRESH for a in self.votes)
+        )
+
+    def _restart(self) -> tuple[QuorumAcquire, Request]:
+        """Set the quorum up again. If the set-up nodes granted to no acquire call but this
+        one, no token was ever handed out under their set-up (GENESIS refuses a node that
+        did). Called only once no pending node can join a set-up that another node confirmed
+        (see :meth:`_on_probe`): until then the pending node's set-up may stand."""
+        request = Request(
+            Op.PREPARE, tuple(range(self.nodes)), None, self._incarnations(), self.setup_id
+        )
+        return replace(self, phase=_Phase.PREPARE, restart=True), request
 
     def _short(self, report: dict[str, Any]) -> tuple[QuorumAcquire, Request | Outcome]:
         """Fewer than a majority of eligible nodes granted, and no set-up to take up again."""
@@ -898,25 +944,22 @@ class QuorumAcquire:
         return self._undo(Outcome(Verdict.DATA_LOST, **report))
 
     def _on_probe(self, answers: tuple[Answer, ...]) -> tuple[QuorumAcquire, Request | Outcome]:
-        # A set-up that some node confirmed had every node prepared: its pending nodes may
-        # be confirmed too (as its own client would have).
+        # A node confirmed a set-up: the pending nodes that were prepared under it in their
+        # current incarnation join it (GENESIS refuses the others), as if the confirmation
+        # of its own client had arrived late: since that set-up began, such a node lost no
+        # data and granted nothing.
         confirmed = {a.genesis for a in answers if a.state is NodeState.GENESIS and a.genesis}
-        pending = [
-            i
-            for i, a in enumerate(self.votes)
-            if a.state is NodeState.PENDING and a.genesis in confirmed
-        ]
-        if not pending:
+        pending = self._pending()
+        if not confirmed or not pending:
+            if self._may_restart():
+                return self._restart()
             return self._refuse(self._report())
-        setups = {self.votes[i].genesis or "" for i in pending}
-        setup = min(setups)
-        pending = [i for i in pending if self.votes[i].genesis == setup]
         request = Request(
-            Op.CONFIRM,
+            Op.JOIN,
             tuple(pending),
             None,
             tuple(self.votes[i].incarnation or "" for i in pending),
-            setup,
+            " ".join(sorted(confirmed)),
         )
         return replace(self, phase=_Phase.RESUME), request
 

@@ -555,13 +555,28 @@ class Checker:
 
     # -- the search --------------------------------------------------------------------------
 
-    def run(self) -> Report:
-        """Explore every schedule; raise :class:`Violation` at the first broken invariant."""
+    def follow(self, steps: list[str]) -> tuple[World, list[str]]:
+        """Walk one schedule from the initial world: each step is the start of a transition's
+        label (the first that matches is taken). Returns the world reached and its trace."""
+        world, trace = self.initial(), []
+        for step in steps:
+            for label, nxt in self.successors(world, trace):
+                if label.startswith(step):
+                    world, trace = nxt, [*trace, label]
+                    break
+            else:
+                labels = [label for label, _ in self.successors(world, trace)]
+                raise AssertionError(f"no transition {step!r} after {trace}: {labels}")
+        return world, trace
+
+    def run(self, start: tuple[World, list[str]] | None = None) -> Report:
+        """Explore every schedule (from ``start``, a world and its trace, if given: see
+        :meth:`follow`); raise :class:`Violation` at the first broken invariant."""
         started = time.perf_counter()
         seen: set[World] = set()
-        start = self.initial()
-        stack: list[tuple[World, list[str]]] = [(start, [])]
-        seen.add(start)
+        start_world, start_trace = start or (self.initial(), [])
+        stack: list[tuple[World, list[str]]] = [(start_world, start_trace)]
+        seen.add(start_world)
         report = self.report
         need = self.b.nodes // 2 + 1
         while stack:

@@ -1025,3 +1025,59 @@ async def test_two_set_ups_at_once_leave_a_quorum_that_grants(
                 client.close()
     finally:
         await _now(manager.close())
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(("flavour", "joins"), [("sync", True), ("async", True), ("sync", False)])
+async def test_a_pending_node_prepared_under_the_set_up_joins_it(
+    nodes: list[RedisServer], flavour: str, joins: bool
+) -> None:
+    """After a set-up that crossed another (the first set-up was confirmed on two nodes and
+    granted; the third node was prepared under the second set-up since, and its repair was
+    lost), the first node restarts empty. One node with data is left: the third joins its
+    set-up, which it was prepared under, and the quorum grants above every token handed out
+    (it used to refuse every acquire with ``DATA_LOST`` for ever). A third node that
+    restarted empty since it was prepared under the set-up may have held a grant's token:
+    it does not join, and the acquire is refused."""
+    kind = QuorumLockManager if flavour == "sync" else AsyncQuorumLockManager
+    first = QuorumLockManager(urls(nodes), token_mode=TokenMode.COUNTER, check_config=False)
+    try:
+        before = [cycle(first, "crossed") for _ in range(3)]
+    finally:
+        first.close()
+    client = raw(nodes[2])
+    try:
+        setup = client.hget("fence:quorum:node", "genesis")
+        assert setup
+        incarnation = client.hget("fence:quorum:node", "id")
+        assert incarnation
+    finally:
+        client.close()
+    prepared = f"{setup.decode()} g2" if joins else "g2"
+    plant_marker(
+        nodes[2], state="pending", id=incarnation.decode(), genesis="g2", prepared=prepared
+    )
+    wipe(nodes[0])
+    bus = EventBus()
+    manager = kind(urls(nodes), token_mode=TokenMode.COUNTER, check_config=False, ttl=5, events=bus)
+    try:
+        with EventRecorder(bus) as recorder:
+            if joins:
+                lease = await _now(manager.acquire("crossed", timeout=5))
+                await _now(lease.release())
+                assert lease.token > max(before)
+            else:
+                with pytest.raises(BackendError) as info:
+                    await _now(manager.acquire("crossed", timeout=1))
+                assert info.value.code == "DATA_LOST"
+        lost = {e.detail["node"] for e in recorder.of(EventKind.NODE_DATA_LOST)}
+        assert lost == {nodes[0].url}  # the pending node lost nothing it was known to hold
+        assert not recorder.of(EventKind.QUORUM_INITIALIZED)  # never set up again
+        client = raw(nodes[2])
+        try:
+            state = client.hget("fence:quorum:node", "state")
+        finally:
+            client.close()
+        assert state == (b"genesis" if joins else b"pending")
+    finally:
+        await _now(manager.close())
