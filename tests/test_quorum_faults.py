@@ -966,7 +966,14 @@ async def test_a_rolling_restart_of_an_idle_quorum_is_refused_in_counter_mode(
     quorum up again and hand out token 1 once more."""
     kind = QuorumLockManager if flavour == "sync" else AsyncQuorumLockManager
     bus = EventBus()
-    manager = kind(urls(nodes), token_mode=TokenMode.COUNTER, check_config=False, ttl=5, events=bus)
+    manager = kind(
+        urls(nodes),
+        token_mode=TokenMode.COUNTER,
+        check_config=False,
+        ttl=5,
+        socket_timeout=2,
+        events=bus,
+    )
     try:
         tokens = []
         for _ in range(3):
@@ -975,14 +982,30 @@ async def test_a_rolling_restart_of_an_idle_quorum_is_refused_in_counter_mode(
             await _now(lease.release())
         for node in nodes:
             wipe(node)
-        with EventRecorder(bus) as recorder, pytest.raises(BackendError) as info:
-            await _now(manager.acquire("rolling", timeout=1))
-        assert info.value.code == "DATA_LOST"
+        with EventRecorder(bus) as recorder:
+            error = await _first_verdict(manager, "rolling")
+        assert error.code == "DATA_LOST", str(error)
         assert not recorder.of(EventKind.QUORUM_INITIALIZED)
         assert not recorder.of(EventKind.ACQUIRED)
         assert recorder.of(EventKind.REFUSED)
     finally:
         await _now(manager.close())
+
+
+async def _first_verdict(manager: Any, resource: str) -> BackendError:
+    """The error of the first attempt that reached every node: an attempt that did not
+    (``QUORUM``: connections broken by a restart, a node slow on a loaded machine) is made
+    again, for up to 30 s. A blocking acquire is no good here: it retries ``DATA_LOST``
+    until its deadline, and the attempt that the deadline cuts short says ``QUORUM``."""
+    end = time.monotonic() + 30
+    while True:
+        try:
+            lease = await _now(manager.try_acquire(resource))
+        except BackendError as exc:
+            if exc.code != "QUORUM" or time.monotonic() > end:
+                return exc
+        else:
+            pytest.fail(f"the acquire was not refused: {lease!r}")
 
 
 def plant_marker(server: RedisServer, **fields: str) -> None:
@@ -1059,7 +1082,14 @@ async def test_a_pending_node_prepared_under_the_set_up_joins_it(
     )
     wipe(nodes[0])
     bus = EventBus()
-    manager = kind(urls(nodes), token_mode=TokenMode.COUNTER, check_config=False, ttl=5, events=bus)
+    manager = kind(
+        urls(nodes),
+        token_mode=TokenMode.COUNTER,
+        check_config=False,
+        ttl=5,
+        socket_timeout=2,
+        events=bus,
+    )
     try:
         with EventRecorder(bus) as recorder:
             if joins:
@@ -1067,9 +1097,8 @@ async def test_a_pending_node_prepared_under_the_set_up_joins_it(
                 await _now(lease.release())
                 assert lease.token > max(before)
             else:
-                with pytest.raises(BackendError) as info:
-                    await _now(manager.acquire("crossed", timeout=1))
-                assert info.value.code == "DATA_LOST"
+                error = await _first_verdict(manager, "crossed")
+                assert error.code == "DATA_LOST", str(error)
         lost = {e.detail["node"] for e in recorder.of(EventKind.NODE_DATA_LOST)}
         assert lost == {nodes[0].url}  # the pending node lost nothing it was known to hold
         assert not recorder.of(EventKind.QUORUM_INITIALIZED)  # never set up again
