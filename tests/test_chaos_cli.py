@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -143,3 +144,48 @@ def test_celery_usage_errors(
     assert done.returncode == 2
     assert says in done.stderr
     assert list(tmp.iterdir()) == []
+
+
+def test_a_soak_shorter_than_a_round_still_runs_every_pairing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The first round runs whole whatever the time: a soak whose minutes are up before its
+    second pairing starts (a slow machine) still gives that pairing its shortest slice,
+    and stops after the round. The slices stand in for real ones (the servers, the workers
+    and the faults are ``tests/test_chaos.py``'s): each takes the soak's whole time."""
+    from fence._chaos import runner
+
+    ran: list[tuple[str, float]] = []
+
+    def slice_(pairing, servers, settings, workdir, round_):  # type: ignore[no-untyped-def]
+        ran.append((pairing.name, settings.duration))
+        time.sleep(0.2)  # past the soak's minutes
+        counts = dict.fromkeys(
+            ("pauses_injected", "pauses_between_read_and_write", "acquired", "accepted",
+             "rejected", "reads_accepted", "reads_rejected", "unknown_outcomes",
+             "lost_updates", "stale_accepted", "stale_reads", "tokens_issued_twice",
+             "faults_injected"),
+            1,
+        )  # fmt: skip
+        summary = {
+            **counts,
+            "server_kills": {"redis": 1},
+            "faults": [],
+            "orphan_locks": [],
+            "worker_failures": [],
+            "workers_killed": [],
+            "fault_errors": [],
+            "elapsed_s": 0.2,
+            "ok": True,
+        }
+        return summary, []
+
+    monkeypatch.setattr(runner, "run_pairing", slice_)
+    monkeypatch.setattr(runner, "_servers_for", lambda chosen: contextlib.nullcontext({}))
+    settings = runner.Settings(pairings=("redis+redis", "sql+plain-sql"), duration=60.0)
+    report = runner.soak(settings, 0.2 / 60, tmp_path)
+    assert [name for name, _ in ran] == ["redis+redis", "sql+plain-sql"]
+    assert ran[1][1] == runner._SHORTEST_SLICE  # the time was up: the shortest slice
+    assert report["rounds"] == 1
+    assert report["totals"]["slices"] == 2
+    assert report["elapsed_s"] > report["soak_minutes"] * 60

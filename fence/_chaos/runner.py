@@ -472,7 +472,8 @@ def soak(settings: Settings, minutes: float, workdir: Path, keep: bool = False) 
     Args:
         settings: the knobs; ``duration`` is one slice, ``pauses`` is ignored.
         minutes: how long the soak runs; the slice running at the end is cut to fit, and
-            none shorter than a few seconds starts.
+            none shorter than a few seconds starts. The first round runs whole, every
+            pairing for at least those few seconds, even past ``minutes``.
         workdir: where the worker logs go.
         keep: keep every slice's logs (otherwise each is removed once checked).
 
@@ -487,14 +488,15 @@ def soak(settings: Settings, minutes: float, workdir: Path, keep: bool = False) 
     failed: list[dict[str, Any]] = []
     rounds = 0
     with _servers_for(chosen) as servers:
-        while time.monotonic() + _SHORTEST_SLICE <= end:
+        while rounds == 0 or time.monotonic() + _SHORTEST_SLICE <= end:
             for pairing in chosen:
                 left = end - time.monotonic()
-                if left < _SHORTEST_SLICE:
+                if left < _SHORTEST_SLICE and rounds:
                     break
                 part = replace(
                     settings,
-                    duration=min(settings.duration, left),
+                    # The first round runs whole, whatever the time: every pairing is soaked.
+                    duration=min(settings.duration, max(left, _SHORTEST_SLICE)),
                     pauses=None,
                     seed=settings.seed + rounds,
                 )
