@@ -7,6 +7,7 @@ same names, so the generated sync code runs on threads where the source runs on 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
@@ -220,6 +221,9 @@ async def completed(result: ThreadResult, timeout: float) -> Any:
     return result.get(block=False)
 
 
+_poll = getattr(select, "poll", None)  # not on Windows
+
+
 class Stream:
     """A byte stream to a server (TCP or a Unix socket) with a time limit on every read.
 
@@ -227,11 +231,12 @@ class Stream:
     methods, so the connection code in ``fence._async.resp`` is written once.
     """
 
-    __slots__ = ("_reader", "_writer")
+    __slots__ = ("_poller", "_reader", "_writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
+        self._poller: Any = None  # a poll object for the socket, made at the first check
 
     async def write(self, data: bytes) -> None:
         """Send ``data`` (buffered; waits only while the transport's buffer is full)."""
@@ -258,9 +263,27 @@ class Stream:
         return data
 
     def alive(self) -> bool:
-        """Whether the connection is still open, with nothing unread (no I/O: the event
-        loop has already seen a close by the server)."""
-        return not (self._reader.at_eof() or self._writer.transport.is_closing())
+        """Whether the connection is still open, with nothing unread: a pooled connection
+        whose server restarted is found out here, before a request is sent on it. The
+        event loop may not have read the server's close yet (the restart happened while
+        no task ran), so the socket itself is asked too, as the sync twin peeks at it."""
+        if self._reader.at_eof() or self._writer.transport.is_closing():
+            return False
+        try:
+            poller = self._poller
+            if poller is None:
+                sock = self._writer.get_extra_info("socket")
+                if sock is None:
+                    return True
+                if _poll is None:
+                    return not select.select([sock.fileno()], [], [], 0)[0]
+                # poll, not select: no limit on the descriptor's number
+                poller = self._poller = _poll()
+                poller.register(sock.fileno(), select.POLLIN)
+            readable = bool(poller.poll(0))
+        except (OSError, ValueError):
+            return False
+        return not readable  # closed by the server, or bytes nobody asked for
 
     def close(self) -> None:
         """Close at once, without sending what is still buffered. Safe from any task."""

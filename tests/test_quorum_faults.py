@@ -1110,3 +1110,29 @@ async def test_a_pending_node_prepared_under_the_set_up_joins_it(
         assert state == (b"genesis" if joins else b"pending")
     finally:
         await _now(manager.close())
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+async def test_a_node_restart_costs_no_attempt(
+    durable_nodes: list[RedisServer], flavour: str
+) -> None:
+    """A node that restarted (with its data) closed the manager's idle connection to it.
+    The next acquire opens a new one instead of sending on the closed one: the node takes
+    part at once, and nothing reports it down. (The quorum never sends a request twice, so
+    a request sent on the closed connection would have failed on that node.)"""
+    kind = QuorumLockManager if flavour == "sync" else AsyncQuorumLockManager
+    bus = EventBus()
+    manager = kind(urls(durable_nodes), check_config=False, ttl=5, socket_timeout=2, events=bus)
+    try:
+        lease = await _now(manager.acquire("restart", timeout=5))
+        await _now(lease.release())
+        for node in durable_nodes:
+            node.restart()
+        with EventRecorder(bus) as recorder:
+            lease = await _now(manager.try_acquire("restart"))
+            assert lease is not None
+            await _now(lease.release())
+        assert not recorder.of(EventKind.BACKEND_DOWN)
+    finally:
+        await _now(manager.close())

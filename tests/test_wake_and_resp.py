@@ -1,16 +1,20 @@
 """The plain parts under the managers' waiting and connections: the wake board (who is
 woken by a release) and the RESP2 packing and parsing of the Redis manager's own
-connections, and the pool's resending after a connection the server closed (on a
-socket server of the test's own)."""
+connections, the pool's resending after a connection the server closed, and the asyncio
+pool's check of an idle connection (on socket servers of the test's own)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import resource
 import socket
 import threading
 import time
 
 import pytest
 
+from fence._async.resp import AsyncRespPool
 from fence._resp import MORE, Address, ConnectionFailure, Reader, RespError, pack, parse_url
 from fence._sync.resp import RespPool
 from fence._wake import WakeBoard
@@ -275,3 +279,80 @@ def test_a_pool_resends_at_most_once() -> None:
     finally:
         pool.close()
         server.close()
+
+
+class _Answerer:
+    """A TCP server on 127.0.0.1 that answers every ``PING`` with ``+OK`` and can close
+    every connection it accepted at once (a restart, as the client sees it)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _answer(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := conn.recv(65536):
+                conn.sendall(b"+OK\r\n" * data.count(b"PING"))
+
+    def drop_all(self) -> None:
+        for conn in self.accepted:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.drop_all()
+
+
+async def test_an_asyncio_pool_never_sends_on_a_connection_the_server_closed() -> None:
+    """The server closes the idle connection while no task runs, so the event loop has not
+    read the close when the next request takes a connection: the pool asks the socket,
+    opens a new connection and the request (never sent twice) succeeds."""
+    server = _Answerer()
+    pool = AsyncRespPool(parse_url(f"redis://127.0.0.1:{server.port}"), max_connections=2)
+    try:
+        assert await pool.request(pack("PING"), time.monotonic() + 5) == b"OK"
+        server.drop_all()
+        time.sleep(0.2)  # the close reaches this side's socket; the event loop does not run
+        assert await pool.request(pack("PING"), time.monotonic() + 5) == b"OK"
+        assert len(server.accepted) == 2
+    finally:
+        pool.close()
+        server.close()
+
+
+async def test_an_asyncio_pool_reuses_a_connection_whose_descriptor_is_past_1024() -> None:
+    """``select()`` cannot take a descriptor numbered 1024 or more; the pool's check of an
+    idle connection must not count such a connection dead (it would open a new connection
+    for every request of a process with many files open)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard == resource.RLIM_INFINITY or hard >= 2048, "raise the open-file limit"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    server = _Answerer()
+    pool = AsyncRespPool(parse_url(f"redis://127.0.0.1:{server.port}"), max_connections=2)
+    try:
+        for _ in range(3):
+            assert await pool.request(pack("PING"), time.monotonic() + 5) == b"OK"
+        (idle,) = pool._idle
+        assert idle._stream._writer.get_extra_info("socket").fileno() >= 1024
+        assert len(server.accepted) == 1
+    finally:
+        pool.close()
+        server.close()
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
