@@ -167,6 +167,23 @@ def orphans(
     return left
 
 
+#: What the workers' server process imports once, so that no worker imports it again.
+_PRELOAD = ["fence._chaos.worker", "sqlalchemy", "psycopg", "redis", "fence.adapters.sql"]
+
+
+def _worker_context() -> Any:
+    """How the workers start: forked from a server process that imported what they need
+    once (``forkserver``, where the platform has it), not each a new interpreter that
+    imports it all again (``spawn``: seconds per pairing, and far more on a loaded
+    machine). The server process is started at the first worker, while the controller
+    ignores Ctrl-C, so every worker ignores it too; it ends with the controller."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_pairing(
     pairing: Pairing,
     servers: dict[str, Any],
@@ -192,7 +209,7 @@ def run_pairing(
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(f"{settings.seed}:{pairing.name}")
 
-    ctx = mp.get_context("spawn")
+    ctx = _worker_context()
     n = settings.workers
     array = ctx.RawArray("q", Board.size(n))
     board = Board(array, n)
