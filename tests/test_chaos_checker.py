@@ -111,3 +111,36 @@ def test_timeline_svg() -> None:
     assert "stopped (SIGSTOP)" in svg
     assert "kill -9 redis" in svg
     assert render_svg([], "empty").startswith("<svg")
+
+
+def test_a_read_shows_that_a_write_of_unknown_outcome_landed() -> None:
+    """A writer's reply was lost (a dropped connection), but its write landed, and a reader
+    saw its value: that write counts as accepted, and the read is not stale."""
+    log = [
+        *clean_log(),
+        Record(3.0, "w2", "acquired", "r", 12),
+        Record(3.1, "w2", "write_error", "r", 12, 2, 3),
+        Record(3.5, "w3", "acquired_read", "r", 13),
+        Record(3.6, "w3", "read_ok", "r", 13, 3, written=12, fence=12),
+    ]
+    verdict = check(log, {"r": 3})
+    assert verdict.ok, verdict
+    assert verdict.accepted == {"r": 3}
+    assert verdict.unexplained == {"r": 0}
+    assert not check(log, {"r": 4}).ok  # the unknown write explains one increment, once
+
+
+def test_a_landed_write_of_unknown_outcome_is_held_to_the_token_order() -> None:
+    """The read proves the write of unknown outcome landed, so it is judged like an
+    accepted one: under token 9, after token 11 wrote, it is a stale write accepted."""
+    log = [
+        *clean_log(),
+        Record(3.1, "w1", "write_error", "r", 9, 2, 3),
+        Record(3.6, "w3", "read_ok", "r", 13, 3, written=9, fence=11),
+    ]
+    verdict = check(log, {"r": 3})
+    assert not verdict.ok
+    assert verdict.stale_accepted == [
+        {"scope": "r", "token": 9, "after_token": 11, "worker": "w1", "value": 3}
+    ]
+    assert verdict.stale_reads == []

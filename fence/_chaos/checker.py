@@ -74,7 +74,8 @@ class Verdict:
     """What the checker found.
 
     Attributes:
-        accepted: accepted writes, per record.
+        accepted: accepted writes, per record, and writes of unknown outcome that a
+            checked read showed landed (the value it saw, under their token).
         rejected: rejected writes, per record.
         stale_accepted: accepted writes whose token was below one accepted before them.
         lost_updates: per record, accepted writes that the final state does not contain.
@@ -84,7 +85,8 @@ class Verdict:
             write whose outcome was unknown to its worker may explain one each).
         reads_accepted: accepted checked reads under read leases, per record.
         stale_reads: accepted checked reads that saw a value written under a token newer
-            than their fence or their lease, or a value no accepted write produced.
+            than their fence or their lease, or a value that no accepted write (nor one of
+            unknown outcome) produced.
     """
 
     accepted: dict[str, int] = field(default_factory=dict)
@@ -134,6 +136,7 @@ def check(
     verdict = Verdict()
     writes: dict[str, list[Record]] = defaultdict(list)
     unknown: dict[str, int] = defaultdict(int)
+    unsure: dict[tuple[str, int | None, int | None], Record] = {}
     acquisitions: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     reads: list[Record] = []
     for record in records:
@@ -145,10 +148,20 @@ def check(
             writes[record.scope].append(record)
         elif record.event == "write_error":
             unknown[record.scope] += 1
+            unsure[(record.scope, record.after, record.token)] = record
         elif record.event == "write_rejected":
             verdict.rejected[record.scope] = verdict.rejected.get(record.scope, 0) + 1
         elif record.event in ("acquired", "acquired_read") and record.token is not None:
             acquisitions[record.scope][record.token].append(record.worker)
+
+    # A write whose outcome its worker did not learn (the reply was lost to a fault) and
+    # whose value a checked read saw, under its token: it landed. It counts as accepted,
+    # and its token must fit the order of the accepted writes like theirs.
+    for read in reads:
+        landed = unsure.pop((read.scope or "", read.before, read.written), None)
+        if landed is not None and read.written is not None:
+            writes[landed.scope or ""].append(landed)
+            unknown[landed.scope or ""] -= 1
 
     for scope in sorted(set(writes) | set(final)):
         accepted = sorted(writes.get(scope, []), key=lambda r: (r.after or 0, r.t))
@@ -202,7 +215,7 @@ def check(
             if read.before != initial.get(scope, 0):
                 problems.append("a value without a writer that is not the initial value")
         elif (scope, read.before, read.written) not in produced:
-            problems.append("a value no accepted write produced")
+            problems.append("a value no accepted write produced")  # nor one of unknown outcome
         if problems:
             verdict.stale_reads.append(
                 {
