@@ -175,9 +175,15 @@ def _worker_context() -> Any:
     """How the workers start: forked from a server process that imported what they need
     once (``forkserver``, where the platform has it), not each a new interpreter that
     imports it all again (``spawn``: seconds per pairing, and far more on a loaded
-    machine). The server process is started at the first worker, while the controller
-    ignores Ctrl-C, so every worker ignores it too; it ends with the controller."""
-    if "forkserver" not in mp.get_all_start_methods():
+    machine; still the way where the platform has no forkserver or the temporary
+    folder's path is too long for its socket). The server process is started at the
+    first worker, while the controller ignores Ctrl-C, so every worker ignores it too; it
+    ends with the controller."""
+    # The server process listens on a Unix socket in the temporary folder
+    # (<tmp>/pymp-XXXXXXXX/listener-XXXXXXXX), and such a path is at most 104 bytes on
+    # some systems: with a deeper TMPDIR, spawn.
+    deep = len(os.fsencode(tempfile.gettempdir())) + 40 > 104
+    if deep or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
