@@ -87,14 +87,20 @@ def test_ctrl_c_stops_a_chaos_run_cleanly(private_tmp: tuple[Path, dict[str, str
             text=True,
             start_new_session=True,
         )  # fmt: skip
-        # Wait until the workers write their logs: the servers and the workers are up.
-        end = time.monotonic() + 120
-        while not any(p.stat().st_size for p in tmp.rglob("*.jsonl")):
-            assert proc.poll() is None, err.read_text()
-            assert time.monotonic() < end, "the chaos run never started its workers"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
-        out, _ = proc.communicate(timeout=120)
+        try:
+            # Wait until the workers write their logs: the servers and the workers are up.
+            end = time.monotonic() + 120
+            while not any(p.stat().st_size for p in tmp.rglob("*.jsonl")):
+                assert proc.poll() is None, err.read_text()
+                assert time.monotonic() < end, "the chaos run never started its workers"
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            if proc.returncode is None:  # the test failed: leave no process and no open pipe
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     text = err.read_text()
     assert proc.returncode == 130, text
     assert "Traceback" not in text
