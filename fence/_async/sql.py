@@ -342,10 +342,11 @@ class AsyncSQLDriver:
         self._owns_engine = owns_engine
         self._create_pending = create_table
         self._closed = False
-        # The clean-ups in flight (their done signals). A connection that one hands back
-        # after the engine's disposal stays out of every pool, open, until the garbage
-        # collector closes it: the engine goes once the last of them has ended.
-        self._cleanups: set[Signal] = set()
+        # The clean-ups in flight, by (resource, secret): their done signals and outcomes.
+        # A retry of one joins it. A connection that one hands back after the engine's
+        # disposal stays out of every pool, open, until the garbage collector closes it:
+        # the engine goes once the last of them has ended.
+        self._cleanups: dict[tuple[str, str], tuple[Signal, list[Any]]] = {}
         self._dispose_pending = False
         self._cleanup_lock = threading.Lock()
         where = engine.url.render_as_string(hide_password=True)
@@ -568,12 +569,19 @@ class AsyncSQLDriver:
         # The release may have to open a connection, which the caller's deadline cannot
         # cut short (psycopg waits at least 2 s for a server that hangs): it runs on its
         # own, for as long as the lock could live, and the caller waits only until its
-        # deadline.
-        outcome: list[Any] = []
-        done = Signal()
+        # deadline. A retry (the manager's, after that deadline) waits for the clean-up
+        # in flight: a second transaction would only queue behind it for the same row.
+        key = (resource, secret)
         with self._cleanup_lock:
-            self._cleanups.add(done)
-        spawn(self._cancel, resource, secret, ttl, outcome, done, name=f"fence-cancel:{resource}")
+            running = self._cleanups.get(key)
+            if running is None:
+                done, outcome = self._cleanups[key] = (Signal(), [])
+            else:
+                done, outcome = running
+        if running is None:
+            spawn(
+                self._cancel, resource, secret, ttl, outcome, done, name=f"fence-cancel:{resource}"
+            )
         at = deadline()
         waiter = Waiter()
         if not done.attach(waiter):
@@ -619,7 +627,7 @@ class AsyncSQLDriver:
         finally:
             reset(scope)
             with self._cleanup_lock:
-                self._cleanups.discard(done)
+                del self._cleanups[key]
                 last = self._dispose_pending and not self._cleanups
                 if last:
                     self._dispose_pending = False
@@ -783,13 +791,13 @@ class AsyncSQLDriver:
         end = time.monotonic() + timeout
         while True:
             with self._cleanup_lock:
-                running = next(iter(self._cleanups), None)
+                running = next(iter(self._cleanups.values()), None)
                 if running is None:
                     return True
                 if time.monotonic() >= end:
                     self._dispose_pending = self._owns_engine
                     return False
-            await self._wait_signal(running, end - time.monotonic())
+            await self._wait_signal(running[0], end - time.monotonic())
 
     # -- schema -----------------------------------------------------------------------------
 

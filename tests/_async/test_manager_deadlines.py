@@ -626,6 +626,25 @@ async def test_postgres_attempt_that_arrives_after_its_clean_up_is_refused(
     await lease.release()
 
 
+def count_clean_ups(manager: Any) -> tuple[list[int], list[int]]:
+    """Count the calls of the driver's ``cancel`` (the clean-up of an acquire that gave up,
+    and the manager's retries of it) and the clean-up transactions they start."""
+    driver = manager.driver
+    calls, started = [0], [0]
+    cancel, transaction = driver.cancel, driver._cancel
+
+    async def counted_cancel(*args: Any) -> Any:
+        calls[0] += 1
+        return await cancel(*args)
+
+    async def counted_transaction(*args: Any) -> Any:
+        started[0] += 1
+        return await transaction(*args)
+
+    driver.cancel, driver._cancel = counted_cancel, counted_transaction
+    return calls, started
+
+
 async def test_postgres_attempt_queued_behind_its_clean_up_is_refused(
     pg: PostgresServer, managers: list[Any], resource: str
 ) -> None:
@@ -633,11 +652,16 @@ async def test_postgres_attempt_queued_behind_its_clean_up_is_refused(
     transaction holds the row, the statement's backend is frozen until the clean-up waits
     for the row (``pg_stat_activity``), and runs on until it waits behind the clean-up.
     When the row is free the clean-up goes first and the statement after it: the
-    tombstone, read in the row the statement locks, refuses it."""
+    tombstone, read in the row the statement locks, refuses it.
+
+    The clean-up outlives the caller's deadline, so the manager retries it in the
+    background: a retry waits for the clean-up in flight and starts no second transaction
+    (each one held a connection, queued for the row, for as long as the row was held)."""
     manager, table, app = frozen_manager(pg, managers)
     first = await manager.acquire(resource)
     await first.release()
     (pid,) = [row[0] for row in backends(pg.conninfo, app)]
+    calls, started = count_clean_ups(manager)
 
     def waiting() -> set[int]:
         return {p for p, _, _, event in backends(pg.conninfo, app) if event == "Lock"}
@@ -648,6 +672,8 @@ async def test_postgres_attempt_queued_behind_its_clean_up_is_refused(
         try:
             outcome, _ = await timed(lambda: manager.acquire(resource, timeout=ON_THE_WIRE))
             assert isinstance(outcome, BackendError), outcome
+            await until(lambda: calls[0] >= 2, "the manager to retry the clean-up")
+            assert started[0] == 1  # the retry joined the clean-up in flight
             await until(lambda: len(waiting() - {pid}) == 1, "the clean-up to wait for the row")
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -657,6 +683,7 @@ async def test_postgres_attempt_queued_behind_its_clean_up_is_refused(
     lease = await manager.try_acquire(resource)
     assert lease is not None
     await lease.release()
+    assert started[0] == 1
 
 
 async def test_postgres_missing_database_is_not_called_unreachable(
