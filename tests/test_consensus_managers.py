@@ -221,6 +221,17 @@ def test_timed_out_waiter_leaves_no_entry_in_the_queue(backend: Backend) -> None
     holder, waiter = backend.manager(ttl=30), backend.manager(ttl=30)
     lease = holder.acquire("timed-out")
     outcome: list[BaseException] = []
+    # The queue's length, read while the waiter waits in it: its entry cannot go before
+    # its wait returns (polled from outside, the entry's 2 s could pass unseen).
+    queued: list[int] = []
+    wait_in_queue = waiter.driver.wait
+
+    def counted_wait(resource: str, timeout: float, reply: Any) -> None:
+        if not queued:
+            queued.append(backend.queue_length(resource))
+        wait_in_queue(resource, timeout, reply)
+
+    waiter.driver.wait = counted_wait
 
     def wait() -> None:
         try:
@@ -230,9 +241,9 @@ def test_timed_out_waiter_leaves_no_entry_in_the_queue(backend: Backend) -> None
 
     thread = threading.Thread(target=wait, daemon=True)
     thread.start()
-    until(lambda: backend.queue_length("timed-out") == 2, "the waiter's entry")
-    thread.join(30)
+    thread.join(60)
     assert len(outcome) == 1, outcome
+    assert queued == [2]  # the holder's entry and the waiter's
     until(lambda: backend.queue_length("timed-out") == 1, "the entry to go", seconds=10)
     lease.release()
     released = time.monotonic()
@@ -258,7 +269,9 @@ def test_waiters_are_served_in_arrival_order(backend: Backend) -> None:
         thread = threading.Thread(target=wait, daemon=True)
         thread.start()
         threads.append(thread)
-        time.sleep(0.3)  # each is queued before the next arrives
+        # each is queued before the next arrives (the queue only grows until the release)
+        queued = len(threads) + 1  # the holder's entry and each waiter's
+        until(lambda q=queued: backend.queue_length("fifo") == q, f"{name} queued")
     lease.release()
     for thread in threads:
         thread.join(30)

@@ -18,8 +18,8 @@ import base64
 import os
 import secrets
 import signal
+import socket
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -81,14 +81,17 @@ async def test_redis_cancelled_inside_the_round_trip(
     manager = AsyncRedisLockManager(debug_redis.url, ttl=60, fifo=fifo)
     other = AsyncRedisLockManager(debug_redis.url, ttl=60, fifo=fifo)
     raw = redis.Redis.from_url(debug_redis.url)
+    # DEBUG SLEEP is sent from here, before the acquire, on a connection already open: the
+    # server reads it first. It sleeps 3 s, room for a loaded machine to cancel in time.
+    sleeper = socket.create_connection(("127.0.0.1", debug_redis.port))
     try:
         assert await manager.inspect(resource) is None  # connected
-        sleeper = threading.Thread(target=raw.execute_command, args=("DEBUG", "SLEEP", "0.6"))
-        sleeper.start()
+        sleeper.sendall(b"*3\r\n$5\r\nDEBUG\r\n$5\r\nSLEEP\r\n$1\r\n3\r\n")
         await asyncio.sleep(0.1)  # the server sleeps from now on
         task = asyncio.create_task(manager.acquire(resource, timeout=30))
         await cancel_after(task, 0.2)
-        sleeper.join()
+        sleeper.settimeout(60)
+        assert sleeper.recv(16) == b"+OK\r\n"  # the server woke
         assert await other.inspect(resource) is None
         lease = await other.try_acquire(resource)
         assert lease is not None
@@ -103,6 +106,7 @@ async def test_redis_cancelled_inside_the_round_trip(
         assert len(list(raw.scan_iter(match=void + "*"))) == 1
         assert await other.inspect(resource) is None
     finally:
+        sleeper.close()
         raw.close()
         await manager.close()
         await other.close()
@@ -247,15 +251,16 @@ async def test_sqlite_cancelled_inside_the_round_trip(tmp_path: Path, resource: 
     try:
         first = await manager.acquire(resource)
         await first.release()
-        blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        blocker = sqlite3.connect(path, isolation_level=None)
         blocker.execute("BEGIN IMMEDIATE")
-        commit = threading.Timer(0.6, blocker.execute, args=("COMMIT",))
-        commit.start()
         try:
             task = asyncio.create_task(manager.acquire(resource, timeout=30))
-            await cancel_after(task, 0.3)
+            await asyncio.sleep(0.3)  # the statement waits for the blocker's write lock
+            task.cancel()
+            blocker.execute("COMMIT")  # then it gets the lock, in aiosqlite's thread
+            with pytest.raises(asyncio.CancelledError):
+                await task
         finally:
-            commit.join()
             blocker.close()
         assert await manager.inspect(resource) is None
         lease = await manager.try_acquire(resource)

@@ -80,20 +80,29 @@ def issue(manager: RedisLockManager, resource: str, count: int) -> list[int]:
 
 def test_lease_survives_a_brief_server_stop(server: RedisServer) -> None:
     """SIGSTOP shorter than the ttl during a renewal: the renewal times out, is retried
-    while the lease still has time, and succeeds once the server runs again."""
+    while the lease still has time, and succeeds once the server runs again. (The server
+    runs again as soon as a renewal failed, 2 s into a 6 s lease: a loaded machine has
+    4 s of room.)"""
     bus = EventBus()
-    manager = RedisLockManager(server.url, ttl=1.5, renew=True, socket_timeout=0.25, events=bus)
+    manager = RedisLockManager(server.url, ttl=6, renew=True, socket_timeout=0.25, events=bus)
     lost: list[LeaseLostError] = []
     try:
         with EventRecorder(bus) as recorder:
             lease = manager.acquire("job", on_lost=lambda _lease, err: lost.append(err))
-            time.sleep(0.35)
-            server.pause()  # the renewal due at ~0.5 s meets a stopped server
+            acquired = time.monotonic()
+            server.pause()  # the renewal due at ~2 s meets a stopped server
             try:
-                time.sleep(0.6)
+                end = time.monotonic() + 30
+                while not recorder.of(EventKind.RENEW_FAILED):
+                    assert time.monotonic() < end, "no renewal met the stopped server"
+                    time.sleep(0.02)
             finally:
                 server.resume()
-            time.sleep(1.2)  # past the first ttl: only renewals kept it
+            end = time.monotonic() + 30
+            while not recorder.of(EventKind.RENEWED):
+                assert time.monotonic() < end, "no renewal after the server ran again"
+                time.sleep(0.02)
+            time.sleep(max(0.0, acquired + 6.5 - time.monotonic()))  # past the first ttl
         assert recorder.of(EventKind.RENEW_FAILED)  # the stop did hit a renewal
         assert recorder.of(EventKind.RENEWED)
         assert not lost

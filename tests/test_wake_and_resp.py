@@ -213,18 +213,14 @@ def test_urls_the_own_connections_do_not_serve(url: str) -> None:
 # -- resending after a connection the server closed ------------------------------------------
 
 
-class _Closer:
-    """A TCP server on 127.0.0.1 that reads the first command of each connection and
-    closes it unanswered, except from connection ``answer_from`` on, where it replies
-    ``+OK``: a server that died under a command, then came back."""
+class _PingServer:
+    """A TCP server on 127.0.0.1 that answers ``PING`` s with ``+OK``; each subclass says
+    what it does with a connection it accepted (:meth:`_accepted`)."""
 
-    def __init__(self, answer_from: int) -> None:
+    def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self.answer_from = answer_from
-        self.connections = 0
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
         while True:
@@ -232,18 +228,38 @@ class _Closer:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            self.connections += 1
-            with conn:
-                while True:
-                    data = conn.recv(65536)
-                    if not data:
-                        break
-                    if self.connections < self.answer_from:
-                        break  # the command arrived; no reply, the connection closes
-                    conn.sendall(b"+OK\r\n" * data.count(b"PING"))
+            self._accepted(conn)
+
+    def _accepted(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _answer(conn: socket.socket, close_unanswered: bool = False) -> None:
+        """Answer the connection's ``PING`` s until the client closes it, or read its first
+        command and close it unanswered."""
+        with contextlib.suppress(OSError), conn:
+            while data := conn.recv(65536):
+                if close_unanswered:
+                    return
+                conn.sendall(b"+OK\r\n" * data.count(b"PING"))
 
     def close(self) -> None:
         self.listener.close()
+
+
+class _Closer(_PingServer):
+    """Reads the first command of each connection and closes it unanswered, except from
+    connection ``answer_from`` on, which it answers: a server that died under a command,
+    then came back. Serves one connection at a time."""
+
+    def __init__(self, answer_from: int) -> None:
+        self.answer_from = answer_from
+        self.connections = 0
+        super().__init__()
+
+    def _accepted(self, conn: socket.socket) -> None:
+        self.connections += 1
+        self._answer(conn, close_unanswered=self.connections < self.answer_from)
 
 
 @pytest.mark.parametrize("resend", [True, False])
@@ -281,30 +297,17 @@ def test_a_pool_resends_at_most_once() -> None:
         server.close()
 
 
-class _Answerer:
-    """A TCP server on 127.0.0.1 that answers every ``PING`` with ``+OK`` and can close
-    every connection it accepted at once (a restart, as the client sees it)."""
+class _Answerer(_PingServer):
+    """Answers every connection, each on a thread of its own, and can close every
+    connection it accepted at once (a restart, as the client sees it)."""
 
     def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.accepted: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.accepted.append(conn)
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _answer(conn: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := conn.recv(65536):
-                conn.sendall(b"+OK\r\n" * data.count(b"PING"))
+    def _accepted(self, conn: socket.socket) -> None:
+        self.accepted.append(conn)
+        threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def drop_all(self) -> None:
         for conn in self.accepted:

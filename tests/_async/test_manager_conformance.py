@@ -7,6 +7,7 @@ Each test runs once per backend registered in ``tests/backend_*.py``. The sync t
 from __future__ import annotations
 
 import asyncio  # unasync: remove
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -166,7 +167,7 @@ async def test_acquire_timeout(make_manager: Make, resource: str) -> None:
     async def attempt() -> Any:
         start = time.monotonic()
         try:
-            return await manager.acquire(resource, timeout=0.3)
+            return await manager.acquire(resource, timeout=1.5)
         finally:
             elapsed.append(time.monotonic() - start)
 
@@ -174,7 +175,7 @@ async def test_acquire_timeout(make_manager: Make, resource: str) -> None:
     with pytest.raises(AcquireTimeout) as info:
         await other_owner(attempt)
     assert info.value.resource == resource
-    assert 0.3 <= elapsed[0] < 0.3 + 2.0
+    assert 1.5 <= elapsed[0] < 1.5 + 2.0
 
     async def once() -> Any:
         return await manager.acquire(resource, timeout=0)
@@ -206,12 +207,18 @@ async def test_waiter_is_woken_by_release(make_manager: Make, resource: str) -> 
         await lease.release()
         return int(token)
 
+    start = time.monotonic()
     task = await spawn(waiter)
     await sleep(0.5)
     await holder.release()
+    waited = time.monotonic() - start
     token = await join(task)
     assert token > holder.token
-    assert attempts[0] <= 4
+    # A driver that polls (SQLite, MariaDB) tries again every half to whole poll interval
+    # while it waits: on a loaded machine the release may come later than 0.5 s.
+    poll = getattr(driver, "poll_interval", None)
+    allowed = 4 if poll is None else max(4, 2 + math.ceil(waited / (0.5 * poll)))
+    assert attempts[0] <= allowed, f"{attempts[0]} attempts in {waited:.2f} s"
 
 
 async def test_waiter_is_woken_when_holder_expires(
@@ -547,14 +554,16 @@ async def test_list_prefix_is_literal_and_pages(
 
 
 async def test_explicit_renew_extends(make_manager: Make, resource: str) -> None:
+    """A renewal with a ttl past the lease's own extends it to that ttl (a lease of 3 s
+    renewed for 30 s has more than 3 s left, on the client and on the server)."""
     manager = make_manager()
-    lease = await manager.acquire(resource, ttl=0.5)
+    lease = await manager.acquire(resource, ttl=3)
     await sleep(0.3)
-    await lease.renew(ttl=5)
-    assert lease.remaining() > 1
+    await lease.renew(ttl=30)
+    assert lease.remaining() > 5
     info = await manager.inspect(resource)
     assert info is not None
-    assert info.remaining > 1
+    assert info.remaining > 5
     await lease.release()
     with pytest.raises(NotOwnerError):
         await lease.renew()

@@ -3,6 +3,7 @@ lost token counters (C3)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -51,17 +52,41 @@ async def test_holder_pause_is_fenced_on_a_manual_clock() -> None:
     await manager.close()
 
 
+def count_waits(manager: Any) -> list[int]:
+    """Count the waits of ``manager``'s driver: a waiter that waits has read the clock (its
+    deadline) and found the lock held."""
+    waits = [0]
+    wait = manager.driver.wait
+
+    async def counted(*args: Any) -> None:
+        waits[0] += 1
+        await wait(*args)
+
+    manager.driver.wait = counted
+    return waits
+
+
+async def until_waiting(waits: list[int]) -> None:
+    """Return once a waiter waits (before that, a manual clock moved for it could move
+    before it read it)."""
+    end = time.monotonic() + 30
+    while not waits[0]:
+        assert time.monotonic() < end, "the waiter never waited"
+        await sleep(0.01)
+
+
 async def test_waiter_wakes_when_manual_clock_passes_expiry() -> None:
     clock = ManualClock()
     manager = AsyncMemoryLockManager(clock=clock)
     holder = await manager.acquire("r", ttl=10, owner="holder")
+    waits = count_waits(manager)
 
     async def waiter() -> int:
         lease = await manager.acquire("r", timeout=100, owner="waiter")
         return int(lease.token)
 
     task = await spawn(waiter)
-    await sleep(0.05)
+    await until_waiting(waits)
     assert not task.done()
     clock.advance(10.5)
     assert await join(task) > holder.token
@@ -72,12 +97,13 @@ async def test_acquire_timeout_on_manual_clock() -> None:
     clock = ManualClock()
     manager = AsyncMemoryLockManager(clock=clock)
     await manager.acquire("r", ttl=100, owner="holder")
+    waits = count_waits(manager)
 
     async def waiter() -> Any:
         return await manager.acquire("r", timeout=5, owner="waiter")
 
     task = await spawn(waiter)
-    await sleep(0.05)
+    await until_waiting(waits)
     assert not task.done()
     clock.advance(6)
     with pytest.raises(AcquireTimeout):
@@ -108,16 +134,25 @@ async def test_hybrid_tokens_survive_lost_counters() -> None:
     await counter.close()
 
 
+async def until_event(recorder: EventRecorder, kind: EventKind) -> None:
+    end = time.monotonic() + 30
+    while not recorder.of(kind):
+        assert time.monotonic() < end, f"no {kind} event"
+        await sleep(0.01)
+
+
 async def test_watchdog_survives_a_transient_failure() -> None:
     bus = EventBus()
     backend = MemoryBackend()
     manager = AsyncMemoryLockManager(backend, renew=True, events=bus)
     with EventRecorder(bus) as recorder:
-        lease = await manager.acquire("r", ttl=0.9)
+        lease = await manager.acquire("r", ttl=3)
+        acquired = time.monotonic()
         backend.fail()
-        await sleep(0.45)  # at least one renewal attempt fails (every 0.3 s)
+        await until_event(recorder, EventKind.RENEW_FAILED)  # a renewal (every 1 s) failed
         backend.fail(None)
-        await sleep(0.9)  # renewals succeed again, past the original ttl
+        await until_event(recorder, EventKind.RENEWED)  # and the next one succeeded
+        await sleep(max(0.0, acquired + 3.3 - time.monotonic()))  # past the original ttl
         assert lease.valid
         assert not lease.lost
     assert recorder.of(EventKind.RENEW_FAILED)

@@ -8,6 +8,7 @@ Each test runs once per backend registered in ``tests/backend_*.py``. The sync t
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -165,7 +166,7 @@ def test_acquire_timeout(make_manager: Make, resource: str) -> None:
     def attempt() -> Any:
         start = time.monotonic()
         try:
-            return manager.acquire(resource, timeout=0.3)
+            return manager.acquire(resource, timeout=1.5)
         finally:
             elapsed.append(time.monotonic() - start)
 
@@ -173,7 +174,7 @@ def test_acquire_timeout(make_manager: Make, resource: str) -> None:
     with pytest.raises(AcquireTimeout) as info:
         other_owner(attempt)
     assert info.value.resource == resource
-    assert 0.3 <= elapsed[0] < 0.3 + 2.0
+    assert 1.5 <= elapsed[0] < 1.5 + 2.0
 
     def once() -> Any:
         return manager.acquire(resource, timeout=0)
@@ -205,12 +206,18 @@ def test_waiter_is_woken_by_release(make_manager: Make, resource: str) -> None:
         lease.release()
         return int(token)
 
+    start = time.monotonic()
     task = spawn(waiter)
     sleep(0.5)
     holder.release()
+    waited = time.monotonic() - start
     token = join(task)
     assert token > holder.token
-    assert attempts[0] <= 4
+    # A driver that polls (SQLite, MariaDB) tries again every half to whole poll interval
+    # while it waits: on a loaded machine the release may come later than 0.5 s.
+    poll = getattr(driver, "poll_interval", None)
+    allowed = 4 if poll is None else max(4, 2 + math.ceil(waited / (0.5 * poll)))
+    assert attempts[0] <= allowed, f"{attempts[0]} attempts in {waited:.2f} s"
 
 
 def test_waiter_is_woken_when_holder_expires(
@@ -544,14 +551,16 @@ def test_list_prefix_is_literal_and_pages(
 
 
 def test_explicit_renew_extends(make_manager: Make, resource: str) -> None:
+    """A renewal with a ttl past the lease's own extends it to that ttl (a lease of 3 s
+    renewed for 30 s has more than 3 s left, on the client and on the server)."""
     manager = make_manager()
-    lease = manager.acquire(resource, ttl=0.5)
+    lease = manager.acquire(resource, ttl=3)
     sleep(0.3)
-    lease.renew(ttl=5)
-    assert lease.remaining() > 1
+    lease.renew(ttl=30)
+    assert lease.remaining() > 5
     info = manager.inspect(resource)
     assert info is not None
-    assert info.remaining > 1
+    assert info.remaining > 5
     lease.release()
     with pytest.raises(NotOwnerError):
         lease.renew()

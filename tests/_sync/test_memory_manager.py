@@ -5,6 +5,7 @@ lost token counters (C3)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -53,17 +54,41 @@ def test_holder_pause_is_fenced_on_a_manual_clock() -> None:
     manager.close()
 
 
+def count_waits(manager: Any) -> list[int]:
+    """Count the waits of ``manager``'s driver: a waiter that waits has read the clock (its
+    deadline) and found the lock held."""
+    waits = [0]
+    wait = manager.driver.wait
+
+    def counted(*args: Any) -> None:
+        waits[0] += 1
+        wait(*args)
+
+    manager.driver.wait = counted
+    return waits
+
+
+def until_waiting(waits: list[int]) -> None:
+    """Return once a waiter waits (before that, a manual clock moved for it could move
+    before it read it)."""
+    end = time.monotonic() + 30
+    while not waits[0]:
+        assert time.monotonic() < end, "the waiter never waited"
+        sleep(0.01)
+
+
 def test_waiter_wakes_when_manual_clock_passes_expiry() -> None:
     clock = ManualClock()
     manager = MemoryLockManager(clock=clock)
     holder = manager.acquire("r", ttl=10, owner="holder")
+    waits = count_waits(manager)
 
     def waiter() -> int:
         lease = manager.acquire("r", timeout=100, owner="waiter")
         return int(lease.token)
 
     task = spawn(waiter)
-    sleep(0.05)
+    until_waiting(waits)
     assert not task.done()
     clock.advance(10.5)
     assert join(task) > holder.token
@@ -74,12 +99,13 @@ def test_acquire_timeout_on_manual_clock() -> None:
     clock = ManualClock()
     manager = MemoryLockManager(clock=clock)
     manager.acquire("r", ttl=100, owner="holder")
+    waits = count_waits(manager)
 
     def waiter() -> Any:
         return manager.acquire("r", timeout=5, owner="waiter")
 
     task = spawn(waiter)
-    sleep(0.05)
+    until_waiting(waits)
     assert not task.done()
     clock.advance(6)
     with pytest.raises(AcquireTimeout):
@@ -110,16 +136,25 @@ def test_hybrid_tokens_survive_lost_counters() -> None:
     counter.close()
 
 
+def until_event(recorder: EventRecorder, kind: EventKind) -> None:
+    end = time.monotonic() + 30
+    while not recorder.of(kind):
+        assert time.monotonic() < end, f"no {kind} event"
+        sleep(0.01)
+
+
 def test_watchdog_survives_a_transient_failure() -> None:
     bus = EventBus()
     backend = MemoryBackend()
     manager = MemoryLockManager(backend, renew=True, events=bus)
     with EventRecorder(bus) as recorder:
-        lease = manager.acquire("r", ttl=0.9)
+        lease = manager.acquire("r", ttl=3)
+        acquired = time.monotonic()
         backend.fail()
-        sleep(0.45)  # at least one renewal attempt fails (every 0.3 s)
+        until_event(recorder, EventKind.RENEW_FAILED)  # a renewal (every 1 s) failed
         backend.fail(None)
-        sleep(0.9)  # renewals succeed again, past the original ttl
+        until_event(recorder, EventKind.RENEWED)  # and the next one succeeded
+        sleep(max(0.0, acquired + 3.3 - time.monotonic()))  # past the original ttl
         assert lease.valid
         assert not lease.lost
     assert recorder.of(EventKind.RENEW_FAILED)

@@ -513,14 +513,15 @@ def test_fifo_waiter_that_gives_up_passes_its_turn(
     redis_url: str, client: Any, resource: str
 ) -> None:
     """A FIFO waiter that times out leaves the queue at once (the manager's abandon hook),
-    so the waiter behind it is woken by the next release, not after ``queue_ttl``."""
+    so the waiter behind it is woken by the next release, not after ``queue_ttl``.
+    (Both are seen queued within the first one's 5 s: room for a loaded machine.)"""
     keys = resource_keys("fence:", resource)
     manager = RedisLockManager(redis_url, fifo=True, queue_ttl=60, ttl=60)
     try:
         holder = manager.acquire(resource)
 
         def impatient() -> None:
-            manager.acquire(resource, timeout=1.0)
+            manager.acquire(resource, timeout=5.0)
 
         def patient() -> int:
             lease = manager.acquire(resource, timeout=20)
