@@ -497,9 +497,19 @@ def test_list_held_locks(
         other_owner(lambda: manager.acquire(base + "p/read", mode="read"))
     busy = manager.acquire(base + "p/wait")
     waiter = spawn(lambda: manager.acquire(base + "p/wait", timeout=20))
-    sleep(0.5 + manager_backend.expiry_slack)
+    sleep(0.5 + manager_backend.expiry_slack)  # p/gone expires
 
-    rows = {row.resource: row for row in _listed(manager, base + "p/")}
+    # The waiter joins the queue in its own time: where the listing counts waiters, list
+    # again until it counts one (or 30 s have passed, and the assertions below say so).
+    end = time.monotonic() + 30
+    while True:
+        rows = {row.resource: row for row in _listed(manager, base + "p/")}
+        waiting = rows.get(base + "p/wait")
+        if manager_backend.name not in _QUEUE_COUNTED or waiting is None:
+            break
+        if waiting.waiters >= 1 or time.monotonic() > end:
+            break
+        sleep(0.05)
     expected = {base + "p/one", base + "p/wait"}
     if manager_backend.shared:
         expected.add(base + "p/read")
