@@ -496,7 +496,7 @@ def test_a_readers_renewal_waits_for_a_transaction_on_its_resource(engine: Engin
                     "SELECT COUNT(*) FROM information_schema.INNODB_TRX "
                     "WHERE trx_state = 'LOCK WAIT'"
                 ).scalar_one()
-        assert waits == 1, "the renewal went on while a transaction held the lease row"
+        assert waits == 1, f"the renewal went on while a transaction held the lease row: {renewed}"
         assert renewed == []
         holder.rollback()
         renewal.join(timeout=30)
