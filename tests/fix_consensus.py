@@ -13,12 +13,41 @@ fixtures, by ``tests/fix_servers.py``.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
 from tests.proxy_zookeeper import ZooKeeperProxy
 from tests.servers import EtcdCluster, ZooKeeperEnsemble
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """When a test that used a cluster fails, its report shows what each member was doing:
+    its mode (ZooKeeper) and the end of its log. A request that no member answered, or an
+    election nobody started, is told apart there."""
+    report = yield
+    if report.failed:
+        for name in ("zookeeper_ensemble", "etcd_cluster"):
+            cluster = getattr(item, "funcargs", {}).get(name)
+            if isinstance(cluster, (ZooKeeperEnsemble, EtcdCluster)):
+                report.sections.append((f"{cluster.name} members ({call.when})", state(cluster)))
+    return report
+
+
+def state(cluster: ZooKeeperEnsemble | EtcdCluster) -> str:
+    """Each member's pid, mode (ZooKeeper) and the end of its log."""
+    parts = []
+    for member in cluster.members:
+        pid = member.proc.pid if member.proc is not None else None
+        mode = cluster.mode(member.index) if isinstance(cluster, ZooKeeperEnsemble) else ""
+        parts.append(
+            f"-- member {member.index}: pid {pid}, running {member.running}, paused "
+            f"{member.paused} {mode or ''}\n{cluster.tail(member.index, 3000)}"
+        )
+    return "\n".join(parts)
 
 
 @pytest.fixture(scope="session")

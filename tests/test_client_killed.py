@@ -46,7 +46,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 
-TTL = 2.0
+#: A held lock's ttl: long enough that a loaded machine cannot let it lapse before the
+#: test has seen the child hold it and killed it.
+TTL = 5.0
 QUEUE_TTL = 2.0
 #: The ttl of a client killed while it waits: far past every bound the tests assert.
 WAITER_TTL = 30.0

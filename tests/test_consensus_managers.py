@@ -175,7 +175,11 @@ class Backend:
         client = KazooClient(hosts=self.cluster.hosts)
         client.start(timeout=10)
         try:
-            return len(queue_order(client.get_children(resource_path("/" + path, resource))))
+            node = resource_path("/" + path, resource)
+            # Through the leader first: the server this client reached may lag behind the
+            # one the manager writes through.
+            client.sync(node)
+            return len(queue_order(client.get_children(node)))
         finally:
             client.stop()
             client.close()

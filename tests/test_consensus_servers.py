@@ -6,6 +6,9 @@ from __future__ import annotations
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.servers import OWNER_FILE, EtcdCluster, ZooKeeperEnsemble, reap_orphans
 
@@ -35,6 +38,37 @@ def test_zookeeper_runs_as_an_unprivileged_user_with_a_small_heap(
         assert _uid(member.proc.pid) != 0
         command = Path(f"/proc/{member.proc.pid}/cmdline").read_bytes().split(b"\0")
         assert b"-Xmx128m" in command
+
+
+def test_heal_waits_for_an_ensemble_that_lost_its_form_behind_the_rigs_back(
+    zookeeper_ensemble: ZooKeeperEnsemble, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ensemble can stop serving with no fault test touching it (a member starved on a
+    loaded machine misses its heartbeats): ``heal`` looks (``serving``) and waits for it to
+    form again, though the rig saw no member change."""
+    ensemble = zookeeper_ensemble
+    ensemble.heal()
+    assert ensemble.serving()
+    assert not ensemble.dirty
+    follower = next(m for m in ensemble.members if ensemble.mode(m.index) == "follower")
+    assert follower.proc is not None
+    follower.proc.send_signal(signal.SIGSTOP)  # the rig still counts it as running, clean
+    seen: list[bool] = []
+    wait_ready = ensemble.wait_ready
+
+    def waiting(timeout: float = 60.0, **options: Any) -> None:
+        seen.append(ensemble.serving())
+        assert follower.proc is not None
+        follower.proc.send_signal(signal.SIGCONT)
+        wait_ready(timeout, **options)
+
+    monkeypatch.setattr(ensemble, "wait_ready", waiting)
+    try:
+        ensemble.heal()
+    finally:
+        follower.proc.send_signal(signal.SIGCONT)
+    assert seen == [False]  # it looked, saw the ensemble not formed, and waited
+    assert ensemble.serving()
 
 
 def test_a_cluster_of_a_dead_run_is_reaped() -> None:

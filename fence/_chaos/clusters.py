@@ -134,16 +134,23 @@ class _Cluster:
         self.kill(index)
         self.start_member(index)
 
+    def serving(self) -> bool:
+        """A quick look (no write): whether the cluster looks formed now. A cluster that
+        nobody touched can still hold an election on its own (a member starved on a loaded
+        machine misses its heartbeats), and serves nothing meanwhile."""
+        return True
+
     def heal(self, timeout: float = 60.0) -> None:
         """Bring every member back (resume the stopped, start the killed) and, if anything
-        happened to a member since the last check, wait until the cluster works again."""
+        happened to a member since the last check or the cluster does not look formed,
+        wait until the cluster works again."""
         for member in self.members:
             if member.running:
                 if member.paused:
                     self.resume(member.index)
             else:
                 self.start_member(member.index)
-        if self.dirty:
+        if self.dirty or not self.serving():
             self.wait_ready(timeout)
             self.dirty = False
 
@@ -487,6 +494,11 @@ class ZooKeeperEnsemble(_Cluster):
             if line.startswith("Mode:"):
                 return line.split(":", 1)[1].strip()
         return None
+
+    def serving(self) -> bool:
+        """Whether every running member serves, one of them as the leader (``srvr``)."""
+        modes = [self.mode(m.index) for m in self.members if m.running and not m.paused]
+        return bool(modes) and all(modes) and modes.count("leader") == 1
 
     def leader(self) -> int | None:
         """The index of the leader, if one serves."""
