@@ -32,7 +32,7 @@ from typing import Any
 
 from sqlalchemy import Engine, Table, event, text
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import Pool
 
 from fence._errors import ConfigurationError, FenceError
@@ -430,12 +430,24 @@ def _transaction_ending(conn: Connection, *args: Any) -> None:
     if info.get(_SESSION_KEY) or info.get(_UNJUDGED_KEY):
         # Before COMMIT or ROLLBACK is sent (the events fire first); the variables are not
         # transactional, so they are cleared all the same. A connection that cannot be
-        # cleared is discarded: its session, and its variables, end with it.
+        # cleared is discarded: its session, and its variables, end with it, and its
+        # transaction with them, uncommitted. The driver's error has not been through
+        # SQLAlchemy's handling here: it is wrapped as SQLAlchemy wraps a failed COMMIT (an
+        # OperationalError, the connection invalidated), so that the caller sees what a
+        # commit without a token in its session would have raised.
         try:
             _clear_variables(conn.connection.dbapi_connection)
-        except Exception:
+        except Exception as exc:
             conn.invalidate()
-            raise
+            dialect = conn.dialect
+            raise DBAPIError.instance(
+                _CLEAR_VARIABLES,
+                None,
+                exc,
+                dialect.loaded_dbapi.Error,
+                connection_invalidated=True,
+                dialect=dialect,
+            ) from exc
         info.pop(_SESSION_KEY, None)
     _transaction_ended(conn)
 

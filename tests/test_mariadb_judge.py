@@ -28,13 +28,17 @@ from sqlalchemy import (
     create_engine,
     event,
     text,
+    update,
 )
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import Session
 from sqlalchemy.pool import QueuePool
 
 from fence import BackendError, ConfigurationError, Reason, StaleTokenError, UnfencedWriteError
 from fence.adapters._sql_common import judge_error
 from fence.adapters.ddl import MARIADB_UNFENCED_SQL, drop_trigger_ddl, trigger_ddl
+from fence.adapters.orm import bind
 from fence.adapters.sql import (
     AsyncRowGuard,
     FenceRegister,
@@ -530,8 +534,9 @@ def test_a_connection_returned_mid_transaction_carries_no_token(
 
 
 def test_a_connection_that_cannot_be_cleared_is_discarded(engine: Engine, table: Table) -> None:
-    """The session is killed between the fenced write and the commit: the commit fails,
-    the pool discards the connection, and the next transaction starts a new session."""
+    """The session is killed between the fenced write and the commit: the commit fails
+    as SQLAlchemy reports a lost connection, the pool discards the connection, and the
+    next transaction starts a new session."""
     with engine.begin() as conn:
         RowGuard(conn, table).upsert(20, {"k": "a", "v": 1})
     with engine.connect() as conn:
@@ -540,8 +545,38 @@ def test_a_connection_that_cannot_be_cleared_is_discarded(engine: Engine, table:
         thread = conn.exec_driver_sql("SELECT CONNECTION_ID()").scalar()
         with engine.pool._creator() as admin, admin.cursor() as cursor:  # type: ignore[attr-defined]
             cursor.execute(f"KILL {int(thread)}")
-        with pytest.raises(Exception):  # noqa: B017, PT011 - the driver's error, whichever
+        with pytest.raises(sa_exc.OperationalError) as failed:
             conn.commit()
+        assert failed.value.connection_invalidated
+    token, verdict = _driver_write(engine, table)
+    assert token is None
+    assert verdict.startswith("iofence: unfenced update")
+    with engine.begin() as conn:
+        assert conn.execute(text(f"SELECT v, fence FROM {table.name}")).one() == (1, 20)
+
+
+def test_a_session_variable_that_cannot_be_cleared_fails_the_commit_as_sqlalchemy_does(
+    engine: Engine, table: Table
+) -> None:
+    """A bound session without a claim keeps its token in a session variable until the
+    transaction ends; its connection is killed before the commit. The clearing before the
+    COMMIT fails, and the commit raises what SQLAlchemy raises for a lost connection (not
+    the driver's bare error, which SQLAlchemy never saw): the connection is discarded and
+    nothing was committed."""
+    with engine.begin() as conn:
+        RowGuard(conn, table).upsert(20, {"k": "a", "v": 1})
+    with Session(engine) as session:
+        bind(session, token=21, claim=False)
+        session.execute(update(table).where(table.c.k == "a").values(v=2))
+        conn = session.connection()
+        thread = conn.exec_driver_sql("SELECT CONNECTION_ID()").scalar()
+        assert conn.exec_driver_sql("SELECT @iofence_token").scalar() == 21
+        with engine.pool._creator() as admin, admin.cursor() as cursor:  # type: ignore[attr-defined]
+            cursor.execute(f"KILL {int(thread)}")
+        with pytest.raises(sa_exc.OperationalError) as failed:
+            session.commit()
+        assert failed.value.connection_invalidated
+        assert isinstance(failed.value.orig, pymysql.err.OperationalError)
     token, verdict = _driver_write(engine, table)
     assert token is None
     assert verdict.startswith("iofence: unfenced update")
