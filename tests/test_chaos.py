@@ -1,11 +1,11 @@
 """``fence chaos``: real pauses (SIGSTOP past the lease) and real server faults, per pairing.
 
-One short run of the command covers every fenced pairing and the unfenced baseline. Each
-pairing runs until lease holders were stopped past their ttl often enough for 200 such
-pauses over the fenced pairings, and until every fault of its servers ran once (dropped
-connections, ``kill -9`` / immediate shutdown and restart). The checker must then find no
-stale write accepted, no lost update and no token issued twice, while the baseline, under
-the same pauses, must lose updates.
+One short run of the command covers every fenced pairing on Redis, PostgreSQL and MariaDB
+and the unfenced baseline. Each pairing runs until lease holders were stopped past their
+ttl often enough for 200 such pauses over the fenced pairings, and until every fault of
+its servers ran once (dropped connections, ``kill -9`` / immediate shutdown and restart).
+The checker must then find no stale write accepted, no lost update and no token issued
+twice, while the baseline, under the same pauses, must lose updates.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from fence._chaos.pairings import PAIRINGS
 
 # The pairings on the consensus clusters run in tests/test_chaos_consensus.py; the Django
 # pairings in a run of their own below (one run of them all would outlast a test's budget).
-CORE = {"redis", "postgres"}
+CORE = {"redis", "postgres", "mariadb"}
 DJANGO = [name for name, pairing in PAIRINGS.items() if pairing.store.startswith("django")]
 FENCED = [
     name
@@ -50,6 +50,7 @@ HUNG = 600
 pytestmark = [
     pytest.mark.redis,
     pytest.mark.postgres,
+    pytest.mark.mariadb,
     pytest.mark.slow,
     pytest.mark.timeout(HUNG + 120),  # the module's runs, and the test that waits on one
 ]
@@ -194,6 +195,7 @@ def test_totals_cover_two_hundred_pauses_and_a_kill_per_server(
     assert totals["lost_updates"] == 0
     assert totals["server_kills"]["redis"] >= 1
     assert totals["server_kills"]["postgres"] >= 1
+    assert totals["server_kills"]["mariadb"] >= 1
 
 
 def test_unfenced_baseline_loses_updates(chaos_run: tuple[dict[str, Any], Path]) -> None:

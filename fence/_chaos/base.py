@@ -37,17 +37,20 @@ class Endpoints:
     Attributes:
         redis: a ``redis://`` URL, if the run has a Redis server.
         postgres: a SQLAlchemy ``postgresql+psycopg://`` URL, if it has PostgreSQL.
+        mariadb: a SQLAlchemy ``mariadb+pymysql://`` URL, if it has MariaDB.
         etcd: an ``etcd://`` URL of the run's 3-member cluster, if it has one.
         zookeeper: a ``zookeeper://`` URL of the run's 3-server ensemble, if it has one.
     """
 
     redis: str | None = None
     postgres: str | None = None
+    mariadb: str | None = None
     etcd: str | None = None
     zookeeper: str | None = None
 
     def url(self, server: str) -> str:
-        """The URL of ``server`` (``"redis"``, ``"postgres"``, ``"etcd"``, ``"zookeeper"``).
+        """The URL of ``server`` (``"redis"``, ``"postgres"``, ``"mariadb"``, ``"etcd"``,
+        ``"zookeeper"``).
 
         Raises:
             ConfigurationError: the run has no such server.
@@ -58,7 +61,7 @@ class Endpoints:
         return str(found)
 
 
-_SERVERS = ("redis", "postgres", "etcd", "zookeeper")
+_SERVERS = ("redis", "postgres", "mariadb", "etcd", "zookeeper")
 
 
 class Held(Protocol):

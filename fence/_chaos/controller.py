@@ -268,6 +268,49 @@ def _kill_postgres(server: Any, down: float) -> Callable[[], str]:
     return kill
 
 
+def _drop_mariadb(server: Any) -> Callable[[], str]:
+    def drop() -> str:
+        import pymysql
+
+        conn = pymysql.connect(
+            host="127.0.0.1",
+            port=server.port,
+            user=server.USER,
+            password=server.PASSWORD,
+            connect_timeout=5,
+            autocommit=True,
+        )
+        killed = 0
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(
+                    "SELECT id FROM information_schema.processlist "
+                    "WHERE id <> CONNECTION_ID() AND user = %s",
+                    (server.USER,),
+                )
+                for (thread,) in cursor.fetchall():
+                    try:
+                        cursor.execute(f"KILL CONNECTION {int(thread)}")
+                        killed += 1
+                    except pymysql.err.MySQLError:  # gone meanwhile (1094)
+                        pass
+        finally:
+            conn.close()
+        return f"KILL CONNECTION ({killed} connections)"
+
+    return drop
+
+
+def _kill_mariadb(server: Any, down: float) -> Callable[[], str]:
+    def kill() -> str:
+        server.kill()
+        time.sleep(down)
+        server.start()
+        return "kill -9 mariadbd, start (crash recovery)"
+
+    return kill
+
+
 def _leader(cluster: Any) -> int:
     end = time.monotonic() + 10.0
     while True:
@@ -313,6 +356,7 @@ def fault_plan(servers: Sequence[Any], down: float = 0.3, seed: int = 0) -> list
     Args:
         servers: :class:`fence._chaos.servers.RedisServer`,
             :class:`fence._chaos.servers.PostgresServer`,
+            :class:`fence._chaos.servers.MariaDBServer`,
             :class:`fence._chaos.clusters.EtcdCluster` or
             :class:`fence._chaos.clusters.ZooKeeperEnsemble` objects.
         down: seconds a killed server stays down before it is started again.
@@ -327,6 +371,9 @@ def fault_plan(servers: Sequence[Any], down: float = 0.3, seed: int = 0) -> list
         elif server.name in ("etcd", "zookeeper"):
             plan.append(Fault("kill", server.name, _kill_leader(server, down)))
             plan.append(Fault("pause", server.name, _pause_member(server, 1.0, rng)))
+        elif server.name == "mariadb":
+            plan.append(Fault("drop-connections", "mariadb", _drop_mariadb(server)))
+            plan.append(Fault("kill", "mariadb", _kill_mariadb(server, down)))
         else:
             plan.append(Fault("drop-connections", "postgres", _drop_postgres(server)))
             plan.append(Fault("kill", "postgres", _kill_postgres(server, down)))

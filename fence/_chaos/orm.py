@@ -1,5 +1,5 @@
-"""The ORM pairing of ``fence chaos``: counters as mapped objects in sessions bound to the
-token by the SQLAlchemy session hook (``fence.adapters.orm``).
+"""The ORM pairings of ``fence chaos``: counters as mapped objects in sessions bound to the
+token by the SQLAlchemy session hook (``fence.adapters.orm``), on PostgreSQL or MariaDB.
 
 The registering read is the hook's claim: every transaction of a bound session starts by
 claiming the record in the fence register, so the first ``SELECT`` already refuses a stale
@@ -42,8 +42,9 @@ class OrmStore:
     """Counters read and written through ORM sessions bound with
     ``fence.adapters.orm.bind(session, token=..., scope=record)``."""
 
-    def __init__(self, endpoints: Endpoints, namespace: str) -> None:
-        self._engine = sql_engine(endpoints)
+    def __init__(self, endpoints: Endpoints, namespace: str, server: str = "postgres") -> None:
+        self._server = server
+        self._engine = sql_engine(endpoints, server)
         self._counter = _mapped(namespace)[0]
 
     def _session(self, record: str, token: int) -> Any:
@@ -65,7 +66,7 @@ class OrmStore:
         except StaleTokenError:
             raise  # the hook's error is a SQLAlchemy StaleDataError too: not a failure
         except SQLAlchemyError as err:
-            raise sql_failed("claim and read", err) from err
+            raise sql_failed("claim and read", err, self._server) from err
         if counter is None:
             raise BackendError(f"chaos record {record!r} has no row", code="MISSING")
         return int(counter.value)
@@ -85,19 +86,22 @@ class OrmStore:
         except StaleTokenError:
             raise
         except SQLAlchemyError as err:
-            raise sql_failed("fenced flush", err) from err
+            raise sql_failed("fenced flush", err, self._server) from err
 
     def close(self) -> None:
         """Dispose of the engine."""
         self._engine.dispose()
 
 
-def setup(endpoints: Endpoints, namespace: str, records: Sequence[str]) -> None:
-    """Create the counter table (at 0) and the fence register table."""
+def setup(
+    endpoints: Endpoints, namespace: str, records: Sequence[str], server: str = "postgres"
+) -> None:
+    """Create the counter table (at 0) and the fence register table on the run's
+    ``server``."""
     import sqlalchemy as sa
 
     _, table, register = _mapped(namespace)
-    engine = sql_engine(endpoints)
+    engine = sql_engine(endpoints, server)
     try:
         with engine.begin() as conn:
             register.create(conn, checkfirst=True)

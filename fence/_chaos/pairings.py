@@ -26,6 +26,7 @@ run repeats it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -204,26 +205,34 @@ def _open_redis_manager(endpoints: Endpoints, ttl: float) -> Locker:
     return _FenceLocker(RedisLockManager(endpoints.url("redis"), ttl=ttl))
 
 
-def _sql_manager(endpoints: Endpoints, ttl: float) -> BaseLockManager:
+def _sql_manager(endpoints: Endpoints, ttl: float, server: str = "postgres") -> BaseLockManager:
     from fence._sync.sql import SQLLockManager
 
     options = {"pool_pre_ping": True, "connect_args": {"connect_timeout": 2}}
-    return SQLLockManager(endpoints.url("postgres"), ttl=ttl, engine_options=options)
+    return SQLLockManager(endpoints.url(server), ttl=ttl, engine_options=options)
 
 
 def _open_sql_manager(endpoints: Endpoints, ttl: float) -> Locker:
     return _FenceLocker(_sql_manager(endpoints, ttl))
 
 
-def _setup_sql_manager(endpoints: Endpoints) -> None:
+def _open_mariadb_manager(endpoints: Endpoints, ttl: float) -> Locker:
+    return _FenceLocker(_sql_manager(endpoints, ttl, "mariadb"))
+
+
+def _setup_sql_manager(endpoints: Endpoints, server: str = "postgres") -> None:
     from fence._sync.sql import SQLLockManager
 
-    manager = _sql_manager(endpoints, 1.0)
+    manager = _sql_manager(endpoints, 1.0, server)
     try:
         assert isinstance(manager, SQLLockManager)
         manager.create_table()
     finally:
         manager.close()
+
+
+def _setup_mariadb_manager(endpoints: Endpoints) -> None:
+    _setup_sql_manager(endpoints, "mariadb")
 
 
 def _nothing(endpoints: Endpoints) -> None:
@@ -531,6 +540,9 @@ LOCKERS: dict[str, LockerKind] = {
     "sql-manager": LockerKind(
         "fence.SQLLockManager (PostgreSQL)", "postgres", _open_sql_manager, _setup_sql_manager
     ),
+    "mariadb-manager": LockerKind(
+        "fence.SQLLockManager (MariaDB)", "mariadb", _open_mariadb_manager, _setup_mariadb_manager
+    ),
     "redis-py-lock": LockerKind("redis-py Lock (no token)", "redis", _open_redis_py_lock, _nothing),
     "etcd-manager": LockerKind(
         "fence.EtcdLockManager (3 members)", "etcd", _open_etcd_manager, _nothing, _etcd_overhang
@@ -560,6 +572,13 @@ STORES: dict[str, StoreKind] = {
         sql.setup_counters,
         sql.final_counters,
     ),
+    "sql-guard-mariadb": StoreKind(
+        "fence.adapters.sql.RowGuard (MariaDB)",
+        "mariadb",
+        functools.partial(sql.RowGuardStore, server="mariadb"),
+        functools.partial(sql.setup_counters, server="mariadb"),
+        functools.partial(sql.final_counters, server="mariadb"),
+    ),
     "redis-guard-shared": StoreKind(
         "fence.adapters.redis.RedisGuard, values tagged with their writer's token",
         "redis",
@@ -580,6 +599,13 @@ STORES: dict[str, StoreKind] = {
         orm.OrmStore,
         orm.setup,
         sql.final_counters,
+    ),
+    "orm-hook-mariadb": StoreKind(
+        "fence.adapters.orm session hook (MariaDB)",
+        "mariadb",
+        functools.partial(orm.OrmStore, server="mariadb"),
+        functools.partial(orm.setup, server="mariadb"),
+        functools.partial(sql.final_counters, server="mariadb"),
     ),
     "etcd-guard": StoreKind(
         "fence.adapters.etcd.EtcdGuard (etcd, 3 members)",
@@ -670,6 +696,31 @@ _FENCED = [
         "SQL lock manager; workers write plain SQL on their own connections, no guard: "
         "the database's triggers judge every write (C14)",
     ),
+    # The MariaDB pairings (dropped below where MariaDB or PyMySQL is missing).
+    Pairing(
+        "mariadb+mariadb",
+        "mm",
+        "mariadb-manager",
+        "sql-guard-mariadb",
+        True,
+        "SQL lock manager and SQL row guard, both on MariaDB",
+    ),
+    Pairing(
+        "redis+mariadb",
+        "rm",
+        "redis-manager",
+        "sql-guard-mariadb",
+        True,
+        "Redis lock manager, SQL row guard on MariaDB",
+    ),
+    Pairing(
+        "mariadb+orm",
+        "mo",
+        "mariadb-manager",
+        "orm-hook-mariadb",
+        True,
+        "SQL lock manager, SQLAlchemy ORM sessions bound to the token, on MariaDB",
+    ),
     # The Django pairings (dropped below where Django is not installed).
     Pairing(
         "redis+django",
@@ -704,6 +755,12 @@ def _missing_for(server: str) -> str | None:
             return "httpx is not installed (pip install iofence[etcd])"
         if shutil.which("etcd") is None:
             return "etcd is not installed (apt-get install etcd-server)"
+    if server == "mariadb":
+        if importlib.util.find_spec("pymysql") is None:
+            return "PyMySQL is not installed (pip install iofence[mysql])"
+        for program in ("mariadbd", "mariadb-install-db"):
+            if shutil.which(program) is None and shutil.which(program, path="/usr/sbin") is None:
+                return f"{program} is not installed (apt-get install mariadb-server)"
     if server == "zookeeper":
         if importlib.util.find_spec("kazoo") is None:
             return "kazoo is not installed (pip install iofence[zookeeper])"
@@ -775,6 +832,13 @@ if importlib.util.find_spec("django") is None:
             )
     _FENCED = [p for p in _FENCED if p.name not in PLANNED]
     _BASELINES = [p for p in _BASELINES if p.name not in PLANNED]
+
+_missing = _missing_for("mariadb")
+if _missing is not None:
+    for _pairing in _FENCED:
+        if "mariadb" in _pairing.servers:
+            PLANNED[_pairing.name] = f"{_missing}; the pairing runs once it is"
+    _FENCED = [p for p in _FENCED if p.name not in PLANNED]
 
 #: Every pairing, by name; the fenced ones first, the unfenced baselines last.
 PAIRINGS: dict[str, Pairing] = {pairing.name: pairing for pairing in (*_FENCED, *_BASELINES)}

@@ -37,7 +37,13 @@ from fence._chaos.checker import Record, check
 from fence._chaos.clusters import EtcdCluster, ZooKeeperEnsemble
 from fence._chaos.controller import FaultInjector, Pauser, fault_plan
 from fence._chaos.pairings import PAIRINGS, PLANNED, Pairing
-from fence._chaos.servers import POSTGRES_DURABLE, REDIS_AOF, PostgresServer, RedisServer
+from fence._chaos.servers import (
+    POSTGRES_DURABLE,
+    REDIS_AOF,
+    MariaDBServer,
+    PostgresServer,
+    RedisServer,
+)
 from fence._chaos.timeline import render_svg
 from fence._chaos.worker import Board, Phase, WorkerConfig
 from fence._chaos.worker import main as worker_main
@@ -45,7 +51,7 @@ from fence._interrupt import sigint_ignored
 
 __all__ = ["Settings", "main", "orphans", "run", "soak"]
 
-_ENDPOINTS = ("redis", "postgres", "etcd", "zookeeper")
+_ENDPOINTS = ("redis", "postgres", "mariadb", "etcd", "zookeeper")
 
 _LONG = {"duration": 600.0, "workers": 8, "records": 4}
 _SOAK = {"duration": 60.0, "workers": 8, "records": 4}  # duration: one slice of a pairing
@@ -207,7 +213,11 @@ def run_pairing(
         round_: a soak's round; each round gets records of its own.
     """
     endpoints = Endpoints(
-        **{name: server.url for name, server in servers.items() if name in _ENDPOINTS}
+        **{
+            name: getattr(server, "endpoint", None) or server.url
+            for name, server in servers.items()
+            if name in _ENDPOINTS
+        }
     )
     records = pairing.records(settings.records, round_)
     _pairings.setup(pairing, endpoints, records)
@@ -382,6 +392,7 @@ def _servers_for(chosen: Sequence[Pairing]) -> Iterator[dict[str, Any]]:
     kinds: tuple[tuple[str, Callable[[], Any]], ...] = (
         ("redis", lambda: RedisServer(*REDIS_AOF)),
         ("postgres", lambda: PostgresServer(POSTGRES_DURABLE)),
+        ("mariadb", MariaDBServer),
         ("etcd", EtcdCluster),
         ("zookeeper", ZooKeeperEnsemble),
     )
@@ -396,8 +407,9 @@ def _servers_for(chosen: Sequence[Pairing]) -> Iterator[dict[str, Any]]:
         yield servers
     finally:
         for server in servers.values():
-            # PostgreSQL's stop() keeps the cluster's files for a restart; destroy() does not.
-            (server.destroy if isinstance(server, PostgresServer) else server.stop)()
+            # The SQL servers' stop() keeps their files for a restart; destroy() does not.
+            stop = server.destroy if isinstance(server, PostgresServer | MariaDBServer) else None
+            (stop or server.stop)()
 
 
 def _line(summary: dict[str, Any], fenced: bool) -> str:
@@ -569,9 +581,9 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Run lock holders under SIGSTOP pauses past their lease and server crashes, "
             "for every pairing of lock manager and storage guard, and check that no stale "
-            "write was accepted and no update lost. Starts its own redis-server and "
-            "PostgreSQL, and for the consensus pairings a 3-member etcd cluster and a "
-            "3-server ZooKeeper ensemble."
+            "write was accepted and no update lost. Starts its own redis-server, "
+            "PostgreSQL and MariaDB, and for the consensus pairings a 3-member etcd "
+            "cluster and a 3-server ZooKeeper ensemble."
         ),
     )
     names = [*PAIRINGS]

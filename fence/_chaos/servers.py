@@ -25,6 +25,9 @@ PostgreSQL. A chaos run asks for the durability its checker assumes, that a kill
   after its WAL is written), still with ``fsync=off`` (no flush to the disk: a process
   crash keeps the page cache, a power cut would not). ``pg_ctl stop -m immediate`` is a
   crash: no checkpoint, crash recovery on the next start.
+- MariaDB with ``innodb-flush-log-at-trx-commit=2``: a commit returns once its redo log
+  is written to the operating system, so ``kill -9`` of ``mariadbd`` keeps every
+  acknowledged commit (InnoDB's crash recovery replays it); a power cut would not.
 
 PostgreSQL and MariaDB never run as root: as root they run as the ``postgres`` and ``mysql``
 OS users (made by the system packages), through ``runuser``.
@@ -834,6 +837,26 @@ class MariaDBServer:
     def resume(self) -> None:
         """``SIGCONT`` the server."""
         self._signal(signal.SIGCONT)
+
+    @property
+    def endpoint(self) -> str:
+        """:meth:`url` of the database ``iofence`` through PyMySQL (a chaos run's endpoint)."""
+        return self.url()
+
+    def kill(self) -> None:
+        """``kill -9`` the server: no shutdown at all; :meth:`start` recovers from its
+        files (InnoDB's crash recovery).
+
+        With ``innodb-flush-log-at-trx-commit=2`` (:attr:`SETTINGS`) a commit returns once
+        its redo log is written to the operating system (flushed to the disk once a
+        second): a killed process keeps every acknowledged commit, a power cut would not.
+        """
+        if self.proc is None:
+            return
+        self._signal(signal.SIGCONT)
+        self._signal(signal.SIGKILL)
+        self.proc.wait()  # runuser ends with its child
+        self.proc = None
 
     def stop(self) -> None:
         """Stop the server (``SIGTERM``, a clean shutdown); its files stay for a restart."""
