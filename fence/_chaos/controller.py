@@ -203,8 +203,8 @@ class Fault:
     """One server fault.
 
     Attributes:
-        kind: ``"drop-connections"`` or ``"kill"``.
-        server: ``"redis"`` or ``"postgres"``.
+        kind: ``"drop-connections"``, ``"kill"`` or ``"pause"``.
+        server: ``"redis"``, ``"postgres"``, ``"mariadb"``, ``"etcd"`` or ``"zookeeper"``.
         action: does it; returns a line for the log.
     """
 
@@ -381,11 +381,11 @@ def fault_plan(servers: Sequence[Any], down: float = 0.3, seed: int = 0) -> list
 
 
 class FaultInjector(threading.Thread):
-    """Runs a fault plan in a cycle, one fault every ``every`` seconds.
+    """Runs a fault plan in a cycle, a fault ``every`` seconds after the last one ended.
 
     Args:
         plan: the faults of one cycle.
-        every: seconds between faults.
+        every: seconds from the end of a fault (a killed server back up) to the next.
         first: seconds before the first one.
         log: where ``fault`` records go.
     """
@@ -430,7 +430,10 @@ class FaultInjector(threading.Thread):
                     }
                 )
             self.log.append(Record(started, "controller", "fault", detail=detail))
-            delay = max(0.0, self.every - (time.time() - started))
+            # Counted from the end of the fault (its server back up), not its start: a
+            # server slow to restart (a loaded machine) must not eat the workers' time
+            # between faults, or a pairing does nothing but fail.
+            delay = self.every
 
     def finish(self) -> None:
         """Stop after the fault under way (a restart completes) and wait for it."""

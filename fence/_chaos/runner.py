@@ -79,7 +79,7 @@ class Settings:
         pauses: end a pairing once this many pauses counted and one cycle of faults ran
             (``None``: run for ``duration``).
         faults: inject server faults (fenced pairings).
-        fault_every: seconds between two faults.
+        fault_every: seconds from the end of a fault (its server back up) to the next.
         seed: the random seed of the controller and the workers.
     """
 
@@ -637,7 +637,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-faults", action="store_true", help="pauses only, no server faults")
     parser.add_argument(
-        "--fault-every", type=float, default=1.5, help="seconds between server faults (1.5)"
+        "--fault-every",
+        type=float,
+        default=1.5,
+        help="seconds from the end of a server fault (the server back up) to the next (1.5)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (0)")
     parser.add_argument("--summary", metavar="FILE", help="also write the JSON summary here")
