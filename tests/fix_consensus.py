@@ -30,11 +30,17 @@ def pytest_runtest_makereport(
     election nobody started, is told apart there."""
     report = yield
     if report.failed:
-        for name in ("zookeeper_ensemble", "etcd_cluster"):
-            cluster = getattr(item, "funcargs", {}).get(name)
-            if isinstance(cluster, (ZooKeeperEnsemble, EtcdCluster)):
+        # By marker, not by the test's fixtures: the conformance suites reach the clusters
+        # through fixtures of their backends (request.getfixturevalue), which a test's
+        # own fixture values do not list.
+        for mark, cluster in list(_STARTED.items()):
+            if item.get_closest_marker(mark) is not None:
                 report.sections.append((f"{cluster.name} members ({call.when})", state(cluster)))
     return report
+
+
+#: The clusters this process started, by marker name.
+_STARTED: dict[str, ZooKeeperEnsemble | EtcdCluster] = {}
 
 
 def state(cluster: ZooKeeperEnsemble | EtcdCluster) -> str:
@@ -54,7 +60,9 @@ def state(cluster: ZooKeeperEnsemble | EtcdCluster) -> str:
 def etcd_cluster() -> Iterator[EtcdCluster]:
     """Three etcd members for the whole session."""
     cluster = EtcdCluster().start()
+    _STARTED["etcd"] = cluster
     yield cluster
+    _STARTED.pop("etcd", None)
     cluster.stop()
 
 
@@ -70,7 +78,9 @@ def etcd_url(etcd_cluster: EtcdCluster) -> str:
 def zookeeper_ensemble() -> Iterator[ZooKeeperEnsemble]:
     """Three ZooKeeper servers for the whole session (as the ``zookeeper`` user if root)."""
     ensemble = ZooKeeperEnsemble().start()
+    _STARTED["zookeeper"] = ensemble
     yield ensemble
+    _STARTED.pop("zookeeper", None)
     ensemble.stop()
 
 
