@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import psycopg
@@ -96,3 +99,28 @@ def test_a_mariadb_server_of_a_dead_run_is_reaped() -> None:
 def test_live_runs_are_not_reaped(redis_server: RedisServer) -> None:
     assert str(redis_server.dir) not in reap_orphans()
     assert redis_server.dir.exists()
+
+
+def test_a_mariadb_start_waits_for_its_socket_to_listen() -> None:
+    """mariadbd listens on its TCP port before its Unix socket (which the set-up uses): a
+    socket that is bound but does not listen yet is waited for, and one that never
+    listens times out, instead of the set-up's connection being refused."""
+    server = MariaDBServer()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bound:
+            bound.bind(str(server.socket))  # as mariadbd between its bind and its listen
+            with pytest.raises(TimeoutError):
+                server._wait_for_socket(time.monotonic() + 0.3)
+            listening: list[bool] = []
+
+            def listen() -> None:
+                listening.append(True)
+                bound.listen()
+
+            timer = threading.Timer(0.3, listen)
+            timer.start()
+            server._wait_for_socket(time.monotonic() + 60.0)
+            assert listening  # it returned only once the socket listened
+            timer.join()
+    finally:
+        server.destroy()

@@ -803,12 +803,36 @@ class MariaDBServer:
         )
         try:
             wait_for_port(self.port, timeout=60.0, proc=self.proc)
-        except RuntimeError as exc:
+            # The TCP port listens before the Unix socket does (mariadbd binds and listens
+            # on them in turn): a loaded machine can keep the socket refusing for a while,
+            # and the set-up below connects through it.
+            self._wait_for_socket(time.monotonic() + 60.0)
+        except (RuntimeError, TimeoutError) as exc:
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise RuntimeError(f"{exc}; the end of its log:\n{tail}") from None
         if first:
             self._setup()
         return self
+
+    def _wait_for_socket(self, end: float) -> None:
+        """Wait until the server accepts a connection on its Unix socket.
+
+        Raises:
+            RuntimeError: the server exited.
+            TimeoutError: not by ``end``.
+        """
+        while True:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.connect(str(self.socket))
+                    return
+                except OSError:
+                    pass
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"mariadbd exited with {self.proc.returncode}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"mariadbd's socket {self.socket} refused connections")
+            time.sleep(0.05)
 
     def _setup(self) -> None:
         import pymysql
