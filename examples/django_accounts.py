@@ -15,7 +15,9 @@ the model in ``bank/models.py`` and installs the triggers with the migration ope
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -52,7 +54,8 @@ def database(url: str | None, folder: str) -> dict[str, str]:
     }
 
 
-folder = tempfile.mkdtemp()
+folder = tempfile.mkdtemp(prefix="iofence-example-")
+atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the SQLite file goes with the run
 bank = types.ModuleType("bank")
 bank.__file__ = f"{folder}/bank.py"  # an app needs a folder
 sys.modules["bank"] = bank

@@ -19,7 +19,12 @@ from fence.adapters.sql import RowGuard, fence_column
 
 def main() -> int:
     """Run the story; return 0 if the stale write was refused and nothing was lost."""
-    tmp = tempfile.mkdtemp(prefix="iofence-example-")
+    with tempfile.TemporaryDirectory(prefix="iofence-example-") as tmp:
+        return story(tmp)
+
+
+def story(tmp: str) -> int:
+    """Deposit twice into an account kept in ``tmp`` (unless DATABASE_URL names a database)."""
     engine = create_engine(os.environ.get("DATABASE_URL") or f"sqlite:///{tmp}/bank.db")
     metadata = MetaData()
     accounts = Table(
