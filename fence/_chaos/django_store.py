@@ -2,7 +2,8 @@
 saved by the Django ORM inside ``fence.adapters.django.fenced(lease)``.
 
 Each worker process is a Django process of its own: it configures Django in code
-(``settings.configure``) against the run's PostgreSQL, with the iofence app and this
+(``settings.configure``) against the run's PostgreSQL (or its MariaDB, through PyMySQL
+standing in for ``MySQLdb``), with the iofence app and this
 module as a second app (the model's label). The counters live in the SQL store's table
 layout (``chaos_<namespace>``: ``id``, ``value``, plus the model's ``fence`` and
 ``deleted``), so that :func:`fence._chaos.sql.final_counters` reads them.
@@ -39,9 +40,35 @@ __all__ = ["DjangoStore", "final", "open_unfenced", "setup"]
 _APP = "django_store"
 
 
-def _database(url: str) -> dict[str, Any]:
-    """Django's ``DATABASES["default"]`` for the run's ``postgresql+psycopg://`` URL."""
+def _pymysql_as_mysqldb() -> None:
+    """PyMySQL under the name ``MySQLdb``, its modules included (``docs/django.md``):
+    Django's MySQL backend imports ``MySQLdb``, ``MySQLdb.err`` and ``MySQLdb.converters``."""
+    import sys
+
+    import pymysql
+
+    pymysql.install_as_MySQLdb()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("pymysql."):
+            sys.modules["MySQLdb" + name.removeprefix("pymysql")] = module
+
+
+def _database(url: str, server: str = "postgres") -> dict[str, Any]:
+    """Django's ``DATABASES["default"]`` for the run's ``postgresql+psycopg://`` URL, or
+    (``server="mariadb"``) its ``mariadb+pymysql://`` URL."""
     parts = urlsplit(url)
+    if server == "mariadb":
+        return {
+            "ENGINE": "django.db.backends.mysql",
+            "HOST": parts.hostname or "127.0.0.1",
+            "PORT": str(parts.port or 3306),
+            "USER": unquote(parts.username or "root"),
+            "PASSWORD": unquote(parts.password or ""),
+            "NAME": parts.path.lstrip("/"),
+            # A killed server is seen at once (the socket closes); the read timeout only
+            # bounds a reply that never comes.
+            "OPTIONS": {"connect_timeout": 2, "read_timeout": 30},
+        }
     return {
         "ENGINE": "django.db.backends.postgresql",
         "HOST": parts.hostname or "127.0.0.1",
@@ -54,16 +81,18 @@ def _database(url: str) -> dict[str, Any]:
     }
 
 
-def _configure(endpoints: Endpoints) -> None:
-    """Configure Django in this process (once) against the run's PostgreSQL."""
+def _configure(endpoints: Endpoints, server: str = "postgres") -> None:
+    """Configure Django in this process (once) against the run's PostgreSQL (or MariaDB)."""
     import django
     from django.conf import settings
 
     if settings.configured:
         return
+    if server == "mariadb":
+        _pymysql_as_mysqldb()
     settings.configure(
         INSTALLED_APPS=["fence.adapters.django", __name__],
-        DATABASES={"default": _database(endpoints.url("postgres"))},
+        DATABASES={"default": _database(endpoints.url(server), server)},
         DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
         USE_TZ=True,
     )
@@ -96,14 +125,20 @@ class _Claim:
     token: int
 
 
-def _database_errors() -> tuple[type[Exception], ...]:
+def _database_errors(server: str) -> tuple[type[Exception], ...]:
     """What a database failure raises in a block: Django's errors, and the driver's own.
 
-    The app reads the catalogue (are the triggers in place?) on the driver's cursor, outside
-    Django's error wrapper: a server killed at that moment raises ``psycopg.Error``.
+    The app reads the catalogue (are the triggers in place?) and sets MariaDB's session
+    variables on the driver's cursor, outside Django's error wrapper: a server killed at
+    that moment raises ``psycopg.Error`` (``pymysql.err.Error``).
     """
-    import psycopg
     from django.db import DatabaseError
+
+    if server == "mariadb":
+        import pymysql
+
+        return DatabaseError, pymysql.err.Error
+    import psycopg
 
     return DatabaseError, psycopg.Error
 
@@ -126,12 +161,22 @@ class DjangoStore:
         fenced: ``False`` for the opt-out: every block is ``unfenced()``, the token is
             ignored, and the judge lets a stale holder's save through (the broken run the
             checker must catch).
+        server: ``"postgres"`` (the run's PostgreSQL) or ``"mariadb"``.
     """
 
-    def __init__(self, endpoints: Endpoints, namespace: str, *, fenced: bool = True) -> None:
-        _configure(endpoints)
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        namespace: str,
+        *,
+        fenced: bool = True,
+        server: str = "postgres",
+    ) -> None:
+        _configure(endpoints, server)
         self._model = _model(namespace)
         self._fenced = fenced
+        self._server = server
+        self._errors = _database_errors(server)
 
     def _block(self, record: str, token: int | None) -> Any:
         app = django_app()[0]
@@ -152,9 +197,9 @@ class DjangoStore:
                 counter = self._get(record)
         except StaleTokenError:
             raise
-        except _database_errors() as err:
+        except self._errors as err:
             _reset()
-            raise sql_failed("claim and read", err) from err
+            raise sql_failed("claim and read", err, self._server) from err
         return int(counter.value)
 
     def write(self, record: str, token: int | None, value: int) -> None:
@@ -166,29 +211,31 @@ class DjangoStore:
                 counter.save(update_fields=["value"])
         except StaleTokenError:
             raise
-        except _database_errors() as err:
+        except self._errors as err:
             _reset()
-            raise sql_failed("fenced save", err) from err
+            raise sql_failed("fenced save", err, self._server) from err
 
     def close(self) -> None:
         """Close the Django connection."""
         _reset()
 
 
-def _prepare(endpoints: Endpoints, namespace: str, records: tuple[str, ...]) -> None:
+def _prepare(endpoints: Endpoints, namespace: str, records: tuple[str, ...], server: str) -> None:
     """In a spawned process: the app's register and judge, the counter table (replacing an
     old one) with its triggers, and ``records`` at 0."""
     from django.core.management import call_command
     from django.db import connection
 
-    _configure(endpoints)
+    _configure(endpoints, server)
     app, models, operations = django_app()
     # The SQLAlchemy pairings may have made the register already: the same table.
     call_command("migrate", "iofence", verbosity=0, fake_initial=True)
     model = _model(namespace)
     with connection.schema_editor() as editor:
         operations.install_fence(editor, models.FenceRegister)
-        editor.execute(f'DROP TABLE IF EXISTS "chaos_{namespace}" CASCADE', params=None)
+        table = editor.quote_name(f"chaos_{namespace}")
+        cascade = " CASCADE" if connection.vendor == "postgresql" else ""
+        editor.execute(f"DROP TABLE IF EXISTS {table}{cascade}", params=None)
         editor.create_model(model)
         operations.install_fence(editor, model)
     with app.unfenced():  # before any holder
@@ -196,8 +243,11 @@ def _prepare(endpoints: Endpoints, namespace: str, records: tuple[str, ...]) -> 
     connection.close()
 
 
-def setup(endpoints: Endpoints, namespace: str, records: Sequence[str]) -> None:
-    """Create the counter table of ``namespace`` with ``records`` at 0, in a spawned process.
+def setup(
+    endpoints: Endpoints, namespace: str, records: Sequence[str], server: str = "postgres"
+) -> None:
+    """Create the counter table of ``namespace`` with ``records`` at 0, in a spawned process,
+    on the run's ``server``.
 
     Raises:
         BackendError: the database refused (the spawned process's error, as it said it).
@@ -205,7 +255,7 @@ def setup(endpoints: Endpoints, namespace: str, records: Sequence[str]) -> None:
     ctx = mp.get_context("spawn")
     with ctx.Pool(1) as pool:
         try:
-            pool.apply(_prepare, (endpoints, namespace, tuple(records)))
+            pool.apply(_prepare, (endpoints, namespace, tuple(records), server))
         except Exception as err:
             raise BackendError(
                 f"the Django setup failed: {type(err).__name__}: {err}", code="SQL"
@@ -217,6 +267,8 @@ def open_unfenced(endpoints: Endpoints, namespace: str) -> DjangoStore:
     return DjangoStore(endpoints, namespace, fenced=False)
 
 
-def final(endpoints: Endpoints, namespace: str, records: Sequence[str]) -> dict[str, int]:
+def final(
+    endpoints: Endpoints, namespace: str, records: Sequence[str], server: str = "postgres"
+) -> dict[str, int]:
     """Every counter after the run (the table is the SQL store's layout)."""
-    return final_counters(endpoints, namespace, records)
+    return final_counters(endpoints, namespace, records, server)

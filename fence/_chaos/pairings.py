@@ -635,6 +635,13 @@ STORES: dict[str, StoreKind] = {
         django_store.setup,
         django_store.final,
     ),
+    "django-mariadb": StoreKind(
+        "fence.adapters.django: a fenced model saved inside fenced(lease) (MariaDB)",
+        "mariadb",
+        functools.partial(django_store.DjangoStore, server="mariadb"),
+        functools.partial(django_store.setup, server="mariadb"),
+        functools.partial(django_store.final, server="mariadb"),
+    ),
     "django-unfenced": StoreKind(
         "fence.adapters.django: the same model saved inside unfenced(), the opt-out",
         "postgres",
@@ -739,6 +746,15 @@ _FENCED = [
         True,
         "SQL lock manager; Django worker processes read and save a fenced model inside "
         "fenced(lease), both on PostgreSQL",
+    ),
+    Pairing(
+        "mariadb+django",
+        "mj",
+        "mariadb-manager",
+        "django-mariadb",
+        True,
+        "SQL lock manager; Django worker processes read and save a fenced model inside "
+        "fenced(lease), both on MariaDB (PyMySQL as MySQLdb)",
     ),
 ]
 
