@@ -248,7 +248,7 @@ def django_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
     return by_name(json.loads((out / "summary.json").read_text()))
 
 
-@pytest.mark.parametrize("name", ["redis+django", "sql+django"])
+@pytest.mark.parametrize("name", ["redis+django", "sql+django", "mariadb+django"])
 def test_django_workers_keep_every_update(django_run: dict[str, dict[str, Any]], name: str) -> None:
     """Django processes saving a fenced model inside ``fenced(lease)``, frozen past their
     leases and under server faults: no stale save accepted, no update lost, and the judge
@@ -351,9 +351,10 @@ def test_celery_workers_frozen_past_their_lease_are_refused_and_each_job_happens
     tmp_path: Path,
 ) -> None:
     """``--celery``: two real celery workers; in each job one is frozen (SIGSTOP) between
-    its read and its write, past its lease, while the other does the job. The frozen
-    worker's write is refused, its retry finds the job done, and the job's effect is in the
-    storage once."""
+    its read and its write, past its lease, while Redis (broker, result backend, locks and
+    storage) loses every connection or is killed and restarted, and the other worker does
+    the job. The frozen worker's write is refused, its retry finds the job done, and the
+    job's effect is in the storage once."""
     done = run_chaos(
         "--celery", "--pauses", "3", "--summary", str(tmp_path / "celery.json"), timeout=HUNG
     )
@@ -362,6 +363,15 @@ def test_celery_workers_frozen_past_their_lease_are_refused_and_each_job_happens
     assert summary["ok"], summary
     assert summary["pauses_injected"] == summary["jobs"] == 3
     assert all(pause["stopped_s"] > summary["ttl_s"] for pause in summary["pauses"])
+    assert [(fault["kind"], fault["server"]) for fault in summary["faults"]] == [
+        ("drop-connections", "redis"),
+        ("kill", "redis"),
+        ("drop-connections", "redis"),
+    ]
+    assert summary["fault_errors"] == []
+    # Both workers and the controller were connected when the connections were dropped.
+    dropped = int(summary["faults"][0]["detail"].rsplit("(", 1)[1].split()[0])
+    assert dropped >= 3
     assert summary["effects"] == {"1": 1, "2": 1, "3": 1}
     assert summary["stale_refused"] == 3
     assert summary["stale_accepted"] == summary["lost_jobs"] == 0

@@ -10,7 +10,8 @@ A job is a :class:`fence.adapters.celery.FencedTask`: it runs under a lease on
 Its effect is one increment of its counter, done once: a run that finds the counter
 written returns ``"already done"``. A run that ``hold`` asks to stop tells the controller
 it is between its read and its write (the list ``chaos-holding``) and waits at its gate
-(``chaos-gate:<id>``); the controller stops the worker there with SIGSTOP. Every run
+(``chaos-gate:<id>``); the controller stops the worker there with SIGSTOP, and may
+drop its connections or restart Redis meanwhile. Every run
 leaves a line in ``chaos-job:<id>:runs`` and every retry its error's name in
 ``chaos-retries``, for the controller's check.
 """
@@ -18,6 +19,7 @@ leaves a line in ``chaos-job:<id>:runs`` and every retry its error's name in
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import redis
@@ -70,12 +72,26 @@ def job(self: Any, job_id: int, hold: bool = False, guarded: bool = True) -> dic
         return {"outcome": "already done", "worker": _WORKER, "token": token, "retries": retries}
     if hold and retries == 0:
         _client.rpush("chaos-holding", f"{_WORKER} {job_id}")
-        _client.blpop([f"chaos-gate:{job_id}"], timeout=300)
+        _wait_at_gate(job_id)
     if guarded:
         _guard.incr(key, 1, token=token)
     else:
         _client.incr(key)
     return {"outcome": "done", "worker": _WORKER, "token": token, "retries": retries}
+
+
+def _wait_at_gate(job_id: int) -> None:
+    """Wait until the controller opens the job's gate. The controller stops this worker
+    here and may drop its connection meanwhile (a server fault): the wait then goes on, on
+    a new one. The gate is the scenario's own; the job's writes take no such care."""
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        try:
+            if _client.blpop([f"chaos-gate:{job_id}"], timeout=1) is not None:
+                return
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    raise RuntimeError(f"job {job_id}: the controller never opened the gate")
 
 
 @task_retry.connect  # type: ignore[untyped-decorator]

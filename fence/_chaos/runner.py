@@ -633,7 +633,8 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the Celery scenario instead of the pairings: two real celery workers on the "
         "run's Redis, one frozen past its lease in each job while the other runs the same "
-        "job (--pauses jobs, default 10; the lease is --ttl, at least 1 s)",
+        "job, and a Redis fault while it is frozen (--pauses jobs, default 10; the lease is "
+        "--ttl, at least 1 s; --no-faults for none)",
     )
     parser.add_argument("--no-faults", action="store_true", help="pauses only, no server faults")
     parser.add_argument(
@@ -676,16 +677,21 @@ def _celery(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     ttl = max(args.ttl, _CELERY_TTL)
     server = RedisServer(*REDIS_AOF)
+    faults = [] if args.no_faults else fault_plan([server], seed=args.seed)
 
     def go(workdir: Path) -> dict[str, Any]:
         _say(f"fence chaos --celery: {args.pauses or 10} jobs, lease {ttl} s ...")
         try:
             server.start()
-            result = run_celery(server.url, args.pauses or 10, ttl, args.seed, workdir)
+            result = run_celery(
+                server.url, args.pauses or 10, ttl, args.seed, workdir, faults=faults
+            )
         finally:
             server.stop()
         _say(
             f"  {result['elapsed_s']:.1f} s, {result['pauses_injected']} pauses, "
+            f"{len(result['faults'])} Redis faults, "
+            f"{len(result['worker_restarts'])} worker restarts, "
             f"{result['stale_refused']} stale writes refused, {result['stale_accepted']} "
             f"stale accepted, {result['lost_jobs']} jobs lost -> "
             f"{'ok' if result['ok'] else 'FAILED'}"
