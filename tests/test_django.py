@@ -862,6 +862,68 @@ def test_the_opt_out_is_seen_by_the_database(alias: str) -> None:
     assert (account.balance, account.fence) == (50, HOLDER), "the opt-out never moves a fence"
 
 
+@pytest.mark.parametrize("reset_sequences", [False, True], ids=["delete", "truncate"])
+def test_flush_empties_fenced_tables_and_the_register(alias: str, reset_sequences: bool) -> None:
+    """Django's ``flush`` (``manage.py flush``, and the teardown of every
+    ``TransactionTestCase`` and pytest-django ``transaction=True`` test) removes every row,
+    fenced ones and the register's included: the explicit wipe runs under the opt-out.
+    ``reset_sequences`` makes it ``TRUNCATE`` on PostgreSQL and MariaDB."""
+    from fence import MemoryLockManager
+    from fence.adapters.django import fenced
+    from fence.adapters.django.models import FenceRegister
+    from tests.djangoapp.models import Account, Note, Plain
+
+    lease = MemoryLockManager(ttl=30).acquire("account:flush")
+    with fenced(lease, using=alias):
+        Account.objects.using(alias).create(name="f", balance=1)
+        Note.objects.using(alias).create(text="n")
+        Plain.objects.using(alias).create(text="p")
+    assert _register(alias, "account:flush") == lease.token
+    call_command(
+        "flush",
+        database=alias,
+        interactive=False,
+        verbosity=0,
+        reset_sequences=reset_sequences,
+        inhibit_post_migrate=True,
+    )
+    for model in (Account, Note, Plain, FenceRegister):
+        assert not model._base_manager.using(alias).exists(), model
+    # The wipe opted out for its own statements only: a write after it needs a token again.
+    with pytest.raises(TokenRequiredError):
+        Account.objects.using(alias).create(name="g", balance=1)
+    with fenced(lease, using=alias):
+        Account.objects.using(alias).create(name="g", balance=1)
+
+
+def test_loaddata_needs_the_opt_out(alias: str, tmp_path: Path) -> None:
+    """Fixtures write fenced rows without a token: refused, unless loaded in ``unfenced()``
+    (as ``docs/django.md`` says)."""
+    import json
+
+    from fence.adapters.django import unfenced
+    from tests.djangoapp.models import Account
+
+    fixture = tmp_path / "accounts.json"
+    rows = [{"model": "djangoapp.account", "pk": 7, "fields": {"name": "fx", "balance": 3}}]
+    fixture.write_text(json.dumps(rows))
+    with pytest.raises(TokenRequiredError):
+        call_command("loaddata", str(fixture), database=alias, verbosity=0)
+    assert not Account.objects.using(alias).filter(pk=7).exists()
+    with unfenced(using=alias):
+        call_command("loaddata", str(fixture), database=alias, verbosity=0)
+    assert Account.objects.using(alias).get(pk=7).balance == 3
+
+
+def test_a_raw_truncate_is_still_refused(django_dbs: None) -> None:
+    """Only ``flush`` opts out: the same statement sent by hand is judged (PostgreSQL)."""
+    from django.db import DatabaseError
+
+    _seed("pg")
+    with pytest.raises((UnfencedWriteError, DatabaseError)), connections["pg"].cursor() as cursor:
+        cursor.execute("TRUNCATE djangoapp_account")
+
+
 def test_a_read_lease_or_no_token_is_refused_before_any_io(django_dbs: None) -> None:
     from fence.adapters.django import fenced
 
@@ -1127,13 +1189,17 @@ def test_mysql_is_refused_with_a_clear_error_before_the_write(
     alias, pk = as_mysql
     before = _row(alias, Account, pk)
     lease = MemoryLockManager(ttl=30).acquire(f"account:{pk}")
+
+    def read_and_write() -> None:
+        if claim:
+            Account.objects.using(alias).get(pk=pk)
+        Account.objects.using(alias).filter(pk=pk).update(balance=2)
+
     with (
         pytest.raises(ConfigurationError) as caught,
         fenced(lease if claim else CURRENT, using=alias),
     ):
-        if claim:
-            Account.objects.using(alias).get(pk=pk)
-        Account.objects.using(alias).filter(pk=pk).update(balance=2)
+        read_and_write()
     message = str(caught.value)
     assert "no database judge on MySQL" in message
     assert "PostgreSQL, SQLite and MariaDB" in message
