@@ -150,10 +150,14 @@ def _shadow_package(root: Path) -> Path:
     return root
 
 
+#: The example Django project: its modules are found from its own folder, as Django does.
+PROJECT = ROOT / "examples" / "django_project"
+
+
 def _mypy_ini(src: Path) -> str:
     """The project's mypy settings (pyproject), pointed at the shadow package."""
     settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
-    lines = ["[mypy]", f"mypy_path = {src}"]
+    lines = ["[mypy]", f"mypy_path = {src}:{PROJECT}"]
     lines += [f"{k} = {v}" for k, v in settings.items() if k not in ("files", "overrides")]
     for override in settings.get("overrides", []):
         modules = override["module"]
@@ -181,6 +185,7 @@ def test_docs_and_examples_pass_mypy_strict(tmp_path: Path) -> None:
         path.write_text(program.text)
         files.append(str(path))
     files += [str(p) for p in sorted((ROOT / "examples").glob("*.py"))]
+    files += [str(p) for p in sorted(PROJECT.rglob("*.py"))]
     files += [str(p) for p in sorted((ROOT / "tests" / "typecheck").glob("*.py"))]
     config = tmp_path / "mypy.ini"
     config.write_text(_mypy_ini(src))
