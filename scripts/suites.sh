@@ -26,7 +26,7 @@ SUITES=(
   tests/_async/test_shared_conformance.py tests/_sync/test_shared_conformance.py tests/test_sqlite_clock.py
   tests/_async/test_orm_read_lease.py tests/_sync/test_orm_read_lease.py tests/test_read_tokens.py
   tests/test_sentinel.py
-  tests/test_celery.py tests/test_django.py
+  tests/test_celery.py tests/test_django.py tests/test_django_pytest.py
   tests/test_examples.py tests/test_docs.py
 )
 # Left out: type-checking the docs against old stubs (it says nothing about how the code

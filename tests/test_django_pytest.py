@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("pytest_django")
-
 PROJECT = Path(__file__).resolve().parent.parent / "examples" / "django_project"
 TESTS = 4  # the project's tests; all of them must pass, none skipped
 
