@@ -163,6 +163,108 @@ async def test_async_killed_server_is_a_retryable_connection_error(
         await client.aclose()
 
 
+# -- a write whose reply is lost is never sent twice ------------------------------------------
+
+#: A client that retries after a connection error, as redis-py's own default client does
+#: from 6.0 on (``redis.Redis()``: 3 retries, 10 in 8.x); the error listed for redis-py 5.
+_RETRYING = {"retry": Retry(NoBackoff(), 3), "retry_on_error": [redis.ConnectionError]}
+
+#: The writes that would apply twice if sent again, each with what checks it applied once.
+_NOT_REPEATABLE = {
+    "incr": lambda guard: guard.incr("n", 1, token=5),
+    "rpush": lambda guard: guard.rpush("n:list", b"x", token=5),
+    "xadd": lambda guard: guard.xadd("n:stream", {b"f": b"v"}, token=5),
+    "pipeline incr": lambda guard: guard.pipeline().incr("n", 1, token=5).execute(),
+    "batch incr": lambda guard: guard.batch(5).incr("n", 1).execute(),
+}
+
+
+def _applied(admin: redis.Redis) -> tuple[int, int, int]:
+    return int(admin.get("n") or 0), admin.llen("n:list"), admin.xlen("n:stream")
+
+
+@pytest.mark.parametrize("write", sorted(_NOT_REPEATABLE))
+def test_a_write_whose_reply_is_lost_is_never_sent_again(redis_url: str, write: str) -> None:
+    """redis-py resends a command after a connection error when its client retries (the
+    default client does): an ``INCR`` whose reply was lost would land twice. The guard
+    sends the writes that are not safe to repeat once, and says the outcome is unknown."""
+    from tests.proxies import ReplyDropper
+
+    admin = redis.Redis.from_url(redis_url)
+    admin.delete("n", "n:list", "n:stream", "{n}:fence", "n:fence")
+    kwargs = admin.connection_pool.connection_kwargs
+    proxy = ReplyDropper(kwargs["host"], kwargs["port"])
+    client = redis.Redis(host="127.0.0.1", port=proxy.port, **_RETRYING)  # type: ignore[arg-type]
+    guard = RedisGuard(client)
+    try:
+        _NOT_REPEATABLE[write](guard)  # the connection is up, the fence at 5
+        before = _applied(admin)
+        proxy.armed.set()
+        with pytest.raises(BackendError) as caught:
+            _NOT_REPEATABLE[write](guard)
+        assert (caught.value.code, caught.value.retryable) == ("CONNECTION", True)
+        assert proxy.dropped == 1, "sent once, its one reply lost"
+        proxy.heal()
+        after = _applied(admin)
+        assert sum(after) == sum(before) + 1, (before, after)  # it ran once, not again
+        assert guard.get("n")[1] == 5 or write not in ("incr", "pipeline incr", "batch incr")
+    finally:
+        client.close()
+        proxy.close()
+        admin.delete("n", "n:list", "n:stream")
+        admin.close()
+
+
+async def test_async_a_write_whose_reply_is_lost_is_never_sent_again(redis_url: str) -> None:
+    """The asyncio guard, the same: an ``INCR`` sent once, its outcome unknown."""
+    from tests.proxies import ReplyDropper
+
+    admin = redis.Redis.from_url(redis_url)
+    admin.delete("n")
+    kwargs = admin.connection_pool.connection_kwargs
+    proxy = ReplyDropper(kwargs["host"], kwargs["port"])
+    client = redis.asyncio.Redis(host="127.0.0.1", port=proxy.port, **_RETRYING)  # type: ignore[arg-type]
+    guard = AsyncRedisGuard(client)
+    try:
+        await guard.incr("n", 1, token=5)
+        proxy.armed.set()
+        with pytest.raises(BackendError) as caught:
+            await guard.incr("n", 1, token=5)
+        assert caught.value.code == "CONNECTION"
+        assert proxy.dropped == 1
+        proxy.heal()
+        assert int(admin.get("n") or 0) == 2
+        assert await guard.incr("n", 1, token=5) == 3  # the guard goes on after it
+    finally:
+        await client.aclose()
+        proxy.close()
+        admin.delete("n")
+        admin.close()
+
+
+def test_a_write_safe_to_repeat_still_follows_the_clients_retries(redis_url: str) -> None:
+    """A ``SET`` with its token is safe to send again: the client's retries still serve it
+    (here every reply is lost, so each try runs and the call fails in the end)."""
+    from tests.proxies import ReplyDropper
+
+    admin = redis.Redis.from_url(redis_url)
+    kwargs = admin.connection_pool.connection_kwargs
+    proxy = ReplyDropper(kwargs["host"], kwargs["port"])
+    client = redis.Redis(host="127.0.0.1", port=proxy.port, **_RETRYING)  # type: ignore[arg-type]
+    guard = RedisGuard(client)
+    try:
+        guard.set("s", 1, token=5)
+        proxy.armed.set()
+        with pytest.raises(BackendError):
+            guard.set("s", 2, token=5)
+        assert proxy.dropped >= 4, "the first try and the client's 3 retries"
+    finally:
+        client.close()
+        proxy.close()
+        admin.delete("s")
+        admin.close()
+
+
 def test_stopped_server_is_a_retryable_timeout(aof_server: RedisServer) -> None:
     client = _no_retry_client(aof_server, socket_timeout=0.3)
     guard = RedisGuard(client)

@@ -453,10 +453,11 @@ class RedisGuard:
         """One write by the leanest script that does it (:func:`command`); its result."""
         token = validate_token(token)
         script, keys, argv = command(self.layout, token, op, issuer=self.check_issuer)
+        repeat = op.code in REPEATABLE
         try:  # _eval, inlined: one coroutine less on the path of every write
-            reply = self._call(script, keys, argv)
+            reply = self._call(script, keys, argv, repeat)
         except RedisError as err:
-            reply = self._recover(err, script, keys, argv, op.key, op.code in REPEATABLE)
+            reply = self._recover(err, script, keys, argv, op.key, repeat)
         if isinstance(reply, int):  # the bare number of a write that landed
             result: Any = reply
         else:
@@ -499,7 +500,7 @@ class RedisGuard:
     ) -> Any:
         """One ``EVALSHA``; on a failure, :meth:`_recover`."""
         try:
-            return self._call(script, keys, argv)
+            return self._call(script, keys, argv, repeat)
         except RedisError as err:
             return self._recover(err, script, keys, argv, what, repeat)
 
@@ -538,14 +539,16 @@ class RedisGuard:
                     resent, loaded = True, False
                 else:
                     raise translate(err, what) from err
-                return self._call(script, keys, argv)
+                return self._call(script, keys, argv, repeat)
             except RedisError as again:
                 err = again
 
-    def _call(self, script: Script, keys: list[bytes], argv: list[Any]) -> Any:
+    def _call(self, script: Script, keys: list[bytes], argv: list[Any], repeat: bool) -> Any:
         """One ``EVALSHA`` (awaitable for the asyncio guard): packed by the guard and sent on
         a connection of the client's pool (:mod:`fence.adapters._redis_wire`), or through
-        ``execute_command`` for a client kind that path does not cover. Raises redis-py's
+        ``execute_command`` for a client kind that path does not cover. A call that is not
+        safe to repeat (``repeat`` false: ``INCR``, ``RPUSH``, ``XADD``) is sent once on
+        that path, whatever the client's retries (:func:`_round_trip`). Raises redis-py's
         errors as they come. (A plain function returning the call: one coroutine less on
         the path of every write.)"""
         client = self.client
@@ -554,9 +557,11 @@ class RedisGuard:
             # redis-py types execute_command on some client classes only.
             command: Any = client.execute_command
             return command("EVALSHA", script.sha, len(keys), *keys, *argv)
-        return _round_trip(pool, self._wire.pack(((script, keys, argv),)), None)
+        return _round_trip(pool, self._wire.pack(((script, keys, argv),)), None, repeat)
 
-    def _call_all(self, calls: list[tuple[Script, list[Any], list[Any]]]) -> list[Any]:
+    def _call_all(
+        self, calls: list[tuple[Script, list[Any], list[Any]]], repeat: bool
+    ) -> list[Any]:
         """Several ``EVALSHA`` s in one round trip, as :meth:`_call`: one reply per call, an
         error reply as its exception object."""
         client = self.client
@@ -567,20 +572,21 @@ class RedisGuard:
                 pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *argv)
             replies: list[Any] = pipe.execute(raise_on_error=False)
         else:
-            replies = _round_trip(pool, self._wire.pack(calls), len(calls))
+            replies = _round_trip(pool, self._wire.pack(calls), len(calls), repeat)
         return replies
 
 
-def _round_trip(pool: Any, packed: list[Any], count: int | None) -> Any:
+def _round_trip(pool: Any, packed: list[Any], count: int | None, repeat: bool) -> Any:
     """Send ``packed`` on a connection of ``pool`` and read ``count`` replies, or with
     ``count=None`` the one reply of one command.
 
     The way redis-py's ``execute_command`` and its pipelines do it: the connection comes
     from the pool and goes back to it, disconnected first if the call failed on the
-    connection; the connection's own ``Retry`` decides whether the whole call is sent
-    again after a connection error or a timeout (so a client configured never to retry
-    never resends a write whose reply was lost), and redis-py before 6.0 only for the
-    errors in its ``retry_on_error``.
+    connection. A call safe to repeat (``repeat``) follows the connection's own ``Retry``
+    (sent again after a connection error or a timeout; redis-py before 6.0 only for the
+    errors in its ``retry_on_error``). One that is not is sent once: redis-py's default
+    client retries, and an ``INCR`` whose reply was lost would land twice; its error
+    says the outcome is unknown.
 
     Returns:
         One reply per command, an error reply as its ``ResponseError`` object; with
@@ -607,7 +613,15 @@ def _round_trip(pool: Any, packed: list[Any], count: int | None) -> Any:
             raise error
 
     try:
-        return conn.retry.call_with_retry(attempt, failed)
+        if repeat:
+            return conn.retry.call_with_retry(attempt, failed)
+        try:
+            return attempt()
+        except ResponseError:
+            raise  # an error reply: the connection is fine
+        except BaseException:
+            conn.disconnect()  # half read, or lost: never back to the pool as it is
+            raise
     finally:
         pool.release(conn)
 
@@ -858,7 +872,8 @@ class FencedPipeline:
         """
         calls, runs = pipeline_calls(queued)
         try:
-            replies = self.guard._call_all(calls)
+            repeat = all(entry[1].code in REPEATABLE for entry in queued)
+            replies = self.guard._call_all(calls, repeat)
         except RedisError as err:
             raise translate(err, "fenced pipeline") from err
         return pipeline_replies(runs, replies)
