@@ -672,6 +672,57 @@ async def test_an_asyncio_pooled_connection_carries_no_token(mariadb_url: str) -
         await engine.dispose()
 
 
+async def test_asyncio_a_session_variable_that_cannot_be_cleared_fails_the_commit(
+    mariadb_url: str,
+) -> None:
+    """The asyncio twin (aiomysql) of the test above: the clearing before the ``COMMIT``
+    meets a killed session; the commit raises SQLAlchemy's error for a lost connection,
+    the connection is discarded, nothing was committed."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    engine = create_async_engine(
+        mariadb_url.replace("+pymysql", "+aiomysql"), pool_size=1, max_overflow=0
+    )
+    metadata = MetaData()
+    table = Table(
+        f"async_{secrets.token_hex(4)}",
+        metadata,
+        Column("k", String(32), primary_key=True),
+        Column("v", BigInteger, nullable=True),
+        fence_column(),
+        tombstone_column(),
+    )
+    url = make_url(mariadb_url)
+    admin = pymysql.connect(
+        host=url.host, port=url.port, user=url.username, password=url.password, autocommit=True
+    )
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(metadata.create_all)
+        async with engine.begin() as conn:
+            await AsyncRowGuard(conn, table).upsert(20, {"k": "a", "v": 1})
+        async with AsyncSession(engine) as session:
+            bind(session, token=21, claim=False)
+            await session.execute(update(table).where(table.c.k == "a").values(v=2))
+            conn = await session.connection()
+            thread = (await conn.exec_driver_sql("SELECT CONNECTION_ID()")).scalar()
+            assert (await conn.exec_driver_sql("SELECT @iofence_token")).scalar() == 21
+            with admin.cursor() as cursor:
+                cursor.execute(f"KILL {int(thread)}")
+            with pytest.raises(sa_exc.OperationalError) as failed:
+                await session.commit()
+            assert failed.value.connection_invalidated
+        async with engine.begin() as conn:
+            token = "SELECT COALESCE(@iofence_row_token, @iofence_token)"
+            assert (await conn.exec_driver_sql(token)).scalar() is None  # a new session
+            row = (await conn.execute(text(f"SELECT v, fence FROM {table.name}"))).one()
+            assert tuple(row) == (1, 20)
+    finally:
+        admin.close()
+        await engine.dispose()
+
+
 def test_a_mysql_url_installs_the_judge_by_drop_and_create(mariadb_url: str) -> None:
     """``mysql+pymysql://`` gets SQLAlchemy's MySQL dialect, whose DDL has no ``CREATE OR
     REPLACE TRIGGER`` (MySQL 8 lacks it): the judge is dropped and created. Run here on
