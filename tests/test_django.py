@@ -896,6 +896,32 @@ def test_flush_empties_fenced_tables_and_the_register(alias: str, reset_sequence
         Account.objects.using(alias).create(name="g", balance=1)
 
 
+def test_a_serialized_rollback_restores_fenced_rows(django_dbs: None) -> None:
+    """``TransactionTestCase.serialized_rollback`` (and pytest-django's
+    ``serialized_rollback=True``) flushes, then loads the database's contents back as they
+    were when the test database was made: under the opt-out, with every row's fence as it
+    was (the opt-out never lowers one). On ``default``: Django's restore saves the rows
+    through the router, which sends them to ``default`` whatever the alias restored."""
+    from fence.adapters.django.models import FenceRegister
+    from tests.djangoapp.models import Account
+
+    alias = "default"
+    _empty(alias)
+    pk, _ = _seed(alias)
+    conn = connections[alias]
+    conn.close()  # serializing reads through a new connection; nothing is open
+    saved = conn.creation.serialize_db_to_string()
+    registered = list(FenceRegister.objects.using(alias).values_list("scope", "fence"))
+    call_command("flush", database=alias, interactive=False, verbosity=0, inhibit_post_migrate=True)
+    assert not Account._base_manager.using(alias).exists()
+    conn.creation.deserialize_db_from_string(saved)
+    account = Account.objects.using(alias).get(pk=pk)
+    assert (account.balance, account.fence) == (1, HOLDER)
+    assert list(FenceRegister.objects.using(alias).values_list("scope", "fence")) == registered
+    with pytest.raises(TokenRequiredError):  # the restore opted out for itself only
+        Account.objects.using(alias).filter(pk=pk).update(balance=2)
+
+
 def test_loaddata_needs_the_opt_out(alias: str, tmp_path: Path) -> None:
     """Fixtures write fenced rows without a token: refused, unless loaded in ``unfenced()``
     (as ``docs/django.md`` says)."""

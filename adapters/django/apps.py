@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.apps import AppConfig
+from django.db.backends.base.creation import BaseDatabaseCreation
 from django.db.backends.base.operations import BaseDatabaseOperations
 from django.db.backends.signals import connection_created
 
@@ -25,26 +26,37 @@ class IofenceConfig(AppConfig):  # type: ignore[misc]
     verbose_name = "iofence"
 
     def ready(self) -> None:
-        """Hook the connections, and Django's flush."""
+        """Hook the connections, and Django's wipe and restore of a whole database."""
         connection_created.connect(_on_connection, dispatch_uid="iofence")
-        flush = BaseDatabaseOperations.execute_sql_flush
-        if not getattr(flush, "_iofence", False):
-            BaseDatabaseOperations.execute_sql_flush = _flushed_unfenced(flush)
+        for cls, name in _WHOLE_DATABASE:
+            method = getattr(cls, name)
+            if not getattr(method, "_iofence", False):
+                setattr(cls, name, _unfenced(method))
 
 
-def _flushed_unfenced(flush: Callable[..., Any]) -> Callable[..., Any]:
-    """Django's flush (``manage.py flush``, the teardown of ``TransactionTestCase`` and of
-    pytest-django's ``transaction=True`` tests) under the opt-out: it is an explicit wipe
-    of every table of the project, fenced ones and the fence register included, which the
-    judge refuses to any writer without it (C14). Its statements only: the block ends
-    with them."""
+#: What Django does to a whole database at once, run under the opt-out: the flush
+#: (``manage.py flush``, the teardown of every ``TransactionTestCase`` and pytest-django
+#: ``transaction=True`` test) wipes every table of the project, fenced ones and the fence
+#: register included; a serialized rollback (``serialized_rollback=True``) loads back the
+#: rows the test database was made with, their fences as they were. The judge refuses
+#: both to a writer without a token (C14); each is an explicit act on the whole database,
+#: not the work of a holder.
+_WHOLE_DATABASE = (
+    (BaseDatabaseOperations, "execute_sql_flush"),
+    (BaseDatabaseCreation, "deserialize_db_from_string"),
+)
 
-    @functools.wraps(flush)
-    def execute_sql_flush(self: BaseDatabaseOperations, sql_list: list[str]) -> None:
+
+def _unfenced(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of a connection's operations or creation, run inside ``unfenced()`` on
+    that connection: its statements only, the block ends with them."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         from .blocks import unfenced
 
         with unfenced(using=self.connection.alias):
-            flush(self, sql_list)
+            return method(self, *args, **kwargs)
 
-    execute_sql_flush._iofence = True  # type: ignore[attr-defined]
-    return execute_sql_flush
+    wrapper._iofence = True  # type: ignore[attr-defined]
+    return wrapper
