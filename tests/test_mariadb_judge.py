@@ -31,7 +31,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import QueuePool
 
@@ -637,7 +637,9 @@ def test_fence_ddl_through_the_mariadb_client_installs_a_current_judge(
     assert _driver_write(engine, table)[1].startswith("iofence: unfenced update")
 
 
-async def test_an_asyncio_pooled_connection_carries_no_token(mariadb_url: str) -> None:
+async def _async_table(mariadb_url: str) -> tuple[AsyncEngine, Table]:
+    """An asyncio engine (aiomysql, one pooled connection) and a fenced table made with its
+    judge, holding the row ``a`` written by the holder of token 20."""
     engine = create_async_engine(
         mariadb_url.replace("+pymysql", "+aiomysql"), pool_size=1, max_overflow=0
     )
@@ -650,11 +652,16 @@ async def test_an_asyncio_pooled_connection_carries_no_token(mariadb_url: str) -
         fence_column(),
         tombstone_column(),
     )
+    async with engine.begin() as conn:
+        await conn.run_sync(metadata.create_all)
+    async with engine.begin() as conn:
+        await AsyncRowGuard(conn, table).upsert(20, {"k": "a", "v": 1})
+    return engine, table
+
+
+async def test_an_asyncio_pooled_connection_carries_no_token(mariadb_url: str) -> None:
+    engine, table = await _async_table(mariadb_url)
     try:
-        async with engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
-        async with engine.begin() as conn:
-            await AsyncRowGuard(conn, table).upsert(20, {"k": "a", "v": 1})
         async with engine.begin() as conn:
             token = "SELECT COALESCE(@iofence_row_token, @iofence_token)"
             assert (await conn.exec_driver_sql(token)).scalar() is None
@@ -681,27 +688,12 @@ async def test_asyncio_a_session_variable_that_cannot_be_cleared_fails_the_commi
     from sqlalchemy.engine import make_url
     from sqlalchemy.ext.asyncio import AsyncSession
 
-    engine = create_async_engine(
-        mariadb_url.replace("+pymysql", "+aiomysql"), pool_size=1, max_overflow=0
-    )
-    metadata = MetaData()
-    table = Table(
-        f"async_{secrets.token_hex(4)}",
-        metadata,
-        Column("k", String(32), primary_key=True),
-        Column("v", BigInteger, nullable=True),
-        fence_column(),
-        tombstone_column(),
-    )
+    engine, table = await _async_table(mariadb_url)
     url = make_url(mariadb_url)
     admin = pymysql.connect(
         host=url.host, port=url.port, user=url.username, password=url.password, autocommit=True
     )
     try:
-        async with engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
-        async with engine.begin() as conn:
-            await AsyncRowGuard(conn, table).upsert(20, {"k": "a", "v": 1})
         async with AsyncSession(engine) as session:
             bind(session, token=21, claim=False)
             await session.execute(update(table).where(table.c.k == "a").values(v=2))
