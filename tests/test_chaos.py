@@ -324,6 +324,49 @@ def test_a_short_soak_runs_the_pairings_in_turn_and_adds_them_up(tmp_path: Path)
     assert "fence chaos --soak: round 1, redis+redis" in done.stderr
 
 
+def test_the_orphan_check_outlives_a_release_without_an_answer(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded run's Redis once answered no release of the orphan check in the client's
+    5 s (an ``appendfsync always`` server behind a busy disk), and the whole run died of
+    the error. The check took that lock: it is no orphan. A release that fails is tried
+    again while the bound lasts, and the lock left is the check's own, gone with its ttl."""
+    from fence._chaos import pairings as chaos_pairings
+    from fence._chaos.base import Endpoints
+    from fence._chaos.runner import orphans
+    from fence._errors import BackendError
+
+    opened = chaos_pairings.open_locker
+    failures = []
+
+    class Silent:  # the first release of each record gets no answer
+        def __init__(self, held: Any) -> None:
+            self.held = held
+
+        def release(self) -> None:
+            if len(failures) < 2:
+                failures.append(self.held)
+                raise BackendError("no answer in the time allowed", code="CONNECTION")
+            self.held.release()
+
+    class Locker:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def acquire(self, record: str, timeout: float) -> Any:
+            held = self.inner.acquire(record, timeout=timeout)
+            return None if held is None else Silent(held)
+
+        def close(self) -> None:
+            self.inner.close()
+
+    monkeypatch.setattr(chaos_pairings, "open_locker", lambda *args: Locker(opened(*args)))
+    pairing = PAIRINGS["redis+redis"]
+    records = pairing.records(2, round_=8)
+    assert orphans(pairing, Endpoints(redis=redis_url), records, ttl=0.2, slack=0.3) == []
+    assert len(failures) == 2
+
+
 def test_the_orphan_check_finds_a_lock_left_held(redis_url: str) -> None:
     """The soak's orphan count can see an orphan: a lock that a client still holds past
     the run's ttl and the slack is reported, a free one is not."""

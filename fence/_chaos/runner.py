@@ -142,9 +142,11 @@ def orphans(
     it) plus ``slack`` seconds, once every worker is gone: locks left behind by the run.
 
     Every worker has stopped by now, each released what it held or lost it, and a killed
-    one's lease ends with its ttl; a lock still held after that is an orphan.
+    one's lease ends with its ttl; a lock still held after that is an orphan. A lock the
+    check took is none, even if its release gets no answer (it is tried again while the
+    bound lasts; what is left is the check's own lease, gone with its ttl).
     """
-    from fence._errors import BackendError
+    from fence._errors import BackendError, NotOwnerError
 
     kind = _pairings.LOCKERS[pairing.locker]
     bound = ttl + kind.overhang(ttl) + slack
@@ -162,7 +164,16 @@ def orphans(
                         time.sleep(0.1)
                         continue
                 if held is not None:
-                    held.release()
+                    while True:
+                        try:
+                            held.release()
+                        except BackendError:
+                            if time.monotonic() < end:
+                                time.sleep(0.1)
+                                continue
+                        except NotOwnerError:
+                            pass  # the release that got no answer had landed
+                        break
                 elif time.monotonic() < end:
                     continue
                 else:
