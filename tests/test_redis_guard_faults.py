@@ -12,6 +12,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.cluster
 import redis.cluster
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -223,7 +224,12 @@ async def test_async_a_write_whose_reply_is_lost_is_never_sent_again(redis_url: 
     admin.delete("n")
     kwargs = admin.connection_pool.connection_kwargs
     proxy = ReplyDropper(kwargs["host"], kwargs["port"])
-    client = redis.asyncio.Redis(host="127.0.0.1", port=proxy.port, **_RETRYING)  # type: ignore[arg-type]
+    client = redis.asyncio.Redis(
+        host="127.0.0.1",
+        port=proxy.port,
+        retry=AsyncRetry(NoBackoff(), 3),
+        retry_on_error=[redis.ConnectionError],
+    )
     guard = AsyncRedisGuard(client)
     try:
         await guard.incr("n", 1, token=5)

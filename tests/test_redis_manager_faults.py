@@ -415,31 +415,41 @@ def test_cluster_shared_locks(cluster: RedisClusterServers) -> None:
 def test_cluster_fifo_from_url(cluster: RedisClusterServers) -> None:
     """FIFO waiting works on a cluster too; the manager builds and closes its clients."""
     manager = RedisLockManager(cluster.url, cluster=True, fifo=True, queue_ttl=30, ttl=30)
+    # The test looks at the queue through a client of its own: the manager's holds three
+    # connections per node (and a node's pool refuses a fourth, it does not wait).
+    observer = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
     order: list[int] = []
+    errors: list[BaseException] = []
+    threads: list[threading.Thread] = []
     try:
         resource = f"fifo:{secrets.token_hex(3)}"
         holder = manager.acquire(resource)
-        threads = []
+        keys = resource_keys("fence:", resource)
         for name in range(3):
 
             def waiter(name: int = name) -> None:
-                lease = manager.acquire(resource, timeout=20)
-                order.append(name)
-                lease.release()
+                try:
+                    lease = manager.acquire(resource, timeout=20)
+                    order.append(name)
+                    lease.release()
+                except BaseException as exc:  # the test reports it, not the thread
+                    errors.append(exc)
 
             threads.append(threading.Thread(target=waiter))
             threads[-1].start()
-            keys = resource_keys("fence:", resource)
-            client = manager.driver.client
             for _ in range(500):
-                if client.zcard(keys.queue) == name + 1:
+                if observer.zcard(keys.queue) == name + 1:
                     break
                 time.sleep(0.01)
         holder.release()
         for thread in threads:
             thread.join(30)
+        assert errors == []
         assert order == [0, 1, 2]
     finally:
+        for thread in threads:
+            thread.join(30)  # none outlives the test, whatever failed
+        observer.close()
         manager.close()
 
 
