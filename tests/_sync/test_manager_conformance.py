@@ -20,6 +20,7 @@ import fence._sync.manager as manager_module
 from fence import (
     MAX_TOKEN,
     AcquireTimeout,
+    BackendError,
     ConfigurationError,
     EventBus,
     EventKind,
@@ -171,9 +172,15 @@ def test_acquire_timeout(make_manager: Make, resource: str) -> None:
             elapsed.append(time.monotonic() - start)
 
     elapsed: list[float] = []
-    with pytest.raises(AcquireTimeout) as info:
+    # A loaded machine can hold one round trip past the whole timeout: the deadline then
+    # cuts it, and the outcome is unknown (C10), which is a BackendError that says so.
+    with pytest.raises((AcquireTimeout, BackendError)) as info:
         other_owner(attempt)
-    assert info.value.resource == resource
+    if isinstance(info.value, AcquireTimeout):
+        assert info.value.resource == resource
+    else:
+        assert info.value.sent, info.value
+        assert "deadline" in str(info.value), info.value
     assert 1.5 <= elapsed[0] < 1.5 + 2.0
 
     def once() -> Any:
