@@ -12,6 +12,7 @@ Django's settings.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -911,6 +912,7 @@ def test_a_serialized_rollback_restores_fenced_rows(django_dbs: None) -> None:
     conn = connections[alias]
     conn.close()  # serializing reads through a new connection; nothing is open
     saved = conn.creation.serialize_db_to_string()
+    conn._test_serialized_contents = saved  # as Django's create_test_db(serialize=True)
     registered = list(FenceRegister.objects.using(alias).values_list("scope", "fence"))
     call_command("flush", database=alias, interactive=False, verbosity=0, inhibit_post_migrate=True)
     assert not Account._base_manager.using(alias).exists()
@@ -920,6 +922,29 @@ def test_a_serialized_rollback_restores_fenced_rows(django_dbs: None) -> None:
     assert list(FenceRegister.objects.using(alias).values_list("scope", "fence")) == registered
     with pytest.raises(TokenRequiredError):  # the restore opted out for itself only
         Account.objects.using(alias).filter(pk=pk).update(balance=2)
+
+
+def test_only_the_test_databases_own_contents_are_restored_unfenced(django_dbs: None) -> None:
+    """The restore opts out for the contents Django serialized when it made the test
+    database (``_test_serialized_contents``), nothing else: other data handed to
+    ``deserialize_db_from_string`` is judged, and a fenced row in it is refused whole."""
+    import json
+
+    from django.db import DatabaseError
+
+    from tests.djangoapp.models import Account, Plain
+
+    alias = "default"
+    _empty(alias)
+    conn = connections[alias]
+    rows = [
+        {"model": "djangoapp.plain", "pk": 41, "fields": {"text": "p"}},
+        {"model": "djangoapp.account", "pk": 42, "fields": {"name": "x", "balance": 9}},
+    ]
+    with pytest.raises((TokenRequiredError, UnfencedWriteError, DatabaseError)):
+        conn.creation.deserialize_db_from_string(json.dumps(rows))
+    assert not Account._base_manager.using(alias).filter(pk=42).exists()
+    assert not Plain.objects.using(alias).filter(pk=41).exists(), "half-written"
 
 
 def test_loaddata_needs_the_opt_out(alias: str, tmp_path: Path) -> None:
@@ -941,13 +966,67 @@ def test_loaddata_needs_the_opt_out(alias: str, tmp_path: Path) -> None:
     assert Account.objects.using(alias).get(pk=7).balance == 3
 
 
-def test_a_raw_truncate_is_still_refused(django_dbs: None) -> None:
-    """Only ``flush`` opts out: the same statement sent by hand is judged (PostgreSQL)."""
+def test_flush_opts_out_for_the_statements_it_made_only(alias: str) -> None:
+    """``execute_sql_flush`` runs unfenced only the list ``flush`` built: any other list,
+    even one equal to it (``sql_flush`` called by hand), is judged, and refused whole."""
+    from django.core.management.color import no_style
+    from django.core.management.sql import sql_flush
     from django.db import DatabaseError
 
-    _seed("pg")
-    with pytest.raises((UnfencedWriteError, DatabaseError)), connections["pg"].cursor() as cursor:
-        cursor.execute("TRUNCATE djangoapp_account")
+    from tests.djangoapp.models import Account, Plain
+
+    pk, _ = _seed(alias)
+    conn = connections[alias]
+    Plain.objects.using(alias).create(text="p")
+    refused = (TokenRequiredError, UnfencedWriteError, DatabaseError)
+    for sql_list in (
+        ["DELETE FROM djangoapp_plain", "UPDATE djangoapp_account SET balance = 9"],
+        sql_flush(no_style(), conn),
+    ):
+        with pytest.raises(refused):
+            conn.ops.execute_sql_flush(sql_list)
+        account = Account.objects.using(alias).get(pk=pk)
+        assert (account.balance, account.fence) == (1, HOLDER)
+        assert Plain.objects.using(alias).exists(), "half-written"
+
+
+@pytest.mark.parametrize("alias", ["pg", "maria"])
+def test_a_raw_truncate_is_still_refused(alias: str, django_dbs: None) -> None:
+    """Only ``flush`` opts out: the same statement sent by hand is refused, inside a block
+    with a token too (it removes fences no token covers). On PostgreSQL the judge refuses
+    it as well; MariaDB fires no trigger for a ``TRUNCATE``, so the client refuses it
+    before sending it, the register's as well."""
+    from django.db import DatabaseError
+
+    from fence.adapters.django import fenced, unfenced
+    from tests.djangoapp.models import Account, Plain
+
+    _empty(alias)
+    pk, _ = _seed(alias)
+    Plain.objects.using(alias).create(text="p")
+    for table in ("djangoapp_account", "`djangoapp_account`", "iofence_fence_register"):
+        if alias == "pg":
+            table = table.replace("`", '"')
+        for block in (None, HOLDER):
+            with (
+                fenced(block, using=alias) if block else contextlib.nullcontext(),
+                connections[alias].cursor() as cursor,
+                pytest.raises(UnfencedWriteError, match="TRUNCATE"),
+            ):
+                cursor.execute(f"TRUNCATE TABLE {table}")
+    assert Account.objects.using(alias).get(pk=pk).fence == HOLDER
+    with connections[alias].cursor() as cursor:  # not fenced: not refused
+        cursor.execute("TRUNCATE TABLE djangoapp_plain")
+    assert not Plain.objects.using(alias).exists()
+    if alias == "pg":  # the judge, for a statement the client does not read
+        with (
+            connections[alias].cursor() as cursor,
+            pytest.raises((UnfencedWriteError, DatabaseError)),
+        ):
+            cursor.execute("/* x */ TRUNCATE djangoapp_account")
+    with unfenced(using=alias), connections[alias].cursor() as cursor:
+        cursor.execute("TRUNCATE TABLE djangoapp_account")
+    assert not Account._base_manager.using(alias).exists()
 
 
 def test_a_read_lease_or_no_token_is_refused_before_any_io(django_dbs: None) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from django.db import DatabaseError, connections
 
-from fence._errors import ConfigurationError, TokenRequiredError
+from fence._errors import ConfigurationError, TokenRequiredError, UnfencedWriteError
 from fence._sql_dialect import fault_of
 
 from .._sql_common import judge_error, translate_error
@@ -61,6 +61,7 @@ __all__ = [
     "execute_wrapper",
     "install_wrapper",
     "is_mariadb",
+    "refused_early",
     "restore",
     "state_of",
 ]
@@ -80,6 +81,14 @@ _ATTR = "_iofence_state"
 # DELETE FROM "t"); raw SQL in other shapes is left to the judge.
 _WRITE = re.compile(
     r"\s*(?:INSERT\s+(?:OR\s+\w+\s+)?INTO|REPLACE\s+INTO|UPDATE|DELETE\s+FROM)\s+[`\"]?(\w+)",
+    re.IGNORECASE,
+)
+
+# A TRUNCATE's first table (``TRUNCATE [TABLE] [ONLY] [schema.]t``). MariaDB fires no
+# trigger for it, so the client refuses it unless the opt-out is open; on PostgreSQL the
+# judge refuses it too.
+_TRUNCATE = re.compile(
+    r"\s*TRUNCATE\s+(?:TABLE\s+)?(?:ONLY\s+)?(?:[`\"]?\w+[`\"]?\.)?[`\"]?(\w+)",
     re.IGNORECASE,
 )
 
@@ -324,6 +333,42 @@ def _check(conn: Any, state: ConnectionState, judged: Judged) -> None:
         state.checked.add(judged.check_key)
 
 
+def refused_early(state: ConnectionState, sql: str) -> Judged | None:
+    """The fenced table ``sql`` writes, if the statement is one the client reads as a write
+    to one (Django's compilers' shapes, and ``TRUNCATE``); ``None`` otherwise.
+
+    Raises:
+        TokenRequiredError: a write to a fenced model's table outside a block.
+        UnfencedWriteError: a ``TRUNCATE`` of a fenced model's table (or the fence
+            register) outside the opt-out.
+    """
+    top = state.stack[-1] if state.stack else None
+    found = _WRITE.match(sql)
+    if found is not None:
+        judged = FENCED_TABLES.get(found.group(1).lower())
+        if judged is not None and top is None:
+            raise TokenRequiredError(
+                f"unfenced write to {judged.table}: the model is fenced and no token is "
+                "bound; write inside fence.adapters.django.fenced(lease), or opt out "
+                "with fence.adapters.django.unfenced() (nothing was sent)",
+                scope=judged.table,
+            )
+        return judged
+    found = _TRUNCATE.match(sql)
+    if found is None:
+        return None
+    name = found.group(1).lower()
+    judged = REGISTER if name == REGISTER.table else FENCED_TABLES.get(name)
+    if judged is not None and (top is None or top.token is not None):
+        raise UnfencedWriteError(
+            f"TRUNCATE of {judged.table}: it removes every row and its fence, which no "
+            "token covers; run it inside fence.adapters.django.unfenced(), as "
+            "'manage.py flush' does (nothing was sent)",
+            scope=judged.table,
+        )
+    return judged
+
+
 def execute_wrapper(
     execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
 ) -> Any:
@@ -344,18 +389,9 @@ def execute_wrapper(
     state = state_of(conn)
     top = state.stack[-1] if state.stack else None
     if FENCED_TABLES and isinstance(sql, str):
-        found = _WRITE.match(sql)
-        judged = FENCED_TABLES.get(found.group(1).lower()) if found is not None else None
-        if judged is not None:
-            if top is None:
-                raise TokenRequiredError(
-                    f"unfenced write to {judged.table}: the model is fenced and no token is "
-                    "bound; write inside fence.adapters.django.fenced(lease), or opt out "
-                    "with fence.adapters.django.unfenced() (nothing was sent)",
-                    scope=judged.table,
-                )
-            if judged.check_key not in state.checked:
-                _check(conn, state, judged)
+        judged = refused_early(state, sql)
+        if judged is not None and judged.check_key not in state.checked:
+            _check(conn, state, judged)
     prefixed = 0
     try:
         if top is not None and not top.sent:
