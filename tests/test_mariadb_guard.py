@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -467,9 +468,15 @@ def test_a_readers_renewal_waits_for_a_transaction_on_its_resource(engine: Engin
     transactions of every acquire and revoke do. Otherwise it could extend a read lease
     that a writer's acquire, reading the shared table in its snapshot (REPEATABLE READ),
     has judged expired and is granting over (C2, C13). Shown with a transaction that holds
-    the lease row: the renewal waits for it (InnoDB reports the wait), then goes on."""
+    the lease row: the renewal waits for it (InnoDB reports the wait of its statement),
+    then goes on. The manager's sessions wait up to 600 s for a row lock, not 50 s, so a
+    slow machine cannot end the wait before the test sees it."""
     resource = f"shared:{secrets.token_hex(4)}"
-    manager = SQLLockManager(engine, create_table=True)
+    patient = create_engine(
+        engine.url,
+        connect_args={"init_command": "SET SESSION innodb_lock_wait_timeout = 600"},
+    )
+    manager = SQLLockManager(patient, create_table=True)
     holder = engine.connect()
     try:
         reader = manager.acquire(resource, mode="read", ttl=30)
@@ -488,18 +495,31 @@ def test_a_readers_renewal_waits_for_a_transaction_on_its_resource(engine: Engin
 
         renewal = threading.Thread(target=renew)
         renewal.start()
+        seen: list[Any] = []
         with engine.connect() as watcher:
-            waits = 0
-            while not waits and renewal.is_alive():
-                watcher.rollback()  # a fresh snapshot of information_schema each time
-                waits = watcher.exec_driver_sql(
-                    "SELECT COUNT(*) FROM information_schema.INNODB_TRX "
-                    "WHERE trx_state = 'LOCK WAIT'"
-                ).scalar_one()
-        assert waits == 1, f"the renewal went on while a transaction held the lease row: {renewed}"
+            end = time.monotonic() + 300
+            while not seen and renewal.is_alive() and time.monotonic() < end:
+                watcher.rollback()  # a fresh look at information_schema each time
+                seen = list(
+                    watcher.exec_driver_sql(
+                        "SELECT trx_state, trx_query FROM information_schema.INNODB_TRX "
+                        "WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE %s",
+                        (f"%{resource}%",),
+                    )
+                )
+            everything = list(
+                watcher.exec_driver_sql(
+                    "SELECT trx_mysql_thread_id, trx_state, trx_started, trx_query "
+                    "FROM information_schema.INNODB_TRX"
+                )
+            )
+        assert len(seen) == 1, (
+            f"the renewal went on while a transaction held the lease row: {renewed}, "
+            f"transactions: {everything}"
+        )
         assert renewed == []
         holder.rollback()
-        renewal.join(timeout=30)
+        renewal.join(timeout=300)
         assert renewed == ["renewed"]
         info = manager.inspect(resource)
         assert info is not None
@@ -508,3 +528,4 @@ def test_a_readers_renewal_waits_for_a_transaction_on_its_resource(engine: Engin
     finally:
         holder.close()
         manager.close()
+        patient.dispose()
